@@ -1,0 +1,77 @@
+"""BackendQueue: what a Topic or Channel needs from the queue behind its memory queue.
+
+nsqd's BackendQueue interface made Trio-friendly: put and read_nowait are synchronous so the hot path
+never awaits per message; waiting happens once per batch through wait_readable().
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+
+class BackendError(Exception):
+    """A put failed (disk full, I/O error): the publisher gets E_PUB_FAILED, nothing is dropped silently."""
+
+
+class BackendQueue(Protocol):
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The io_loop (periodic fsync and the like); runs in the owner's nursery until cancelled."""
+
+    def put(self, data: bytes) -> None:
+        """Append one record; raises BackendError if it cannot be stored."""
+
+    async def sync(self) -> None:
+        """Return once every record put so far is durable (group commit: waiters share one fsync)."""
+
+    def read_nowait(self) -> bytes:
+        """Take the next record; raises trio.WouldBlock when there is none."""
+
+    async def wait_readable(self) -> None:
+        """Return when depth() > 0 (immediately if it already is)."""
+
+    def depth(self) -> int: ...
+
+    async def empty(self) -> None:
+        """Drop every record."""
+
+    async def close(self) -> None:
+        """Persist state (metadata, fsync) and release files; the queue can be reopened later."""
+
+    async def delete(self) -> None:
+        """Remove every file of this queue."""
+
+
+class DummyBackendQueue:
+    """For ephemeral topics/channels (never touch disk) and until a real backend is configured.
+
+    It holds nothing: put() refuses, so a full memory queue pushes back instead of dropping.
+    """
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    def put(self, data: bytes) -> None:
+        raise BackendError("memory queue full and no backend queue")
+
+    async def sync(self) -> None:
+        return None
+
+    def read_nowait(self) -> bytes:
+        raise trio.WouldBlock
+
+    async def wait_readable(self) -> None:
+        await trio.sleep_forever()
+
+    def depth(self) -> int:
+        return 0
+
+    async def empty(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def delete(self) -> None:
+        return None
