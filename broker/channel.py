@@ -1,0 +1,269 @@
+"""Channel: a topic's copy of the stream for one set of consumers (nsqd/channel.go).
+
+A channel holds a bounded memory queue that overflows to its backend queue, the in-flight table of
+messages sent to consumers and not yet FIN'd, and the deferred queue (DPUB, REQ with a delay). Its
+consumers' message pumps take messages in batches with take(); queue-scan workers move timed-out and
+due messages back with process_in_flight_queue()/process_deferred_queue().
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from broker.backend import BackendError, BackendQueue
+from broker.message import Message
+from broker.pqueue import MessagePQueue
+from shared.names import is_ephemeral
+
+if TYPE_CHECKING:
+    from broker.topic import Topic
+
+log = logging.getLogger("nsqd")
+
+
+class ChannelError(Exception):
+    """A FIN/REQ/TOUCH that does not apply (nsqd's "ID not in flight" and friends)."""
+
+
+class Consumer(Protocol):
+    id: int
+
+    def wake(self) -> None: ...
+
+    def timed_out_message(self) -> None: ...
+
+    def empty(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Channel:
+    def __init__(self, topic: Topic, name: str, backend: BackendQueue, mem_queue_size: int) -> None:
+        self.topic = topic
+        self.topic_name = topic.name
+        self.name = name
+        self.ephemeral = is_ephemeral(name)
+        self.backend = backend
+        self.mem_queue_size = mem_queue_size
+        self.memory: deque[Message] = deque()
+        self.in_flight = MessagePQueue()
+        self.deferred = MessagePQueue()
+        self.clients: dict[int, Consumer] = {}
+        self.paused = False
+        self.exiting = False
+
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        self.dropped_count = 0  # ephemeral overflow, as nsqd's dummy backend discards it
+
+        # consumers whose pump waits for messages; woken on put
+        self.waiters: set[Consumer] = set()
+        self._closed = trio.Event()
+        self._scope: trio.CancelScope | None = None
+
+    def __repr__(self) -> str:
+        return f"Channel({self.topic_name}:{self.name})"
+
+    # --- task ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the backend's io_loop; cancelled when the channel is deleted or the topic exits."""
+        with trio.CancelScope() as self._scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.backend.run)
+                task_status.started()
+        self._closed.set()
+
+    def cancel(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    # --- putting ------------------------------------------------------------------------------
+
+    def depth(self) -> int:
+        return len(self.memory) + self.backend.depth()
+
+    def room(self) -> int:
+        """How many messages put() can take now without refusing (the topic pump waits when 0)."""
+        if self.ephemeral or getattr(self.backend, "durable", False):
+            return 1 << 30
+        return max(0, self.mem_queue_size - len(self.memory))
+
+    def put(self, msg: Message) -> None:
+        """Into the memory queue, or the backend when it is full; raises BackendError if neither takes it."""
+        if len(self.memory) < self.mem_queue_size:
+            self.memory.append(msg)
+        elif self.ephemeral:
+            self.dropped_count += 1
+            return
+        else:
+            self.backend.put(msg.encode())
+        if self.waiters:
+            self._wake_waiters()
+
+    def put_message(self, msg: Message) -> None:
+        """A new message from the topic (counted), deferred if it carries a DPUB delay."""
+        self.message_count += 1
+        if msg.deferred > 0:
+            self.start_deferred_timeout(msg, msg.deferred)
+        else:
+            self.put(msg)
+
+    def _requeue(self, msg: Message) -> None:
+        """Put back a message that was in flight or deferred; never drop it."""
+        try:
+            self.put(msg)
+        except BackendError as exc:
+            # memory full and the backend refuses: keep it deferred and retry soon rather than lose it
+            log.error("CHANNEL(%s): failed to requeue msg(%s) - %s", self.name, msg.id.decode(), exc)
+            self.deferred.push(msg, trio.current_time() + 1.0)
+
+    def _wake_waiters(self) -> None:
+        waiters = self.waiters
+        self.waiters = set()
+        for client in waiters:
+            client.wake()
+
+    # --- taking (consumer message pumps) -------------------------------------------------------
+
+    def take(self, n: int) -> list[Message]:
+        """Up to n messages: from the memory queue, and from the backend so neither starves."""
+        out: list[Message] = []
+        backend = self.backend
+        if backend.depth():
+            self._take_backend(out, (n + 1) // 2)
+        memory = self.memory
+        while memory and len(out) < n:
+            out.append(memory.popleft())
+        if len(out) < n and backend.depth():
+            self._take_backend(out, n)
+        if out and self.topic.waiting_for_room:
+            self.topic.wake()
+        return out
+
+    def _take_backend(self, out: list[Message], limit: int) -> None:
+        backend = self.backend
+        while len(out) < limit:
+            try:
+                data = backend.read_nowait()
+            except trio.WouldBlock:
+                return
+            try:
+                out.append(Message.decode(data))
+            except ValueError as exc:
+                log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
+
+    # --- in flight ----------------------------------------------------------------------------
+
+    def start_in_flight(self, msg: Message, client_id: int, now: float, timeout: float) -> None:
+        msg.client_id = client_id
+        msg.delivery_ts = now
+        self.in_flight.push(msg, now + timeout)
+
+    def _pop_in_flight(self, client_id: int, msg_id: bytes) -> Message:
+        msg = self.in_flight.items.get(msg_id)
+        if msg is None:
+            raise ChannelError("ID not in flight")
+        if msg.client_id != client_id:
+            raise ChannelError("client does not own message")
+        self.in_flight.pop(msg_id)
+        return msg
+
+    def finish_message(self, client_id: int, msg_id: bytes) -> Message:
+        return self._pop_in_flight(client_id, msg_id)
+
+    def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
+        msg = self._pop_in_flight(client_id, msg_id)
+        self.requeue_count += 1
+        if timeout <= 0:
+            self._requeue(msg)
+        else:
+            self.start_deferred_timeout(msg, timeout)
+
+    def touch_message(self, client_id: int, msg_id: bytes, timeout: float, max_msg_timeout: float) -> None:
+        msg = self.in_flight.items.get(msg_id)
+        if msg is None:
+            raise ChannelError("ID not in flight")
+        if msg.client_id != client_id:
+            raise ChannelError("client does not own message")
+        deadline = trio.current_time() + timeout
+        # a message may not be held longer than max-msg-timeout since its delivery
+        deadline = min(deadline, msg.delivery_ts + max_msg_timeout)
+        self.in_flight.push(msg, deadline)
+
+    def start_deferred_timeout(self, msg: Message, timeout: float) -> None:
+        self.deferred.push(msg, trio.current_time() + timeout)
+
+    # --- queue scan ---------------------------------------------------------------------------
+
+    def process_in_flight_queue(self, now: float) -> bool:
+        if self.exiting:
+            return False
+        expired = self.in_flight.pop_expired(now)
+        for msg in expired:
+            self.timeout_count += 1
+            client = self.clients.get(msg.client_id)
+            if client is not None:
+                client.timed_out_message()
+            self._requeue(msg)
+        return bool(expired)
+
+    def process_deferred_queue(self, now: float) -> bool:
+        if self.exiting:
+            return False
+        due = self.deferred.pop_expired(now)
+        for msg in due:
+            self._requeue(msg)
+        return bool(due)
+
+    # --- clients ------------------------------------------------------------------------------
+
+    def add_client(self, client: Consumer, max_channel_consumers: int) -> None:
+        if self.exiting:
+            raise ChannelError("exiting")
+        if client.id in self.clients:
+            return
+        if max_channel_consumers and len(self.clients) >= max_channel_consumers:
+            raise ChannelError(
+                f"consumers for {self.topic_name}:{self.name} exceeds limit of {max_channel_consumers}"
+            )
+        self.clients[client.id] = client
+
+    def remove_client(self, client: Consumer) -> None:
+        if self.clients.pop(client.id, None) is None:
+            return
+        self.waiters.discard(client)
+        if not self.clients and self.ephemeral and not self.exiting:
+            self.topic.delete_channel(self.name)
+
+    # --- admin --------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        for client in self.clients.values():
+            client.wake()
+
+    async def empty(self) -> None:
+        """Drop everything queued and in flight (nsqd's /channel/empty)."""
+        self.memory.clear()
+        self.in_flight.drain()
+        self.deferred.drain()
+        for client in self.clients.values():
+            client.empty()
+        await self.backend.empty()
+
+    def drain_for_shutdown(self) -> list[Message]:
+        """Everything the channel holds outside its backend, for writing to disk at exit."""
+        out = list(self.memory)
+        self.memory.clear()
+        out.extend(self.in_flight.drain())
+        out.extend(self.deferred.drain())
+        return out

@@ -1,0 +1,213 @@
+"""ClientV2: one TCP connection's state (nsqd/client_v2.go) and its output buffer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from shared.protocol import (
+    FRAME_HEADER,
+    FRAME_TYPE_ERROR,
+    FRAME_TYPE_RESPONSE,
+    IdentifyData,
+)
+
+if TYPE_CHECKING:
+    from broker.channel import Channel
+    from broker.nsqd import NSQD
+
+log = logging.getLogger("nsqd")
+
+STATE_INIT = 0
+STATE_DISCONNECTED = 1
+STATE_CONNECTED = 2
+STATE_SUBSCRIBED = 3
+STATE_CLOSING = 4
+
+
+class ClientV2:
+    def __init__(self, client_id: int, stream: trio.abc.Stream, remote_address: str, nsqd: NSQD) -> None:
+        opts = nsqd.options
+        self.id = client_id
+        self.stream = stream
+        self.remote_address = remote_address
+        self.nsqd = nsqd
+        self.state = STATE_INIT
+        self.connect_time = time.time()
+
+        self.client_id = remote_address.rsplit(":", 1)[0]
+        self.hostname = self.client_id
+        self.user_agent = ""
+        self.tls = False
+        self.snappy = False
+        self.deflate = False
+        self.auth_secret = ""
+
+        self.heartbeat_interval = opts.heartbeat_interval
+        self.msg_timeout = opts.msg_timeout
+        self.output_buffer_size = 16 * 1024
+        self.output_buffer_timeout = opts.output_buffer_timeout
+        self.sample_rate = 0
+
+        self.channel: Channel | None = None
+        self.ready_count = 0
+        self.in_flight_count = 0
+        self.message_count = 0
+        self.finish_count = 0
+        self.requeue_count = 0
+        self.pub_counts: dict[str, int] = {}
+
+        self.out = bytearray()
+        self._send_lock = trio.StrictFIFOLock()
+        self._wake = trio.Event()
+        self.identified = trio.Event()
+        # set when the connection should end (fatal error, channel deleted, shutdown)
+        self.exit_scope: trio.CancelScope | None = None
+
+    def __repr__(self) -> str:
+        return f"{self.remote_address}"
+
+    # --- IDENTIFY -----------------------------------------------------------------------------
+
+    def identify(self, data: IdentifyData) -> None:
+        """Apply IDENTIFY; raises ValueError with nsqd's text for an out-of-range setting."""
+        opts = self.nsqd.options
+        self.client_id = data.client_id
+        self.hostname = data.hostname
+        self.user_agent = data.user_agent
+
+        hb = data.heartbeat_interval
+        if hb == -1:
+            heartbeat = 0.0
+        elif hb == 0:
+            heartbeat = self.heartbeat_interval
+        elif 1000 <= hb <= opts.max_heartbeat_interval * 1000:
+            heartbeat = hb / 1000
+        else:
+            raise ValueError(f"heartbeat interval ({hb}) is invalid")
+
+        obt = data.output_buffer_timeout
+        buffer_timeout = self.output_buffer_timeout
+        if obt == -1:
+            buffer_timeout = 0.0
+        elif obt == 0:
+            pass
+        elif opts.min_output_buffer_timeout * 1000 <= obt <= opts.max_output_buffer_timeout * 1000:
+            buffer_timeout = obt / 1000
+        else:
+            raise ValueError(f"output buffer timeout ({obt}) is invalid")
+
+        obs = data.output_buffer_size
+        buffer_size = self.output_buffer_size
+        if obs == -1:
+            buffer_size = 1
+            buffer_timeout = 0.0
+        elif obs == 0:
+            pass
+        elif 64 <= obs <= opts.max_output_buffer_size:
+            buffer_size = obs
+        else:
+            raise ValueError(f"output buffer size ({obs}) is invalid")
+
+        if not 0 <= data.sample_rate <= 99:
+            raise ValueError(f"sample rate ({data.sample_rate}) is invalid")
+
+        mt = data.msg_timeout
+        msg_timeout = self.msg_timeout
+        if mt == 0:
+            pass
+        elif 1000 <= mt <= opts.max_msg_timeout * 1000:
+            msg_timeout = mt / 1000
+        else:
+            raise ValueError(f"msg timeout ({mt}) is invalid")
+
+        self.heartbeat_interval = heartbeat
+        self.output_buffer_timeout = buffer_timeout
+        self.output_buffer_size = buffer_size
+        self.sample_rate = data.sample_rate
+        self.msg_timeout = msg_timeout
+        self.identified.set()
+        self.wake()
+
+    # --- readiness (the message pump waits on this) ---------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def wait(self, channel: Channel | None) -> None:
+        """Sleep until something may let the pump send: RDY, FIN/REQ/timeout, SUB, unpause, or (when a
+        channel is given) a new message in it. A wake() since the last wait returns at once, so no
+        wake-up is lost between the caller's check and this call."""
+        if not self._wake.is_set():
+            if channel is not None:
+                channel.waiters.add(self)
+            try:
+                await self._wake.wait()
+            finally:
+                if channel is not None:
+                    channel.waiters.discard(self)
+        self._wake = trio.Event()
+
+    def set_ready_count(self, count: int) -> None:
+        self.ready_count = count
+        self.wake()
+
+    def finished_message(self) -> None:
+        self.finish_count += 1
+        self.in_flight_count -= 1
+        self.wake()
+
+    def requeued_message(self) -> None:
+        self.requeue_count += 1
+        self.in_flight_count -= 1
+        self.wake()
+
+    def timed_out_message(self) -> None:
+        self.in_flight_count -= 1
+        self.wake()
+
+    def empty(self) -> None:
+        self.in_flight_count = 0
+        self.wake()
+
+    def published(self, topic: str, count: int) -> None:
+        self.pub_counts[topic] = self.pub_counts.get(topic, 0) + count
+
+    def start_close(self) -> None:
+        # nsqd: RDY 0 and state closing; the client closes once its in-flight messages are done
+        self.ready_count = 0
+        self.state = STATE_CLOSING
+        self.wake()
+
+    async def close(self) -> None:
+        """Ask the connection to end (its channel was deleted, or the broker is exiting)."""
+        if self.exit_scope is not None:
+            self.exit_scope.cancel()
+
+    # --- output -------------------------------------------------------------------------------
+
+    def write_frame(self, frame_type: int, data: bytes) -> None:
+        self.out += FRAME_HEADER.pack(len(data) + 4, frame_type)
+        self.out += data
+
+    async def send_response(self, data: bytes) -> None:
+        self.write_frame(FRAME_TYPE_RESPONSE, data)
+        await self.flush()
+
+    async def send_error(self, data: bytes) -> None:
+        self.write_frame(FRAME_TYPE_ERROR, data)
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Write what is buffered, in order; a peer that does not read within the write timeout
+        (heartbeat interval, as nsqd's write deadline) is cut off instead of stalling the broker."""
+        async with self._send_lock:
+            if not self.out:
+                return
+            data, self.out = self.out, bytearray()
+            timeout = self.heartbeat_interval if self.heartbeat_interval > 0 else self.nsqd.options.client_timeout
+            with trio.fail_after(timeout):
+                await self.stream.send_all(data)

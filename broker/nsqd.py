@@ -1,0 +1,285 @@
+"""NSQD: the broker. Owns the root nursery and every long-lived task (nsqd/nsqd.go)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from broker.backend import BackendQueue, DummyBackendQueue
+from broker.channel import Channel
+from broker.client_v2 import ClientV2
+from broker.options import Options
+from broker.protocol_v2 import ProtocolV2
+from broker.queue_scan import queue_scan_loop
+from broker.topic import Topic
+from shared.http import join_host_port, split_host_port
+from shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
+from shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, encode_frame
+from shared.version import VERSION
+
+log = logging.getLogger("nsqd")
+
+METADATA_FILE = "nsqd.dat"
+
+
+class NSQD:
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.data_path = options.data_path or os.getcwd()
+        self.topics: dict[str, Topic] = {}
+        self.clients: dict[int, ClientV2] = {}
+        self._client_seq = 0
+        self.protocol = ProtocolV2(self)
+        self.tcp_address: tuple[str, int] | None = None
+        self.http_address: tuple[str, int] | None = None
+        self.start_time = 0  # unix seconds, set in run()
+        # bumped whenever a channel comes or goes, so the queue scan refreshes its list early
+        self.channels_generation = 0
+        self.health_error: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._persist_wanted = trio.Event()
+        self._lock_fd: int | None = None
+        self._loading = False
+        # lookup_loop subscribes here to hear of topics/channels coming and going
+        self.notify_hooks: list[Callable[[str, Topic | Channel, bool], None]] = []
+
+    # --- life ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; task_status.started() once the TCP listener is bound."""
+        self.start_time = int(time.time())
+        self._lock_data_path()
+        try:
+            self.load_metadata()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for topic in self.topics.values():
+                    nursery.start_soon(topic.run)
+                host, port = split_host_port(self.options.tcp_address)
+                listeners = await nursery.start(
+                    functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None)
+                )
+                sockname = listeners[0].socket.getsockname()
+                self.tcp_address = (sockname[0], sockname[1])
+                log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
+                await self._start_http(nursery)
+                nursery.start_soon(queue_scan_loop, self)
+                nursery.start_soon(self._persist_loop)
+                task_status.started()
+        finally:
+            self._unlock_data_path()
+
+    async def _start_http(self, nursery: trio.Nursery) -> None:
+        """The HTTP API comes with broker/http_api.py; without it only TCP is served."""
+        try:
+            from broker.http_api import serve_http
+        except ImportError:
+            return
+        self.http_address = await nursery.start(serve_http, self)
+        log.info("HTTP: listening on %s", join_host_port(*self.http_address))
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run fn in the broker's nursery (work that outlives the caller, e.g. deleting files)."""
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    # --- TCP ----------------------------------------------------------------------------------
+
+    async def _handle_tcp(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()
+            remote = join_host_port(peer[0], peer[1])
+        except OSError:
+            return
+        log.info("TCP: new client(%s)", remote)
+        try:
+            magic = b""
+            with trio.move_on_after(self.options.client_timeout):
+                while len(magic) < 4:
+                    data = await stream.receive_some(4 - len(magic))
+                    if not data:
+                        return
+                    magic += data
+            if len(magic) < 4:
+                return
+            if magic != MAGIC_V2:
+                log.error("client(%s) bad protocol magic '%s'", remote, magic.decode(errors="replace"))
+                with trio.move_on_after(1):
+                    await stream.send_all(encode_frame(FRAME_TYPE_ERROR, b"E_BAD_PROTOCOL"))
+                return
+            log.info("CLIENT(%s): desired protocol magic '%s'", remote, magic.decode())
+            self._client_seq += 1
+            client = ClientV2(self._client_seq, stream, remote, self)
+            self.clients[client.id] = client
+            await self.protocol.serve(client)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
+            log.info("client(%s) connection ended - %s", remote, exc)
+        finally:
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await stream.aclose()
+
+    def remove_client(self, client: ClientV2) -> None:
+        self.clients.pop(client.id, None)
+
+    # --- topics -------------------------------------------------------------------------------
+
+    def make_backend(self, topic_name: str, channel_name: str | None = None) -> BackendQueue:
+        """Ephemeral topics and channels never touch disk."""
+        name = topic_name if channel_name is None else f"{topic_name}:{channel_name}"
+        if is_ephemeral(topic_name) or (channel_name is not None and is_ephemeral(channel_name)):
+            return DummyBackendQueue()
+        return self._make_disk_backend(name)
+
+    def _make_disk_backend(self, name: str) -> BackendQueue:
+        return DummyBackendQueue()
+
+    def get_topic(self, name: str) -> Topic:
+        topic = self.topics.get(name)
+        if topic is not None:
+            return topic
+        topic = Topic(self, name, self.make_backend(name))
+        self.topics[name] = topic
+        log.info("TOPIC(%s): created", name)
+        if self._nursery is not None:
+            self._nursery.start_soon(topic.run)
+        self._notify(topic, True)
+        return topic
+
+    def get_existing_topic(self, name: str) -> Topic | None:
+        return self.topics.get(name)
+
+    def delete_topic(self, name: str) -> None:
+        topic = self.topics.pop(name, None)
+        if topic is None:
+            raise KeyError(name)
+        log.info("TOPIC(%s): deleting", name)
+        topic.exiting = True
+        for channel_name in list(topic.channels):
+            topic.delete_channel(channel_name)
+        self.spawn(self._delete_topic_backend, topic)
+        self._notify(topic, False)
+
+    async def _delete_topic_backend(self, topic: Topic) -> None:
+        topic.cancel()
+        await topic.backend.delete()
+
+    def notify_channel(self, channel: Channel, created: bool) -> None:
+        self.channels_generation += 1
+        self._notify(channel, created)
+
+    def all_channels(self) -> list[Channel]:
+        return [ch for topic in self.topics.values() for ch in topic.channels.values()]
+
+    def _notify(self, obj: Topic | Channel, created: bool) -> None:
+        if self._loading:
+            return
+        for hook in self.notify_hooks:
+            hook("topic" if isinstance(obj, Topic) else "channel", obj, created)
+        if not obj.ephemeral and not (isinstance(obj, Channel) and obj.topic.ephemeral):
+            self.persist_metadata()
+
+    # --- metadata (nsqd.dat) ------------------------------------------------------------------
+
+    def metadata(self) -> dict[str, Any]:
+        topics = []
+        for topic in self.topics.values():
+            if topic.ephemeral:
+                continue
+            channels = [
+                {"name": ch.name, "paused": ch.paused} for ch in topic.channels.values() if not ch.ephemeral
+            ]
+            topics.append({"channels": channels, "name": topic.name, "paused": topic.paused})
+        return {"topics": topics, "version": VERSION}
+
+    def persist_metadata(self) -> None:
+        """Ask the persist task to write nsqd.dat (coalesced: one write covers a burst of changes)."""
+        self._persist_wanted.set()
+
+    async def _persist_loop(self) -> None:
+        while True:
+            await self._persist_wanted.wait()
+            self._persist_wanted = trio.Event()
+            data = json.dumps(self.metadata()).encode()
+            try:
+                await trio.to_thread.run_sync(self._write_metadata, data)
+            except OSError as exc:
+                log.error("failed to persist metadata - %s", exc)
+
+    def write_metadata_now(self) -> None:
+        self._write_metadata(json.dumps(self.metadata()).encode())
+
+    def _write_metadata(self, data: bytes) -> None:
+        path = os.path.join(self.data_path, METADATA_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    def load_metadata(self) -> None:
+        path = os.path.join(self.data_path, METADATA_FILE)
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            return
+        try:
+            meta = json.loads(raw)
+            topics = meta.get("topics", [])
+        except (ValueError, AttributeError) as exc:
+            raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from exc
+        self._loading = True
+        try:
+            for t in topics:
+                name = t.get("name", "")
+                if not is_valid_topic_name(name):
+                    log.warning("skipping creation of invalid topic %s", name)
+                    continue
+                topic = self.get_topic(name)
+                if t.get("paused"):
+                    topic.paused = True
+                for c in t.get("channels", []):
+                    cname = c.get("name", "")
+                    if not is_valid_channel_name(cname):
+                        log.warning("skipping creation of invalid channel %s", cname)
+                        continue
+                    channel = topic.get_channel(cname)
+                    if c.get("paused"):
+                        channel.paused = True
+        finally:
+            self._loading = False
+
+    # --- data directory lock ------------------------------------------------------------------
+
+    def _lock_data_path(self) -> None:
+        """Two brokers must not share a data directory (nsqd's dirlock)."""
+        try:
+            fd = os.open(self.data_path, os.O_RDONLY)
+        except OSError as exc:
+            raise RuntimeError(f"--data-path={self.data_path} is not usable - {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RuntimeError(
+                    f"--data-path={self.data_path} in use (possibly by another instance of nsqd)"
+                ) from exc
+            raise
+        self._lock_fd = fd
+
+    def _unlock_data_path(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

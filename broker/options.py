@@ -1,0 +1,68 @@
+"""nsqd's options: flag names, TOML keys and defaults as Go nsqd has them (nsqd/options.go)."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import zlib
+
+import attrs
+
+from shared.options import load_options, option
+
+
+def _default_node_id() -> int:
+    # as nsqd: crc32(md5(hostname)) % 1024
+    return zlib.crc32(hashlib.md5(socket.gethostname().encode()).digest()) % 1024
+
+
+@attrs.define
+class Options:
+    node_id: int = option(_default_node_id(), "unique part for message IDs, (int) in range [0,1024)", flag="--node-id", cfg="id")
+    log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal")
+    log_prefix: str = option("[nsqd] ", "log message prefix")
+
+    tcp_address: str = option("0.0.0.0:4150", "<addr>:<port> to listen on for TCP clients")
+    http_address: str = option("0.0.0.0:4151", "<addr>:<port> to listen on for HTTP clients")
+    broadcast_address: str = option(socket.gethostname(), "address that will be registered with lookupd")
+    broadcast_tcp_port: int = option(0, "TCP port that will be registered with lookupd (default: listening port)")
+    broadcast_http_port: int = option(0, "HTTP port that will be registered with lookupd (default: listening port)")
+    nsqlookupd_tcp_addresses: list = option(
+        [], "lookupd TCP address (may be given multiple times)", flag="--lookupd-tcp-address", repeat=True
+    )
+
+    data_path: str = option("", "path to store disk-backed messages (default: current directory)")
+    mem_queue_size: int = option(10000, "number of messages to keep in memory (per topic/channel)")
+    max_bytes_per_file: int = option(100 * 1024 * 1024, "number of bytes per diskqueue file before rolling")
+    sync_every: int = option(2500, "number of messages per diskqueue fsync")
+    sync_timeout: float = option(2.0, "duration of time per diskqueue fsync", kind="duration")
+
+    queue_scan_interval: float = option(0.1, "how often the queue scan loop runs", kind="duration")
+    queue_scan_refresh_interval: float = option(5.0, "how often the set of scanned channels is refreshed", kind="duration")
+    queue_scan_selection_count: int = option(20, "number of channels sampled per queue scan")
+    queue_scan_worker_pool_max: int = option(4, "max number of queue scan workers")
+    queue_scan_dirty_percent: float = option(0.25, "fraction of dirty channels that makes a scan repeat at once")
+
+    msg_timeout: float = option(60.0, "default duration to wait before auto-requeing a message", kind="duration")
+    max_msg_timeout: float = option(900.0, "maximum duration before a message will timeout", kind="duration")
+    max_msg_size: int = option(1024 * 1024, "maximum size of a single message in bytes")
+    max_body_size: int = option(5 * 1024 * 1024, "maximum size of a single command body")
+    max_req_timeout: float = option(3600.0, "maximum requeuing timeout for a message", kind="duration")
+    client_timeout: float = option(60.0, "default heartbeat interval basis for clients", kind="duration")
+
+    max_heartbeat_interval: float = option(60.0, "maximum client configurable duration of time between client heartbeats", kind="duration")
+    max_rdy_count: int = option(2500, "maximum RDY count for a client")
+    max_output_buffer_size: int = option(64 * 1024, "maximum client configurable size (in bytes) for a client output buffer")
+    max_output_buffer_timeout: float = option(30.0, "maximum client configurable duration of time between flushing to a client", kind="duration")
+    min_output_buffer_timeout: float = option(0.025, "minimum client configurable duration of time between flushing to a client", kind="duration")
+    output_buffer_timeout: float = option(0.25, "default duration of time between flushing data to clients", kind="duration")
+    max_channel_consumers: int = option(0, "maximum channel consumer connection count per nsqd instance (0 = unlimited)")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        # nsqd: HeartbeatInterval = ClientTimeout / 2
+        return self.client_timeout / 2
+
+
+def parse_options(argv: list[str] | None = None) -> Options:
+    return load_options(Options, argv, "trio-nsqd", "trio-nsq broker (nsqd)")

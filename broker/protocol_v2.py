@@ -1,0 +1,418 @@
+"""Protocol V2: one connection's io_loop, message_pump and heartbeats, and every command (nsqd/protocol_v2.go).
+
+Parsing is sans-IO (shared.protocol.CommandParser); this module decides what each command does and
+owns the connection's tasks in one nursery, so ending any of them ends the connection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import logging
+import random
+from typing import TYPE_CHECKING
+
+import trio
+
+from broker.backend import BackendError
+from broker.channel import ChannelError
+from broker.message import Message
+from broker.client_v2 import (
+    STATE_CLOSING,
+    STATE_INIT,
+    STATE_SUBSCRIBED,
+    ClientV2,
+)
+from shared.names import is_valid_channel_name, is_valid_topic_name
+from shared.protocol import (
+    CLOSE_WAIT,
+    FRAME_TYPE_RESPONSE,
+    HEARTBEAT,
+    MESSAGE_FRAME_HEADER,
+    MSG_ID_LENGTH,
+    OK,
+    ClientError,
+    Command,
+    CommandParser,
+    FatalClientError,
+    IdentifyData,
+    parse_int,
+    parse_mpub_body,
+)
+from shared.version import VERSION
+
+if TYPE_CHECKING:
+    from broker.nsqd import NSQD
+
+log = logging.getLogger("nsqd")
+
+RECV_SIZE = 64 * 1024
+
+
+class ProtocolV2:
+    def __init__(self, nsqd: NSQD) -> None:
+        self.nsqd = nsqd
+        self.options = nsqd.options
+
+    # --- connection ---------------------------------------------------------------------------
+
+    async def serve(self, client: ClientV2, initial: bytes = b"") -> None:
+        """Run the connection until the peer leaves, a fatal error, or cancellation."""
+        parser = CommandParser(lambda name, params, size: self._check_body_size(client, name, params, size))
+        try:
+            with trio.CancelScope() as client.exit_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.message_pump, client)
+                    nursery.start_soon(self.heartbeat_loop, client)
+                    await self.io_loop(client, parser, initial)
+                    nursery.cancel_scope.cancel()
+        finally:
+            log.info("PROTOCOL(V2): [%s] exiting ioloop", client)
+            if client.channel is not None:
+                client.channel.remove_client(client)
+            self.nsqd.remove_client(client)
+
+    async def io_loop(self, client: ClientV2, parser: CommandParser, initial: bytes) -> None:
+        stream = client.stream
+        if initial:
+            parser.feed(initial)
+        while True:
+            try:
+                while (command := parser.next_command()) is not None:
+                    response = await self.exec(client, command)
+                    if response is not None:
+                        await client.send_response(response)
+            except ClientError as err:
+                log.error("[%s] - %s", client, err)
+                await client.send_error(err.frame_data())
+                if err.fatal:
+                    return
+                continue
+            read_timeout = client.heartbeat_interval * 2 if client.heartbeat_interval > 0 else None
+            try:
+                with trio.fail_after(read_timeout) if read_timeout else _no_timeout():
+                    data = await stream.receive_some(max(RECV_SIZE, parser.wanted()))
+            except trio.TooSlowError:
+                log.error("[%s] - failed to read command - timeout after %gs", client, read_timeout)
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                log.info("[%s] - connection error - %s", client, exc)
+                return
+            if not data:
+                return
+            parser.feed(data)
+
+    async def heartbeat_loop(self, client: ClientV2) -> None:
+        """Send _heartbeat_ every heartbeat_interval; IDENTIFY restarts the schedule with its interval."""
+        identified = client.identified
+        while True:
+            interval = client.heartbeat_interval
+            with trio.move_on_after(interval if interval > 0 else math.inf):
+                if not identified.is_set():
+                    await identified.wait()
+                    continue
+                await trio.sleep_forever()
+            client.write_frame(FRAME_TYPE_RESPONSE, HEARTBEAT)
+            await client.flush()
+
+    async def message_pump(self, client: ClientV2) -> None:
+        """Send up to RDY − in-flight messages at a time, encoded into one buffer and written together.
+
+        Data is flushed as soon as no more can be sent right now (nothing queued, RDY used up), or when
+        the buffer passes output_buffer_size; so it never waits longer than output_buffer_timeout.
+        """
+        frame_header = MESSAGE_FRAME_HEADER.pack
+        while True:
+            channel = client.channel
+            msgs = None
+            if channel is not None and not channel.paused and client.state == STATE_SUBSCRIBED:
+                want = client.ready_count - client.in_flight_count
+                if want > 0:
+                    msgs = channel.take(want)
+            if not msgs:
+                if client.out:
+                    # flushing awaits: look again afterwards rather than sleep on a stale answer
+                    await client.flush()
+                    continue
+                await client.wait(channel if msgs is not None else None)
+                continue
+            now = trio.current_time()
+            timeout = client.msg_timeout
+            sample_rate = client.sample_rate
+            out = client.out
+            start_in_flight = channel.start_in_flight
+            sent = 0
+            for msg in msgs:
+                if sample_rate and random.randrange(100) > sample_rate:
+                    continue  # nsqd's sample_rate: this share of the stream is not delivered
+                if msg.attempts < 0xFFFF:
+                    msg.attempts += 1
+                start_in_flight(msg, client.id, now, timeout)
+                body = msg.body
+                out += frame_header(30 + len(body), 2, msg.timestamp, msg.attempts)
+                out += msg.id
+                out += body
+                sent += 1
+            client.in_flight_count += sent
+            client.message_count += sent
+            if len(out) >= client.output_buffer_size or client.output_buffer_timeout == 0:
+                await client.flush()
+            else:
+                # let the io_loop read FINs before the next batch; the loop flushes when it runs dry
+                await trio.lowlevel.checkpoint()
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def _check_body_size(self, client: ClientV2, name: bytes, params: tuple[bytes, ...], size: int) -> None:
+        """nsqd's checks on a body size, done before the body is buffered."""
+        opts = self.options
+        if name == b"PUB" or name == b"DPUB":
+            cmd = name.decode()
+            if len(params) < (1 if name == b"PUB" else 2):
+                raise FatalClientError("E_INVALID", f"{cmd} insufficient number of parameters")
+            if not is_valid_topic_name(params[0]):
+                raise FatalClientError("E_BAD_TOPIC", f"{cmd} topic name {_quote(params[0])} is not valid")
+            if name == b"DPUB":
+                self._dpub_timeout(params[1])
+            if size <= 0:
+                raise FatalClientError("E_BAD_MESSAGE", f"{cmd} invalid message body size {size}")
+            if size > opts.max_msg_size:
+                raise FatalClientError("E_BAD_MESSAGE", f"{cmd} message too big {size} > {opts.max_msg_size}")
+        elif name == b"MPUB":
+            if len(params) < 1:
+                raise FatalClientError("E_INVALID", "MPUB insufficient number of parameters")
+            if not is_valid_topic_name(params[0]):
+                raise FatalClientError("E_BAD_TOPIC", f"E_BAD_TOPIC MPUB topic name {_quote(params[0])} is not valid")
+            if size <= 0:
+                raise FatalClientError("E_BAD_BODY", f"MPUB invalid body size {size}")
+            if size > opts.max_body_size:
+                raise FatalClientError("E_BAD_BODY", f"MPUB body too big {size} > {opts.max_body_size}")
+        else:  # IDENTIFY, AUTH
+            cmd = name.decode()
+            if client.state != STATE_INIT:
+                raise FatalClientError("E_INVALID", f"cannot {cmd} in current state")
+            if name == b"AUTH" and len(params) != 0:
+                raise FatalClientError("E_INVALID", "AUTH invalid number of parameters")
+            if size > opts.max_body_size:
+                raise FatalClientError("E_BAD_BODY", f"{cmd} body too big {size} > {opts.max_body_size}")
+            if size <= 0:
+                raise FatalClientError("E_BAD_BODY", f"{cmd} invalid body size {size}")
+
+    async def exec(self, client: ClientV2, cmd: Command) -> bytes | None:
+        name = cmd.name
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            raise FatalClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
+        return await handler(self, client, cmd)
+
+    async def IDENTIFY(self, client: ClientV2, cmd: Command) -> bytes | None:
+        if client.state != STATE_INIT:
+            raise FatalClientError("E_INVALID", "cannot IDENTIFY in current state")
+        data = IdentifyData.from_json(cmd.body or b"")
+        try:
+            client.identify(data)
+        except ValueError as exc:
+            raise FatalClientError("E_BAD_BODY", f"IDENTIFY {exc}") from None
+        log.info("[%s] IDENTIFY: client_id=%s hostname=%s user_agent=%s", client, data.client_id, data.hostname, data.user_agent)
+        if not data.feature_negotiation:
+            return OK
+        opts = self.options
+        # TLS, snappy, deflate and AUTH are not offered yet: answered as disabled, and nothing is upgraded
+        response = {
+            "max_rdy_count": opts.max_rdy_count,
+            "version": VERSION,
+            "max_msg_timeout": int(opts.max_msg_timeout * 1000),
+            "msg_timeout": int(client.msg_timeout * 1000),
+            "tls_v1": False,
+            "deflate": False,
+            "deflate_level": 6,
+            "max_deflate_level": 6,
+            "snappy": False,
+            "sample_rate": client.sample_rate,
+            "auth_required": False,
+            "output_buffer_size": client.output_buffer_size,
+            "output_buffer_timeout": int(client.output_buffer_timeout * 1000),
+            "topology_region": "",
+            "topology_zone": "",
+        }
+        return json.dumps(response, separators=(",", ":")).encode()
+
+    async def AUTH(self, client: ClientV2, cmd: Command) -> bytes | None:
+        if client.state != STATE_INIT:
+            raise FatalClientError("E_INVALID", "cannot AUTH in current state")
+        raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
+
+    async def SUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+        if client.state != STATE_INIT:
+            raise FatalClientError("E_INVALID", "cannot SUB in current state")
+        if client.heartbeat_interval <= 0:
+            raise FatalClientError("E_INVALID", "cannot SUB with heartbeats disabled")
+        if len(cmd.params) < 2:
+            raise FatalClientError("E_INVALID", "SUB insufficient number of parameters")
+        topic_name, channel_name = cmd.params[0], cmd.params[1]
+        if not is_valid_topic_name(topic_name):
+            raise FatalClientError("E_BAD_TOPIC", f"SUB topic name {_quote(topic_name)} is not valid")
+        if not is_valid_channel_name(channel_name):
+            raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {_quote(channel_name)} is not valid")
+        topic = self.nsqd.get_topic(topic_name.decode())
+        channel = topic.get_channel(channel_name.decode())
+        try:
+            channel.add_client(client, self.options.max_channel_consumers)
+        except ChannelError as exc:
+            raise FatalClientError("E_SUB_FAILED", f"SUB failed {exc}") from None
+        client.state = STATE_SUBSCRIBED
+        client.channel = channel
+        client.wake()
+        return OK
+
+    async def RDY(self, client: ClientV2, cmd: Command) -> bytes | None:
+        if client.state == STATE_CLOSING:
+            log.info("PROTOCOL(V2): [%s] ignoring RDY after CLS in state ClientStateV2Closing", client)
+            return None
+        if client.state != STATE_SUBSCRIBED:
+            raise FatalClientError("E_INVALID", "cannot RDY in current state")
+        count = 1
+        if cmd.params:
+            try:
+                count = parse_int(cmd.params[0])
+            except ValueError:
+                raise FatalClientError("E_INVALID", f"RDY could not parse count {cmd.params[0].decode(errors='replace')}") from None
+        if count < 0 or count > self.options.max_rdy_count:
+            raise FatalClientError("E_INVALID", f"RDY count {count} out of range 0-{self.options.max_rdy_count}")
+        client.set_ready_count(count)
+        return None
+
+    def _message_id(self, client: ClientV2, cmd: Command, name: str, nparams: int) -> bytes:
+        if client.state not in (STATE_SUBSCRIBED, STATE_CLOSING):
+            raise FatalClientError("E_INVALID", f"cannot {name} in current state")
+        if len(cmd.params) < nparams:
+            raise FatalClientError("E_INVALID", f"{name} insufficient number of params")
+        msg_id = cmd.params[0]
+        if len(msg_id) != MSG_ID_LENGTH:
+            raise FatalClientError("E_INVALID", "invalid message ID")
+        return msg_id
+
+    async def FIN(self, client: ClientV2, cmd: Command) -> bytes | None:
+        msg_id = self._message_id(client, cmd, "FIN", 1)
+        try:
+            client.channel.finish_message(client.id, msg_id)
+        except ChannelError as exc:
+            raise ClientError("E_FIN_FAILED", f"FIN {msg_id.decode(errors='replace')} failed {exc}") from None
+        client.finished_message()
+        return None
+
+    async def REQ(self, client: ClientV2, cmd: Command) -> bytes | None:
+        msg_id = self._message_id(client, cmd, "REQ", 2)
+        try:
+            timeout_ms = _parse_signed(cmd.params[1])
+        except ValueError:
+            raise FatalClientError("E_INVALID", f"REQ could not parse timeout {cmd.params[1].decode(errors='replace')}") from None
+        timeout = timeout_ms / 1000
+        max_req = self.options.max_req_timeout
+        clamped = min(max(timeout, 0.0), max_req)
+        if clamped != timeout:
+            log.info("PROTOCOL(V2): [%s] REQ timeout %dms out of range 0-%dms. Setting to %dms",
+                     client, timeout_ms, max_req * 1000, clamped * 1000)
+        try:
+            client.channel.requeue_message(client.id, msg_id, clamped)
+        except ChannelError as exc:
+            raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {exc}") from None
+        client.requeued_message()
+        return None
+
+    async def TOUCH(self, client: ClientV2, cmd: Command) -> bytes | None:
+        msg_id = self._message_id(client, cmd, "TOUCH", 1)
+        try:
+            client.channel.touch_message(client.id, msg_id, client.msg_timeout, self.options.max_msg_timeout)
+        except ChannelError as exc:
+            raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {exc}") from None
+        return None
+
+    async def CLS(self, client: ClientV2, cmd: Command) -> bytes | None:
+        if client.state != STATE_SUBSCRIBED:
+            raise FatalClientError("E_INVALID", "cannot CLS in current state")
+        client.start_close()
+        return CLOSE_WAIT
+
+    async def NOP(self, client: ClientV2, cmd: Command) -> bytes | None:
+        return None
+
+    async def PUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+        topic_name = cmd.params[0].decode()
+        topic = self.nsqd.get_topic(topic_name)
+        try:
+            topic.put_message(topic.new_message(cmd.body))
+        except BackendError as exc:
+            raise FatalClientError("E_PUB_FAILED", f"PUB failed {exc}") from None
+        client.published(topic_name, 1)
+        return OK
+
+    async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+        topic_name = cmd.params[0].decode()
+        bodies = parse_mpub_body(cmd.body, self.options.max_msg_size, self.options.max_body_size)
+        topic = self.nsqd.get_topic(topic_name)
+        new_id = topic.guid.new_id
+        msgs = [Message(new_id(), body) for body in bodies]
+        try:
+            topic.put_messages(msgs)
+        except BackendError as exc:
+            raise FatalClientError("E_MPUB_FAILED", f"MPUB failed {exc}") from None
+        client.published(topic_name, len(msgs))
+        return OK
+
+    def _dpub_timeout(self, raw: bytes) -> float:
+        try:
+            timeout_ms = _parse_signed(raw)
+        except ValueError:
+            raise FatalClientError("E_INVALID", f"DPUB could not parse timeout {raw.decode(errors='replace')}") from None
+        max_req_ms = int(self.options.max_req_timeout * 1000)
+        if timeout_ms < 0 or timeout_ms > max_req_ms:
+            raise FatalClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_req_ms}")
+        return timeout_ms / 1000
+
+    async def DPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+        topic_name = cmd.params[0].decode()
+        delay = self._dpub_timeout(cmd.params[1])
+        topic = self.nsqd.get_topic(topic_name)
+        msg = topic.new_message(cmd.body)
+        msg.deferred = delay
+        try:
+            topic.put_message(msg)
+        except BackendError as exc:
+            raise FatalClientError("E_DPUB_FAILED", f"DPUB failed {exc}") from None
+        client.published(topic_name, 1)
+        return OK
+
+
+_HANDLERS = {
+    b"IDENTIFY": ProtocolV2.IDENTIFY,
+    b"AUTH": ProtocolV2.AUTH,
+    b"SUB": ProtocolV2.SUB,
+    b"RDY": ProtocolV2.RDY,
+    b"FIN": ProtocolV2.FIN,
+    b"REQ": ProtocolV2.REQ,
+    b"TOUCH": ProtocolV2.TOUCH,
+    b"CLS": ProtocolV2.CLS,
+    b"NOP": ProtocolV2.NOP,
+    b"PUB": ProtocolV2.PUB,
+    b"MPUB": ProtocolV2.MPUB,
+    b"DPUB": ProtocolV2.DPUB,
+}
+
+
+def _parse_signed(value: bytes) -> int:
+    # REQ/DPUB timeouts: nsqd's ByteToBase10 takes digits only; a leading '-' is refused the same way
+    return parse_int(value)
+
+
+def _quote(name: bytes) -> str:
+    """Go's %q of a name, for error texts."""
+    return json.dumps(name.decode(errors="replace"))
+
+
+class _no_timeout:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,211 @@
+"""Topic: where publishers put messages; its message_pump copies each one to every channel (nsqd/topic.go)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from broker.backend import BackendError, BackendQueue
+from broker.channel import Channel
+from broker.guid import GUIDFactory
+from broker.message import Message
+from shared.names import is_ephemeral
+
+if TYPE_CHECKING:
+    from broker.nsqd import NSQD
+
+log = logging.getLogger("nsqd")
+
+# How many messages the pump moves per scheduling round: large enough to amortise the await,
+# small enough that consumers' pumps get to run between rounds.
+PUMP_BATCH = 512
+
+
+class Topic:
+    def __init__(self, nsqd: NSQD, name: str, backend: BackendQueue) -> None:
+        self.nsqd = nsqd
+        self.name = name
+        self.ephemeral = is_ephemeral(name)
+        self.backend = backend
+        self.mem_queue_size = nsqd.options.mem_queue_size
+        self.memory: deque[Message] = deque()
+        self.channels: dict[str, Channel] = {}
+        self.paused = False
+        self.exiting = False
+        self.guid = GUIDFactory(nsqd.options.node_id)
+
+        self.message_count = 0
+        self.message_bytes = 0
+
+        self.waiting_for_room = False
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._scope: trio.CancelScope | None = None
+        self._started = trio.Event()
+
+    def __repr__(self) -> str:
+        return f"Topic({self.name})"
+
+    # --- task ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the message_pump, the backend's io_loop and every channel's tasks."""
+        with trio.CancelScope() as self._scope:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.backend.run)
+                for channel in self.channels.values():
+                    nursery.start_soon(channel.run)
+                nursery.start_soon(self.message_pump)
+                self._started.set()
+                task_status.started()
+
+    def cancel(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def message_pump(self) -> None:
+        """Drain the topic in batches and copy every message to every channel.
+
+        It only reads while the topic has channels and is not paused (nsqd keeps messages in the topic
+        until a channel exists), and only as many as every channel can take, so a full channel makes
+        the topic wait instead of losing messages.
+        """
+        while True:
+            batch = 0
+            if not self.paused and self.channels:
+                room = min(ch.room() for ch in self.channels.values())
+                batch = min(PUMP_BATCH, room)
+                self.waiting_for_room = room == 0 and self.depth() > 0
+            msgs = self._take(batch) if batch else []
+            if not msgs:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            channels = list(self.channels.values())
+            for msg in msgs:
+                for i, channel in enumerate(channels):
+                    copy = msg if i == 0 else msg.copy()
+                    try:
+                        channel.put_message(copy)
+                    except BackendError as exc:
+                        log.error(
+                            "TOPIC(%s) ERROR: failed to put msg(%s) to channel(%s) - %s",
+                            self.name, msg.id.decode(), channel.name, exc,
+                        )
+            await trio.lowlevel.checkpoint()
+
+    def _take(self, n: int) -> list[Message]:
+        out: list[Message] = []
+        memory = self.memory
+        while memory and len(out) < n:
+            out.append(memory.popleft())
+        backend = self.backend
+        while len(out) < n:
+            try:
+                data = backend.read_nowait()
+            except trio.WouldBlock:
+                break
+            try:
+                out.append(Message.decode(data))
+            except ValueError as exc:
+                log.error("TOPIC(%s): failed to decode message - %s", self.name, exc)
+        return out
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    def depth(self) -> int:
+        return len(self.memory) + self.backend.depth()
+
+    def new_message(self, body: bytes) -> Message:
+        return Message(self.guid.new_id(), body)
+
+    def put_message(self, msg: Message) -> None:
+        """Queue one message; raises BackendError if neither memory nor backend can take it."""
+        if self.exiting:
+            raise BackendError("exiting")
+        self._put(msg)
+        self.message_count += 1
+        self.message_bytes += len(msg.body)
+        self._wake.set()
+
+    def put_messages(self, msgs: list[Message]) -> None:
+        if self.exiting:
+            raise BackendError("exiting")
+        put = self._put
+        size = 0
+        for msg in msgs:
+            put(msg)
+            size += len(msg.body)
+        self.message_count += len(msgs)
+        self.message_bytes += size
+        self._wake.set()
+
+    def _put(self, msg: Message) -> None:
+        if len(self.memory) < self.mem_queue_size:
+            self.memory.append(msg)
+        elif self.ephemeral:
+            return  # as nsqd's dummy backend: ephemeral overflow is discarded
+        else:
+            self.backend.put(msg.encode())
+
+    # --- channels -----------------------------------------------------------------------------
+
+    def get_channel(self, name: str) -> Channel:
+        channel = self.channels.get(name)
+        if channel is None:
+            channel = Channel(self, name, self.nsqd.make_backend(self.name, name), self.mem_queue_size)
+            self.channels[name] = channel
+            if self._nursery is not None:
+                self._nursery.start_soon(channel.run)
+            log.info("TOPIC(%s): new channel(%s)", self.name, name)
+            self.nsqd.notify_channel(channel, created=True)
+            self._wake.set()
+        return channel
+
+    def get_existing_channel(self, name: str) -> Channel | None:
+        return self.channels.get(name)
+
+    def delete_channel(self, name: str) -> None:
+        channel = self.channels.pop(name, None)
+        if channel is None:
+            raise KeyError(name)
+        channel.exiting = True
+        log.info("TOPIC(%s): deleting channel %s", self.name, name)
+        for client in list(channel.clients.values()):
+            self.nsqd.spawn(client.close)
+        self.nsqd.spawn(self._delete_channel_backend, channel)
+        self.nsqd.notify_channel(channel, created=False)
+        self._wake.set()
+        if not self.channels and self.ephemeral:
+            self.nsqd.delete_topic(self.name)
+
+    async def _delete_channel_backend(self, channel: Channel) -> None:
+        channel.cancel()
+        await channel.backend.delete()
+
+    # --- admin --------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+        self.nsqd.persist_metadata()
+
+    def unpause(self) -> None:
+        self.paused = False
+        self._wake.set()
+        self.nsqd.persist_metadata()
+
+    async def empty(self) -> None:
+        self.memory.clear()
+        await self.backend.empty()
+
+    def for_each_channel(self, fn: Callable[[Channel], None]) -> None:
+        for channel in list(self.channels.values()):
+            fn(channel)
