@@ -121,8 +121,11 @@ class NSQD:
             client = ClientV2(self._client_seq, stream, remote, self)
             self.clients[client.id] = client
             await self.protocol.serve(client)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
-            log.info("client(%s) connection ended - %s", remote, exc)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as group:
+            log.info("client(%s) connection ended - %s", remote, group.exceptions[0])
+        except* Exception:
+            # a bug must cost one connection, never the broker
+            log.exception("client(%s) internal error, closing connection", remote)
         finally:
             with trio.move_on_after(1) as scope:
                 scope.shield = True
