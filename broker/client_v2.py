@@ -8,12 +8,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from shared.protocol import (
-    FRAME_HEADER,
-    FRAME_TYPE_ERROR,
-    FRAME_TYPE_RESPONSE,
-    IdentifyData,
-)
+from shared.protocol import FRAME_HEADER, IdentifyData
 
 if TYPE_CHECKING:
     from broker.channel import Channel
@@ -61,6 +56,8 @@ class ClientV2:
         self.pub_counts: dict[str, int] = {}
 
         self.out = bytearray()
+        # backends that hold this batch's published messages and must fsync before we answer OK
+        self.pending_sync: set = set()
         self._send_lock = trio.StrictFIFOLock()
         self._wake = trio.Event()
         self.identified = trio.Event()
@@ -192,14 +189,6 @@ class ClientV2:
     def write_frame(self, frame_type: int, data: bytes) -> None:
         self.out += FRAME_HEADER.pack(len(data) + 4, frame_type)
         self.out += data
-
-    async def send_response(self, data: bytes) -> None:
-        self.write_frame(FRAME_TYPE_RESPONSE, data)
-        await self.flush()
-
-    async def send_error(self, data: bytes) -> None:
-        self.write_frame(FRAME_TYPE_ERROR, data)
-        await self.flush()
 
     async def flush(self) -> None:
         """Write what is buffered, in order; a peer that does not read within the write timeout

@@ -14,9 +14,10 @@ from typing import Any
 
 import trio
 
-from broker.backend import BackendQueue, DummyBackendQueue
+from broker.backend import BackendError, BackendQueue, DummyBackendQueue
 from broker.channel import Channel
 from broker.client_v2 import ClientV2
+from broker.lookup import LookupManager, register_cmd
 from broker.options import Options
 from broker.protocol_v2 import ProtocolV2
 from broker.queue_scan import queue_scan_loop
@@ -51,6 +52,7 @@ class NSQD:
         self._loading = False
         # lookup_loop subscribes here to hear of topics/channels coming and going
         self.notify_hooks: list[Callable[[str, Topic | Channel, bool], None]] = []
+        self.lookup = LookupManager(self)
 
     # --- life ---------------------------------------------------------------------------------
 
@@ -72,11 +74,50 @@ class NSQD:
                 self.tcp_address = (sockname[0], sockname[1])
                 log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
                 await self._start_http(nursery)
+                await nursery.start(self.lookup.run)
                 nursery.start_soon(queue_scan_loop, self)
                 nursery.start_soon(self._persist_loop)
                 task_status.started()
         finally:
+            with trio.CancelScope(shield=True):
+                await self._exit()
             self._unlock_data_path()
+
+    async def _exit(self) -> None:
+        """Clean shutdown (nsqd's Exit): metadata, then every queued, in-flight and deferred message
+        goes to the backends, which sync and close. Runs after every task has been cancelled."""
+        log.info("NSQ: closing topics")
+        try:
+            self.write_metadata_now()
+        except OSError as exc:
+            log.error("failed to persist metadata - %s", exc)
+        for topic in list(self.topics.values()):
+            topic.exiting = True
+            for channel in list(topic.channels.values()):
+                channel.exiting = True
+                if not channel.ephemeral and not topic.ephemeral:
+                    self._flush_to_backend(str(channel), channel.backend, channel.drain_for_shutdown())
+                await channel.backend.close()
+            if not topic.ephemeral:
+                msgs = list(topic.memory)
+                topic.memory.clear()
+                self._flush_to_backend(str(topic), topic.backend, msgs)
+            await topic.backend.close()
+
+    def _flush_to_backend(self, what: str, backend: BackendQueue, msgs: list) -> None:
+        if not msgs:
+            return
+        lost = 0
+        for msg in msgs:
+            try:
+                backend.put(msg.encode())
+            except BackendError as exc:
+                lost += 1
+                last = exc
+        if lost:
+            log.error("%s: failed to flush %d of %d messages to backend - %s", what, lost, len(msgs), last)
+        else:
+            log.info("%s: flushed %d messages to backend", what, len(msgs))
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
         """The HTTP API comes with broker/http_api.py; without it only TCP is served."""
@@ -86,6 +127,28 @@ class NSQD:
             return
         self.http_address = await nursery.start(serve_http, self)
         log.info("HTTP: listening on %s", join_host_port(*self.http_address))
+
+    @property
+    def broadcast_tcp_port(self) -> int:
+        return self.options.broadcast_tcp_port or (self.tcp_address[1] if self.tcp_address else 0)
+
+    @property
+    def broadcast_http_port(self) -> int:
+        return self.options.broadcast_http_port or (self.http_address[1] if self.http_address else 0)
+
+    def registration_commands(self) -> list[bytes]:
+        """What a lookupd must be told of after (re)connecting: each channel, or the bare topic."""
+        commands = []
+        for topic in self.topics.values():
+            if not topic.channels:
+                commands.append(register_cmd(topic.name))
+            for channel in topic.channels.values():
+                commands.append(register_cmd(topic.name, channel.name))
+        return commands
+
+    def set_lookupd_addresses(self, addresses: list[str]) -> None:
+        self.options.nsqlookupd_tcp_addresses = list(addresses)
+        self.lookup.set_addresses(self.options.nsqlookupd_tcp_addresses)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run fn in the broker's nursery (work that outlives the caller, e.g. deleting files)."""

@@ -26,6 +26,7 @@ from broker.client_v2 import (
 from shared.names import is_valid_channel_name, is_valid_topic_name
 from shared.protocol import (
     CLOSE_WAIT,
+    FRAME_TYPE_ERROR,
     FRAME_TYPE_RESPONSE,
     HEARTBEAT,
     MESSAGE_FRAME_HEADER,
@@ -73,19 +74,36 @@ class ProtocolV2:
             self.nsqd.remove_client(client)
 
     async def io_loop(self, client: ClientV2, parser: CommandParser, initial: bytes) -> None:
+        """Execute every complete command received, then answer them with one write.
+
+        Responses wait for the fsync of what the batch published when the broker acknowledges only
+        durable messages (--sync-every=1): every command in the batch, and every other connection
+        waiting at that moment, shares one fsync (group commit).
+        """
         stream = client.stream
         if initial:
             parser.feed(initial)
         while True:
+            responses: list[bytes] = []
+            error: ClientError | None = None
             try:
                 while (command := parser.next_command()) is not None:
                     response = await self.exec(client, command)
                     if response is not None:
-                        await client.send_response(response)
+                        responses.append(response)
             except ClientError as err:
-                log.error("[%s] - %s", client, err)
-                await client.send_error(err.frame_data())
-                if err.fatal:
+                error = err
+            if client.pending_sync:
+                error = await self._sync_published(client) or error
+            for response in responses:
+                client.write_frame(FRAME_TYPE_RESPONSE, response)
+            if error is not None:
+                log.error("[%s] - %s", client, error)
+                client.write_frame(FRAME_TYPE_ERROR, error.frame_data())
+            if responses or error is not None:
+                await client.flush()
+            if error is not None:
+                if error.fatal:
                     return
                 continue
             read_timeout = client.heartbeat_interval * 2 if client.heartbeat_interval > 0 else None
@@ -160,6 +178,15 @@ class ProtocolV2:
             else:
                 # let the io_loop read FINs before the next batch; the loop flushes when it runs dry
                 await trio.lowlevel.checkpoint()
+
+    async def _sync_published(self, client: ClientV2) -> ClientError | None:
+        backends, client.pending_sync = client.pending_sync, set()
+        for backend in backends:
+            try:
+                await backend.sync()
+            except BackendError as exc:
+                return FatalClientError("E_PUB_FAILED", f"PUB failed {exc}")
+        return None
 
     # --- commands -----------------------------------------------------------------------------
 
@@ -341,9 +368,11 @@ class ProtocolV2:
         topic_name = cmd.params[0].decode()
         topic = self.nsqd.get_topic(topic_name)
         try:
-            topic.put_message(topic.new_message(cmd.body))
+            to_backend = topic.put_message(topic.new_message(cmd.body))
         except BackendError as exc:
             raise FatalClientError("E_PUB_FAILED", f"PUB failed {exc}") from None
+        if to_backend and self.options.sync_every == 1:
+            client.pending_sync.add(topic.backend)
         client.published(topic_name, 1)
         return OK
 
@@ -354,9 +383,11 @@ class ProtocolV2:
         new_id = topic.guid.new_id
         msgs = [Message(new_id(), body) for body in bodies]
         try:
-            topic.put_messages(msgs)
+            to_backend = topic.put_messages(msgs)
         except BackendError as exc:
             raise FatalClientError("E_MPUB_FAILED", f"MPUB failed {exc}") from None
+        if to_backend and self.options.sync_every == 1:
+            client.pending_sync.add(topic.backend)
         client.published(topic_name, len(msgs))
         return OK
 
@@ -377,9 +408,11 @@ class ProtocolV2:
         msg = topic.new_message(cmd.body)
         msg.deferred = delay
         try:
-            topic.put_message(msg)
+            to_backend = topic.put_message(msg)
         except BackendError as exc:
             raise FatalClientError("E_DPUB_FAILED", f"DPUB failed {exc}") from None
+        if to_backend and self.options.sync_every == 1:
+            client.pending_sync.add(topic.backend)
         client.published(topic_name, 1)
         return OK
 

@@ -127,34 +127,45 @@ class Topic:
     def new_message(self, body: bytes) -> Message:
         return Message(self.guid.new_id(), body)
 
-    def put_message(self, msg: Message) -> None:
-        """Queue one message; raises BackendError if neither memory nor backend can take it."""
+    def put_message(self, msg: Message) -> bool:
+        """Queue one message; True if it went to the backend (so a durable ack must await sync()).
+        Raises BackendError if neither memory nor backend can take it."""
         if self.exiting:
             raise BackendError("exiting")
-        self._put(msg)
+        to_backend = self._put(msg)
         self.message_count += 1
         self.message_bytes += len(msg.body)
         self._wake.set()
+        return to_backend
 
-    def put_messages(self, msgs: list[Message]) -> None:
+    def put_messages(self, msgs: list[Message]) -> bool:
+        """Queue messages in order; True if any went to the backend. On BackendError the ones
+        before the failing one stay queued (as nsqd) and are counted."""
         if self.exiting:
             raise BackendError("exiting")
         put = self._put
-        size = 0
-        for msg in msgs:
-            put(msg)
-            size += len(msg.body)
-        self.message_count += len(msgs)
-        self.message_bytes += size
-        self._wake.set()
+        to_backend = False
+        done = size = 0
+        try:
+            for msg in msgs:
+                to_backend = put(msg) or to_backend
+                size += len(msg.body)
+                done += 1
+        finally:
+            self.message_count += done
+            self.message_bytes += size
+            if done:
+                self._wake.set()
+        return to_backend
 
-    def _put(self, msg: Message) -> None:
+    def _put(self, msg: Message) -> bool:
         if len(self.memory) < self.mem_queue_size:
             self.memory.append(msg)
-        elif self.ephemeral:
-            return  # as nsqd's dummy backend: ephemeral overflow is discarded
-        else:
-            self.backend.put(msg.encode())
+            return False
+        if self.ephemeral:
+            return False  # as nsqd's dummy backend: ephemeral overflow is discarded
+        self.backend.put(msg.encode())
+        return True
 
     # --- channels -----------------------------------------------------------------------------
 

@@ -1,0 +1,203 @@
+"""lookup_loop: keep every nsqlookupd told which topics and channels this broker has (nsqd/lookup.go).
+
+One LookupPeer task per --lookupd-tcp-address: connect, IDENTIFY, REGISTER everything, then send
+REGISTER/UNREGISTER as topics and channels come and go and PING every 15 s; on any failure it
+reconnects with backoff and registers everything again (lookupd forgets a peer that disconnects).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+from typing import TYPE_CHECKING
+
+import trio
+
+from shared.http import split_host_port
+from shared.version import VERSION
+
+if TYPE_CHECKING:
+    from broker.channel import Channel
+    from broker.nsqd import NSQD
+    from broker.topic import Topic
+
+log = logging.getLogger("nsqd")
+
+MAGIC_V1 = b"  V1"
+PING_INTERVAL = 15.0
+CONNECT_TIMEOUT = 2.0
+RESPONSE_TIMEOUT = 5.0
+BACKOFF_MAX = 15.0
+INBOX_SIZE = 4096
+_SIZE = struct.Struct(">i")
+
+
+class LookupdError(Exception):
+    """lookupd answered an error or the conversation broke; the peer reconnects."""
+
+
+def register_cmd(topic: str, channel: str = "") -> bytes:
+    return f"REGISTER {topic} {channel}\n".encode() if channel else f"REGISTER {topic}\n".encode()
+
+
+def unregister_cmd(topic: str, channel: str = "") -> bytes:
+    return f"UNREGISTER {topic} {channel}\n".encode() if channel else f"UNREGISTER {topic}\n".encode()
+
+
+class LookupPeer:
+    def __init__(self, nsqd: NSQD, address: str) -> None:
+        self.nsqd = nsqd
+        self.address = address
+        self.info: dict = {}
+        self.connected = False
+        self._send, self._recv = trio.open_memory_channel[bytes](INBOX_SIZE)
+        # set when the inbox overflowed: the next session re-registers everything instead
+        self._resync = False
+        self.scope = trio.CancelScope()
+
+    def __repr__(self) -> str:
+        return self.address
+
+    def notify(self, command: bytes) -> None:
+        if not self.connected:
+            return  # the next session registers the whole current state anyway
+        try:
+            self._send.send_nowait(command)
+        except trio.WouldBlock:
+            self._resync = True
+
+    async def run(self) -> None:
+        with self.scope:
+            backoff = 1.0
+            while True:
+                try:
+                    await self._session()
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
+                        LookupdError, ValueError) as exc:
+                    log.error("LOOKUPD(%s): %s", self.address, exc or type(exc).__name__)
+                finally:
+                    self.connected = False
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _session(self) -> None:
+        host, port = split_host_port(self.address, default_host="127.0.0.1")
+        with trio.fail_after(CONNECT_TIMEOUT):
+            stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            await stream.send_all(MAGIC_V1)
+            identify = {
+                "version": VERSION,
+                "tcp_port": self.nsqd.broadcast_tcp_port,
+                "http_port": self.nsqd.broadcast_http_port,
+                "hostname": socket.gethostname(),
+                "broadcast_address": self.nsqd.options.broadcast_address,
+            }
+            body = json.dumps(identify).encode()
+            response = await self._command(stream, b"IDENTIFY\n" + _SIZE.pack(len(body)) + body)
+            try:
+                self.info = json.loads(response)
+            except ValueError:
+                raise LookupdError(f"parsing response - {response!r}") from None
+            log.info("LOOKUPD(%s): peer info %s", self.address, self.info)
+            # state snapshot and inbox drain happen with no await between, so nothing is missed
+            self.connected = True
+            self._resync = False
+            while True:
+                try:
+                    self._recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            for command in self.nsqd.registration_commands():
+                log.info("LOOKUPD(%s): %s", self.address, command.decode().strip())
+                await self._command(stream, command)
+            next_ping = trio.current_time() + PING_INTERVAL
+            while True:
+                if self._resync:
+                    raise LookupdError("notification backlog overflowed, re-registering")
+                command = None
+                with trio.move_on_at(next_ping):
+                    command = await self._recv.receive()
+                if command is None:
+                    command = b"PING\n"
+                    next_ping = trio.current_time() + PING_INTERVAL
+                else:
+                    log.info("LOOKUPD(%s): %s", self.address, command.decode().strip())
+                await self._command(stream, command)
+
+    async def _command(self, stream: trio.abc.Stream, command: bytes) -> bytes:
+        await stream.send_all(command)
+        with trio.fail_after(RESPONSE_TIMEOUT):
+            header = await _receive_exactly(stream, 4)
+            (size,) = _SIZE.unpack(header)
+            if size < 0 or size > self.nsqd.options.max_body_size:
+                raise LookupdError(f"response body size ({size}) is greater than limit")
+            data = await _receive_exactly(stream, size)
+        if data.startswith(b"E_"):
+            # lookupd refused this one command (e.g. E_BAD_TOPIC); log it and go on
+            log.error("LOOKUPD(%s): %s - %s", self.address, command.decode(errors="replace").strip(),
+                      data.decode(errors="replace"))
+            if data == b"E_INVALID" and command.startswith(b"IDENTIFY"):
+                raise LookupdError("lookupd returned E_INVALID")
+        return data
+
+
+async def _receive_exactly(stream: trio.abc.Stream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(n - len(buf))
+        if not chunk:
+            raise trio.BrokenResourceError("lookupd closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+class LookupManager:
+    """Owns the peer tasks; the peer set can change at run time (PUT /config/nsqlookupd_tcp_addresses)."""
+
+    def __init__(self, nsqd: NSQD) -> None:
+        self.nsqd = nsqd
+        self.peers: dict[str, LookupPeer] = {}
+        self._nursery: trio.Nursery | None = None
+        nsqd.notify_hooks.append(self._on_change)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.set_addresses(self.nsqd.options.nsqlookupd_tcp_addresses)
+            task_status.started()
+            await trio.sleep_forever()
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        assert self._nursery is not None
+        wanted = list(dict.fromkeys(addresses))
+        for address in list(self.peers):
+            if address not in wanted:
+                log.info("LOOKUP(%s): removing peer", address)
+                self.peers.pop(address).scope.cancel()
+        for address in wanted:
+            if address not in self.peers:
+                log.info("LOOKUP(%s): adding peer", address)
+                peer = LookupPeer(self.nsqd, address)
+                self.peers[address] = peer
+                self._nursery.start_soon(peer.run)
+
+    def http_addresses(self) -> list[str]:
+        """lookupd HTTP addresses learnt from IDENTIFY answers (nsqd's lookupdHTTPAddrs)."""
+        out = []
+        for peer in self.peers.values():
+            address = peer.info.get("broadcast_address")
+            if address:
+                out.append(f"{address}:{peer.info.get('http_port')}")
+        return out
+
+    def _on_change(self, kind: str, obj: Topic | Channel, created: bool) -> None:
+        if kind == "channel":
+            topic, channel = obj.topic_name, obj.name
+        else:
+            topic, channel = obj.name, ""
+        command = register_cmd(topic, channel) if created else unregister_cmd(topic, channel)
+        for peer in self.peers.values():
+            peer.notify(command)
