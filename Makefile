@@ -1,3 +1,4 @@
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,16 +12,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# lookupd on 4160/4161 and a broker on 4150/4151 registered with it; Ctrl-C stops both.
 run: $(STAMP)
 	@mkdir -p data
-	@echo "trio-nsq: lookupd on 127.0.0.1:4160/4161, broker on 127.0.0.1:4150/4151 (data in ./data)"
+	@echo "trio-nsq: nsqlookupd on 127.0.0.1:4160/4161, nsqd on 127.0.0.1:4150/4151 (data in ./data)"
 	@echo "  publish: curl -d 'hello' 'http://127.0.0.1:4151/pub?topic=test'"
-	@echo "  consume: $(BIN)/python -m shared.client.tail --topic test   (or any NSQ client)"
+	@echo "  consume: $(BIN)/python -m shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
 	@echo "  stats:   curl 'http://127.0.0.1:4151/stats?format=json'"
-	$(BIN)/python -m broker --data-path=./data
+	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
+	@$(BIN)/python -m lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
+	trap 'kill $$LOOKUPD 2>/dev/null; wait $$LOOKUPD' EXIT INT TERM; \
+	$(BIN)/python -m broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python -m tests.bench.run $(if $(QUICK),--quick,)
 
 clean:
-	rm -rf $(VENV) data .pytest_cache .hypothesis
+	rm -rf $(VENV) data .pytest_cache .hypothesis bench-results.json
