@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
     setup_logging(options.log_prefix, options.log_level)
     log.info("trio-nsqd v%s (nsqd %s compatible)", VERSION, VERSION)
-    nsqd = NSQD(options)
     try:
+        nsqd = NSQD(options)
         trio.run(_run, nsqd)
     except* (RuntimeError, OSError) as group:
         for exc in group.exceptions:

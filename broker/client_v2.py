@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from shared.protocol import FRAME_HEADER, IdentifyData
+from shared.streams import DeflateStream, PrefixedStream, SnappyStream
 
 if TYPE_CHECKING:
     from broker.channel import Channel
@@ -39,6 +40,8 @@ class ClientV2:
         self.tls = False
         self.snappy = False
         self.deflate = False
+        self.deflate_level = 0
+        self.parser = None  # the io_loop's CommandParser, for upgrades that take its buffered bytes
         self.auth_secret = ""
 
         self.heartbeat_interval = opts.heartbeat_interval
@@ -189,6 +192,23 @@ class ClientV2:
     def write_frame(self, frame_type: int, data: bytes) -> None:
         self.out += FRAME_HEADER.pack(len(data) + 4, frame_type)
         self.out += data
+
+    async def upgrade_tls(self, context, prefix: bytes) -> None:
+        """Server side of the TLS upgrade after IDENTIFY; bytes already read go to the TLS layer."""
+        stream = trio.SSLStream(PrefixedStream(self.stream, prefix), context, server_side=True)
+        with trio.fail_after(self.nsqd.options.client_timeout):
+            await stream.do_handshake()
+        self.stream = stream
+        self.tls = True
+
+    def upgrade_snappy(self, prefix: bytes) -> None:
+        self.stream = SnappyStream(self.stream, prefix)
+        self.snappy = True
+
+    def upgrade_deflate(self, level: int, prefix: bytes) -> None:
+        self.stream = DeflateStream(self.stream, level, prefix)
+        self.deflate = True
+        self.deflate_level = level
 
     async def flush(self) -> None:
         """Write what is buffered, in order; a peer that does not read within the write timeout

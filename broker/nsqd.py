@@ -21,6 +21,7 @@ from broker.lookup import LookupManager, register_cmd
 from broker.options import Options
 from broker.protocol_v2 import ProtocolV2
 from broker.queue_scan import queue_scan_loop
+from broker.tls import build_server_context, tls_required
 from broker.topic import Topic
 from shared.http import join_host_port, split_host_port
 from shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
@@ -53,6 +54,9 @@ class NSQD:
         # lookup_loop subscribes here to hear of topics/channels coming and going
         self.notify_hooks: list[Callable[[str, Topic | Channel, bool], None]] = []
         self.lookup = LookupManager(self)
+        self.tls_context = build_server_context(options)
+        self.tls_required = tls_required(options)
+        self.auth_enabled = bool(options.auth_http_addresses)
 
     # --- life ---------------------------------------------------------------------------------
 

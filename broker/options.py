@@ -58,6 +58,39 @@ class Options:
     output_buffer_timeout: float = option(0.25, "default duration of time between flushing data to clients", kind="duration")
     max_channel_consumers: int = option(0, "maximum channel consumer connection count per nsqd instance (0 = unlimited)")
 
+    https_address: str = option("", "<addr>:<port> to listen on for HTTPS clients (needs --tls-cert/--tls-key)")
+    tls_cert: str = option("", "path to certificate file")
+    tls_key: str = option("", "path to key file")
+    tls_root_ca_file: str = option("", "path to certificate authority file")
+    tls_client_auth_policy: str = option("", "client certificate auth policy ('require' or 'require-verify')")
+    tls_required: bool = option(False, "require TLS for client connections (true, false)")
+    tls_min_version: str = option("tls1.2", "minimum SSL/TLS version acceptable ('tls1.2' or 'tls1.3')")
+
+    snappy: bool = option(True, "enable snappy feature negotiation (client compression)")
+    deflate: bool = option(True, "enable deflate feature negotiation (client compression)")
+    max_deflate_level: int = option(6, "max deflate compression level a client can negotiate (> values == > nsqd CPU usage)")
+
+    auth_http_addresses: list = option(
+        [], "<addr>:<port> or a full url to query auth server (may be given multiple times)",
+        flag="--auth-http-address", repeat=True,
+    )
+    auth_http_request_method: str = option("get", "HTTP method to use for auth server requests (get or post)")
+    http_client_connect_timeout: float = option(2.0, "timeout for HTTP connect", kind="duration")
+    http_client_request_timeout: float = option(5.0, "timeout for HTTP request", kind="duration")
+
+    statsd_address: str = option("", "UDP <addr>:<port> of a statsd daemon for pushing stats")
+    statsd_prefix: str = option("nsq.%s", "prefix used for keys sent to statsd (%s for host replacement)")
+    statsd_interval: float = option(60.0, "duration between pushing to statsd", kind="duration")
+    statsd_mem_stats: bool = option(True, "toggle sending memory and GC stats to statsd")
+    statsd_udp_packet_size: int = option(508, "the size in bytes of statsd UDP packets")
+    e2e_processing_latency_percentiles: list = option(
+        [], "message processing time percentiles (as float (0, 1.0]) to track (can be specified multiple times)",
+        flag="--e2e-processing-latency-percentile", repeat=True, kind="float",
+    )
+    e2e_processing_latency_window_time: float = option(
+        600.0, "calculate end to end latency quantiles for this duration of time", kind="duration"
+    )
+
     @property
     def heartbeat_interval(self) -> float:
         # nsqd: HeartbeatInterval = ClientTimeout / 2

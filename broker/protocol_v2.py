@@ -10,6 +10,7 @@ import json
 import math
 import logging
 import random
+import ssl
 from typing import TYPE_CHECKING
 
 import trio
@@ -23,6 +24,7 @@ from broker.client_v2 import (
     STATE_SUBSCRIBED,
     ClientV2,
 )
+from shared.streams import CompressionError
 from shared.names import is_valid_channel_name, is_valid_topic_name
 from shared.protocol import (
     CLOSE_WAIT,
@@ -80,7 +82,7 @@ class ProtocolV2:
         durable messages (--sync-every=1): every command in the batch, and every other connection
         waiting at that moment, shares one fsync (group commit).
         """
-        stream = client.stream
+        client.parser = parser
         if initial:
             parser.feed(initial)
         while True:
@@ -88,32 +90,27 @@ class ProtocolV2:
             error: ClientError | None = None
             try:
                 while (command := parser.next_command()) is not None:
+                    if command.name in _WRITES_ITSELF and responses:
+                        # IDENTIFY may upgrade the stream: earlier answers go out first, in order
+                        await self._answer(client, responses, None)
+                        responses = []
                     response = await self.exec(client, command)
                     if response is not None:
                         responses.append(response)
             except ClientError as err:
                 error = err
-            if client.pending_sync:
-                error = await self._sync_published(client) or error
-            for response in responses:
-                client.write_frame(FRAME_TYPE_RESPONSE, response)
+            if not await self._answer(client, responses, error):
+                return
             if error is not None:
-                log.error("[%s] - %s", client, error)
-                client.write_frame(FRAME_TYPE_ERROR, error.frame_data())
-            if responses or error is not None:
-                await client.flush()
-            if error is not None:
-                if error.fatal:
-                    return
                 continue
             read_timeout = client.heartbeat_interval * 2 if client.heartbeat_interval > 0 else None
             try:
                 with trio.fail_after(read_timeout) if read_timeout else _no_timeout():
-                    data = await stream.receive_some(max(RECV_SIZE, parser.wanted()))
+                    data = await client.stream.receive_some(max(RECV_SIZE, parser.wanted()))
             except trio.TooSlowError:
                 log.error("[%s] - failed to read command - timeout after %gs", client, read_timeout)
                 return
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, CompressionError) as exc:
                 log.info("[%s] - connection error - %s", client, exc)
                 return
             if not data:
@@ -179,6 +176,20 @@ class ProtocolV2:
                 # let the io_loop read FINs before the next batch; the loop flushes when it runs dry
                 await trio.lowlevel.checkpoint()
 
+    async def _answer(self, client: ClientV2, responses: list[bytes], error: ClientError | None) -> bool:
+        """Write the batch's responses (after the group-commit fsync if one is owed) and its error;
+        False when the connection must end."""
+        if client.pending_sync:
+            error = await self._sync_published(client) or error
+        for response in responses:
+            client.write_frame(FRAME_TYPE_RESPONSE, response)
+        if error is not None:
+            log.error("[%s] - %s", client, error)
+            client.write_frame(FRAME_TYPE_ERROR, error.frame_data())
+        if responses or error is not None:
+            await client.flush()
+        return error is None or not error.fatal
+
     async def _sync_published(self, client: ClientV2) -> ClientError | None:
         backends, client.pending_sync = client.pending_sync, set()
         for backend in backends:
@@ -190,43 +201,51 @@ class ProtocolV2:
 
     # --- commands -----------------------------------------------------------------------------
 
-    def _check_body_size(self, client: ClientV2, name: bytes, params: tuple[bytes, ...], size: int) -> None:
-        """nsqd's checks on a body size, done before the body is buffered."""
+    def _check_body_size(self, client: ClientV2, name: bytes, params: tuple[bytes, ...], size: int | None) -> None:
+        """nsqd's checks of a body command, in nsqd's order: the params as soon as the line is read
+        (size None), then the declared size before the body is buffered."""
         opts = self.options
+        cmd = name.decode()
+        if size is None and name != b"IDENTIFY" and self.nsqd.tls_required and not client.tls:
+            raise FatalClientError("E_INVALID", f"cannot {cmd} in current state (TLS required)")
         if name == b"PUB" or name == b"DPUB":
-            cmd = name.decode()
-            if len(params) < (1 if name == b"PUB" else 2):
-                raise FatalClientError("E_INVALID", f"{cmd} insufficient number of parameters")
-            if not is_valid_topic_name(params[0]):
-                raise FatalClientError("E_BAD_TOPIC", f"{cmd} topic name {_quote(params[0])} is not valid")
-            if name == b"DPUB":
-                self._dpub_timeout(params[1])
-            if size <= 0:
+            if size is None:
+                if len(params) < (1 if name == b"PUB" else 2):
+                    raise FatalClientError("E_INVALID", f"{cmd} insufficient number of parameters")
+                if not is_valid_topic_name(params[0]):
+                    raise FatalClientError("E_BAD_TOPIC", f"{cmd} topic name {_quote(params[0])} is not valid")
+                if name == b"DPUB":
+                    self._dpub_timeout(params[1])
+            elif size <= 0:
                 raise FatalClientError("E_BAD_MESSAGE", f"{cmd} invalid message body size {size}")
-            if size > opts.max_msg_size:
+            elif size > opts.max_msg_size:
                 raise FatalClientError("E_BAD_MESSAGE", f"{cmd} message too big {size} > {opts.max_msg_size}")
         elif name == b"MPUB":
-            if len(params) < 1:
-                raise FatalClientError("E_INVALID", "MPUB insufficient number of parameters")
-            if not is_valid_topic_name(params[0]):
-                raise FatalClientError("E_BAD_TOPIC", f"E_BAD_TOPIC MPUB topic name {_quote(params[0])} is not valid")
-            if size <= 0:
+            if size is None:
+                if len(params) < 1:
+                    raise FatalClientError("E_INVALID", "MPUB insufficient number of parameters")
+                if not is_valid_topic_name(params[0]):
+                    # sic: nsqd repeats the code inside the description
+                    raise FatalClientError("E_BAD_TOPIC", f"E_BAD_TOPIC MPUB topic name {_quote(params[0])} is not valid")
+            elif size <= 0:
                 raise FatalClientError("E_BAD_BODY", f"MPUB invalid body size {size}")
-            if size > opts.max_body_size:
+            elif size > opts.max_body_size:
                 raise FatalClientError("E_BAD_BODY", f"MPUB body too big {size} > {opts.max_body_size}")
         else:  # IDENTIFY, AUTH
-            cmd = name.decode()
-            if client.state != STATE_INIT:
-                raise FatalClientError("E_INVALID", f"cannot {cmd} in current state")
-            if name == b"AUTH" and len(params) != 0:
-                raise FatalClientError("E_INVALID", "AUTH invalid number of parameters")
-            if size > opts.max_body_size:
+            if size is None:
+                if client.state != STATE_INIT:
+                    raise FatalClientError("E_INVALID", f"cannot {cmd} in current state")
+                if name == b"AUTH" and len(params) != 0:
+                    raise FatalClientError("E_INVALID", "AUTH invalid number of parameters")
+            elif size > opts.max_body_size:
                 raise FatalClientError("E_BAD_BODY", f"{cmd} body too big {size} > {opts.max_body_size}")
-            if size <= 0:
+            elif size <= 0:
                 raise FatalClientError("E_BAD_BODY", f"{cmd} invalid body size {size}")
 
     async def exec(self, client: ClientV2, cmd: Command) -> bytes | None:
         name = cmd.name
+        if name != b"IDENTIFY" and self.nsqd.tls_required and not client.tls:
+            raise FatalClientError("E_INVALID", f"cannot {name.decode(errors='replace')} in current state (TLS required)")
         handler = _HANDLERS.get(name)
         if handler is None:
             raise FatalClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
@@ -244,25 +263,53 @@ class ProtocolV2:
         if not data.feature_negotiation:
             return OK
         opts = self.options
-        # TLS, snappy, deflate and AUTH are not offered yet: answered as disabled, and nothing is upgraded
+        tls = self.nsqd.tls_context is not None and data.tls_v1
+        deflate = opts.deflate and data.deflate
+        deflate_level = 6
+        if deflate and data.deflate_level > 0:
+            deflate_level = data.deflate_level
+        deflate_level = min(deflate_level, opts.max_deflate_level)
+        snappy = opts.snappy and data.snappy
+        if deflate and snappy:
+            raise FatalClientError("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
         response = {
             "max_rdy_count": opts.max_rdy_count,
             "version": VERSION,
             "max_msg_timeout": int(opts.max_msg_timeout * 1000),
             "msg_timeout": int(client.msg_timeout * 1000),
-            "tls_v1": False,
-            "deflate": False,
-            "deflate_level": 6,
-            "max_deflate_level": 6,
-            "snappy": False,
+            "tls_v1": tls,
+            "deflate": deflate,
+            "deflate_level": deflate_level,
+            "max_deflate_level": opts.max_deflate_level,
+            "snappy": snappy,
             "sample_rate": client.sample_rate,
-            "auth_required": False,
+            "auth_required": self.nsqd.auth_enabled,
             "output_buffer_size": client.output_buffer_size,
             "output_buffer_timeout": int(client.output_buffer_timeout * 1000),
             "topology_region": "",
             "topology_zone": "",
         }
-        return json.dumps(response, separators=(",", ":")).encode()
+        client.write_frame(FRAME_TYPE_RESPONSE, json.dumps(response, separators=(",", ":")).encode())
+        await client.flush()
+        try:
+            if tls:
+                log.info("PROTOCOL(V2): [%s] upgrading connection to TLS", client)
+                await client.upgrade_tls(self.nsqd.tls_context, client.parser.take_buffered())
+                client.write_frame(FRAME_TYPE_RESPONSE, OK)
+                await client.flush()
+            if snappy:
+                log.info("PROTOCOL(V2): [%s] upgrading connection to snappy", client)
+                client.upgrade_snappy(client.parser.take_buffered())
+                client.write_frame(FRAME_TYPE_RESPONSE, OK)
+                await client.flush()
+            if deflate:
+                log.info("PROTOCOL(V2): [%s] upgrading connection to deflate (level %d)", client, deflate_level)
+                client.upgrade_deflate(deflate_level, client.parser.take_buffered())
+                client.write_frame(FRAME_TYPE_RESPONSE, OK)
+                await client.flush()
+        except (ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError, ValueError) as exc:
+            raise FatalClientError("E_IDENTIFY_FAILED", f"IDENTIFY failed {exc}") from None
+        return None
 
     async def AUTH(self, client: ClientV2, cmd: Command) -> bytes | None:
         if client.state != STATE_INIT:
@@ -416,6 +463,9 @@ class ProtocolV2:
         client.published(topic_name, 1)
         return OK
 
+
+# commands that write their own answer (and may upgrade the stream) instead of returning it
+_WRITES_ITSELF = frozenset({b"IDENTIFY", b"AUTH"})
 
 _HANDLERS = {
     b"IDENTIFY": ProtocolV2.IDENTIFY,

@@ -65,6 +65,8 @@ def _flag_name(field: attrs.Attribute) -> str:
 def _converter(field: attrs.Attribute):
     if field.metadata.get("kind") == "duration":
         return parse_duration
+    if field.metadata.get("kind") == "float":
+        return float
     default = field.default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
         return str
@@ -94,7 +96,7 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
     parser.add_argument("--version", action="store_true", help="print version string and exit")
     for field in attrs.fields(cls):
         convert = _converter(field)
-        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": field.metadata["help"]}
+        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": field.metadata["help"].replace("%", "%%")}
         if field.metadata.get("repeat"):
             kwargs["action"] = "append"
         elif isinstance(field.default, bool):

@@ -198,9 +198,10 @@ class Command:
     body: bytes | None = None
 
 
-# Called with (command name, params, declared body size) before the body is read; raises the nsqd
-# error for a size the broker refuses, so an oversize body is never buffered.
-BodySizeCheck = Callable[[bytes, tuple[bytes, ...], int], None]
+# Called for a command that carries a body: once with size None as soon as its line is read (nsqd
+# checks the params before reading the size), then with the declared size before the body is read.
+# It raises the nsqd error for what the broker refuses, so an oversize body is never buffered.
+BodySizeCheck = Callable[[bytes, tuple[bytes, ...], "int | None"], None]
 
 
 class CommandParser:
@@ -227,6 +228,13 @@ class CommandParser:
     def buffered(self) -> int:
         return len(self._buf) - self._pos
 
+    def take_buffered(self) -> bytes:
+        """Remove and return the bytes not yet parsed (they belong to a stream upgrade: TLS, snappy)."""
+        data = bytes(self._buf[self._pos :])
+        self._buf.clear()
+        self._pos = 0
+        return data
+
     def next_command(self) -> Command | None:
         """The next complete command, or None until more bytes are fed."""
         buf = self._buf
@@ -246,6 +254,7 @@ class CommandParser:
             name, params = parts[0], tuple(parts[1:])
             if name not in BODY_COMMANDS:
                 return Command(name, params)
+            self._check(name, params, None)
             self._pending = (name, params, None)
         name, params, size = self._pending
         if size is None:
