@@ -43,6 +43,8 @@ class ClientV2:
         self.deflate_level = 0
         self.parser = None  # the io_loop's CommandParser, for upgrades that take its buffered bytes
         self.auth_secret = ""
+        self.auth_state = None  # broker.auth.AuthState once AUTH succeeded
+        self._tls_common_name = ""
 
         self.heartbeat_interval = opts.heartbeat_interval
         self.msg_timeout = opts.msg_timeout
@@ -200,6 +202,14 @@ class ClientV2:
             await stream.do_handshake()
         self.stream = stream
         self.tls = True
+        # kept now: later upgrades (snappy, deflate) wrap the SSLStream and hide its certificate
+        for rdn in (stream.getpeercert() or {}).get("subject", ()):
+            for key, value in rdn:
+                if key == "commonName":
+                    self._tls_common_name = value
+
+    def tls_common_name(self) -> str:
+        return self._tls_common_name
 
     def upgrade_snappy(self, prefix: bytes) -> None:
         self.stream = SnappyStream(self.stream, prefix)

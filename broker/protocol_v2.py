@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from broker.auth import AuthError, query_any_authd
 from broker.backend import BackendError
 from broker.channel import ChannelError
 from broker.message import Message
@@ -314,7 +315,50 @@ class ProtocolV2:
     async def AUTH(self, client: ClientV2, cmd: Command) -> bytes | None:
         if client.state != STATE_INIT:
             raise FatalClientError("E_INVALID", "cannot AUTH in current state")
-        raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
+        if client.auth_state is not None and client.auth_state.authorizations:
+            raise FatalClientError("E_INVALID", "AUTH already set")
+        if not self.nsqd.auth_enabled:
+            raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
+        client.auth_secret = (cmd.body or b"").decode(errors="replace")
+        try:
+            await self._query_authd(client)
+        except AuthError as exc:
+            log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
+            raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
+        state = client.auth_state
+        if not state.authorizations:
+            raise FatalClientError("E_UNAUTHORIZED", "AUTH no authorizations found")
+        response = {"identity": state.identity, "identity_url": state.identity_url,
+                    "permission_count": len(state.authorizations)}
+        client.write_frame(FRAME_TYPE_RESPONSE, json.dumps(response, separators=(",", ":")).encode())
+        await client.flush()
+        return None
+
+    async def _query_authd(self, client: ClientV2) -> None:
+        opts = self.options
+        client.auth_state = await query_any_authd(
+            opts.auth_http_addresses, client.remote_address.rsplit(":", 1)[0].strip("[]"), client.tls,
+            client.tls_common_name(), client.auth_secret, method=opts.auth_http_request_method,
+            connect_timeout=opts.http_client_connect_timeout, request_timeout=opts.http_client_request_timeout,
+        )
+
+    async def check_auth(self, client: ClientV2, cmd: str, topic: str, channel: str = "") -> None:
+        """nsqd's CheckAuth: with auth enabled, a client must AUTH first and be allowed this topic/channel;
+        an expired authorisation is asked for again."""
+        if not self.nsqd.auth_enabled:
+            return
+        state = client.auth_state
+        if state is None or not state.authorizations:
+            raise FatalClientError("E_AUTH_FIRST", f"AUTH required before {cmd}")
+        if state.is_expired():
+            try:
+                await self._query_authd(client)
+            except AuthError as exc:
+                log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
+                raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
+            state = client.auth_state
+        if not state.is_allowed(topic, channel):
+            raise FatalClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_quote(topic.encode())} {_quote(channel.encode())}")
 
     async def SUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         if client.state != STATE_INIT:
@@ -328,6 +372,7 @@ class ProtocolV2:
             raise FatalClientError("E_BAD_TOPIC", f"SUB topic name {_quote(topic_name)} is not valid")
         if not is_valid_channel_name(channel_name):
             raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {_quote(channel_name)} is not valid")
+        await self.check_auth(client, "SUB", topic_name.decode(), channel_name.decode())
         topic = self.nsqd.get_topic(topic_name.decode())
         channel = topic.get_channel(channel_name.decode())
         try:
@@ -413,6 +458,7 @@ class ProtocolV2:
 
     async def PUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
+        await self.check_auth(client, "PUB", topic_name)
         topic = self.nsqd.get_topic(topic_name)
         try:
             to_backend = topic.put_message(topic.new_message(cmd.body))
@@ -425,6 +471,7 @@ class ProtocolV2:
 
     async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
+        await self.check_auth(client, "MPUB", topic_name)
         bodies = parse_mpub_body(cmd.body, self.options.max_msg_size, self.options.max_body_size)
         topic = self.nsqd.get_topic(topic_name)
         new_id = topic.guid.new_id
@@ -451,6 +498,7 @@ class ProtocolV2:
     async def DPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
         delay = self._dpub_timeout(cmd.params[1])
+        await self.check_auth(client, "DPUB", topic_name)
         topic = self.nsqd.get_topic(topic_name)
         msg = topic.new_message(cmd.body)
         msg.deferred = delay
