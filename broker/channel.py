@@ -17,6 +17,7 @@ import trio
 from broker.backend import BackendError, BackendQueue
 from broker.message import Message
 from broker.pqueue import MessagePQueue
+from broker.quantile import Quantile
 from shared.names import is_ephemeral
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class Channel:
         self.timeout_count = 0
         self.dropped_count = 0  # ephemeral overflow, as nsqd's dummy backend discards it
 
+        # e2e processing latency (FIN time - publish time), when percentiles are configured
+        self.e2e: Quantile | None = None
         # consumers whose pump waits for messages; woken on put
         self.waiters: set[Consumer] = set()
         self._closed = trio.Event()
@@ -175,7 +178,10 @@ class Channel:
         return msg
 
     def finish_message(self, client_id: int, msg_id: bytes) -> Message:
-        return self._pop_in_flight(client_id, msg_id)
+        msg = self._pop_in_flight(client_id, msg_id)
+        if self.e2e is not None:
+            self.e2e.insert(msg.timestamp)
+        return msg
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)

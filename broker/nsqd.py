@@ -21,6 +21,7 @@ from broker.lookup import LookupManager, register_cmd
 from broker.options import Options
 from broker.protocol_v2 import ProtocolV2
 from broker.queue_scan import queue_scan_loop
+from broker.statsd import statsd_loop
 from broker.tls import build_server_context, tls_required
 from broker.topic import Topic
 from shared.http import join_host_port, split_host_port
@@ -81,6 +82,8 @@ class NSQD:
                 await nursery.start(self.lookup.run)
                 nursery.start_soon(queue_scan_loop, self)
                 nursery.start_soon(self._persist_loop)
+                if self.options.statsd_address:
+                    nursery.start_soon(statsd_loop, self)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -13,6 +12,7 @@ from broker.backend import BackendError, BackendQueue
 from broker.channel import Channel
 from broker.guid import GUIDFactory
 from broker.message import Message
+from broker.quantile import Quantile, aggregate
 from shared.names import is_ephemeral
 
 if TYPE_CHECKING:
@@ -173,6 +173,9 @@ class Topic:
         channel = self.channels.get(name)
         if channel is None:
             channel = Channel(self, name, self.nsqd.make_backend(self.name, name), self.mem_queue_size)
+            opts = self.nsqd.options
+            if opts.e2e_processing_latency_percentiles:
+                channel.e2e = Quantile(opts.e2e_processing_latency_window_time, opts.e2e_processing_latency_percentiles)
             self.channels[name] = channel
             if self._nursery is not None:
                 self._nursery.start_soon(channel.run)
@@ -217,6 +220,8 @@ class Topic:
         self.memory.clear()
         await self.backend.empty()
 
-    def for_each_channel(self, fn: Callable[[Channel], None]) -> None:
-        for channel in list(self.channels.values()):
-            fn(channel)
+    def e2e_processing_latency(self) -> dict | None:
+        percentiles = self.nsqd.options.e2e_processing_latency_percentiles
+        if not percentiles:
+            return None
+        return aggregate([ch.e2e for ch in self.channels.values() if ch.e2e is not None], percentiles)

@@ -1,0 +1,104 @@
+"""statsd_loop: push counters and gauges to a statsd daemon over UDP every --statsd-interval (nsqd/statsd.go).
+
+Counters are sent as the difference since the last push (`|c`), depths and counts as gauges (`|g`),
+under --statsd-prefix with "%s" replaced by this broker's host key. Lines are packed into packets of at
+most --statsd-udp-packet-size bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import resource
+from typing import TYPE_CHECKING
+
+import trio
+
+from shared.http import split_host_port
+
+if TYPE_CHECKING:
+    from broker.nsqd import NSQD
+
+log = logging.getLogger("nsqd")
+
+
+def host_key(address: str) -> str:
+    return address.replace(".", "_").replace(":", "_")
+
+
+def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]]:
+    """The statsd lines for this push, and the counter values to diff against next time."""
+    lines: list[str] = []
+    now: dict[str, int] = {}
+
+    def incr(key: str, value: int) -> None:
+        now[key] = value
+        lines.append(f"{key}:{value - last.get(key, 0)}|c")
+
+    def gauge(key: str, value: float) -> None:
+        lines.append(f"{key}:{int(value)}|g")
+
+    for topic in list(nsqd.topics.values()):
+        t = f"topic.{topic.name}"
+        incr(f"{t}.message_count", topic.message_count)
+        incr(f"{t}.message_bytes", topic.message_bytes)
+        gauge(f"{t}.depth", topic.depth())
+        gauge(f"{t}.backend_depth", topic.backend.depth())
+        e2e = topic.e2e_processing_latency()
+        for item in (e2e or {}).get("percentiles", []):
+            gauge(f"{t}.e2e_processing_latency_{item['quantile'] * 100:.0f}", item["value"])
+        for channel in list(topic.channels.values()):
+            c = f"{t}.channel.{channel.name}"
+            incr(f"{c}.message_count", channel.message_count)
+            gauge(f"{c}.depth", channel.depth())
+            gauge(f"{c}.backend_depth", channel.backend.depth())
+            gauge(f"{c}.in_flight_count", len(channel.in_flight))
+            gauge(f"{c}.deferred_count", len(channel.deferred))
+            incr(f"{c}.requeue_count", channel.requeue_count)
+            incr(f"{c}.timeout_count", channel.timeout_count)
+            gauge(f"{c}.clients", len(channel.clients))
+            if channel.e2e is not None:
+                for item in channel.e2e.result()["percentiles"]:
+                    gauge(f"{c}.e2e_processing_latency_{item['quantile'] * 100:.0f}", item["value"])
+    if nsqd.options.statsd_mem_stats:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        gauge("mem.max_rss_bytes", usage.ru_maxrss * 1024)
+        incr("mem.gc_runs", sum(s["collections"] for s in gc.get_stats()))
+    return lines, now
+
+
+def pack(lines: list[str], prefix: str, packet_size: int) -> list[bytes]:
+    packets: list[bytes] = []
+    current = b""
+    for line in lines:
+        data = (prefix + line).encode()
+        if current and len(current) + 1 + len(data) > packet_size:
+            packets.append(current)
+            current = b""
+        current = current + b"\n" + data if current else data
+    if current:
+        packets.append(current)
+    return packets
+
+
+async def statsd_loop(nsqd: NSQD) -> None:
+    opts = nsqd.options
+    last: dict[str, int] = {}
+    host, port = split_host_port(opts.statsd_address, default_host="127.0.0.1")
+    while True:
+        await trio.sleep(opts.statsd_interval)
+        prefix = opts.statsd_prefix
+        if "%s" in prefix:
+            prefix = prefix.replace("%s", host_key(f"{opts.broadcast_address}:{nsqd.broadcast_http_port}"))
+        if prefix and not prefix.endswith("."):
+            prefix += "."
+        lines, last = collect(nsqd, last)
+        log.info("STATSD: pushing stats to %s", opts.statsd_address)
+        try:
+            sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+            with sock:
+                await sock.connect((host, port))
+                for packet in pack(lines, prefix, opts.statsd_udp_packet_size):
+                    await sock.send(packet)
+        except OSError as exc:
+            log.error("failed to send UDP packets to statsd(%s) - %s", opts.statsd_address, exc)
