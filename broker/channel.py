@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from broker.backend import BackendError, BackendQueue
+from broker.backend import BackendError, BackendQueue, DummyBackendQueue
 from broker.message import Message
 from broker.pqueue import MessagePQueue
 from broker.quantile import Quantile
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from broker.topic import Topic
 
 log = logging.getLogger("nsqd")
+
+# how long a message no queue would take waits before the next try
+RETRY_DELAY = 1.0
 
 
 class ChannelError(Exception):
@@ -92,8 +95,9 @@ class Channel:
         return len(self.memory) + self.backend.depth()
 
     def room(self) -> int:
-        """How many messages put() can take now without refusing (the topic pump waits when 0)."""
-        if self.ephemeral or getattr(self.backend, "durable", False):
+        """How many messages put() can take now (the topic pump waits when 0): unbounded with a real
+        backend or for an ephemeral channel, else what is left of the memory queue."""
+        if self.ephemeral or not isinstance(self.backend, DummyBackendQueue):
             return 1 << 30
         return max(0, self.mem_queue_size - len(self.memory))
 
@@ -110,21 +114,24 @@ class Channel:
             self._wake_waiters()
 
     def put_message(self, msg: Message) -> None:
-        """A new message from the topic (counted), deferred if it carries a DPUB delay."""
+        """A new message from the topic (counted), deferred if it carries a DPUB delay.
+
+        It never fails: the topic has accepted the message already, so a backend error keeps it here
+        (deferred, retried) instead of losing it."""
         self.message_count += 1
         if msg.deferred > 0:
             self.start_deferred_timeout(msg, msg.deferred)
         else:
-            self.put(msg)
+            self._requeue(msg)
 
     def _requeue(self, msg: Message) -> None:
-        """Put back a message that was in flight or deferred; never drop it."""
+        """Put a message in the queue; if neither memory nor backend takes it, keep it deferred and
+        retry in a second rather than lose it."""
         try:
             self.put(msg)
         except BackendError as exc:
-            # memory full and the backend refuses: keep it deferred and retry soon rather than lose it
-            log.error("CHANNEL(%s): failed to requeue msg(%s) - %s", self.name, msg.id.decode(), exc)
-            self.deferred.push(msg, trio.current_time() + 1.0)
+            log.error("CHANNEL(%s): failed to put msg(%s) - %s", self.name, msg.id.decode(), exc)
+            self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
 
     def _wake_waiters(self) -> None:
         waiters = self.waiters

@@ -92,14 +92,7 @@ class Topic:
             channels = list(self.channels.values())
             for msg in msgs:
                 for i, channel in enumerate(channels):
-                    copy = msg if i == 0 else msg.copy()
-                    try:
-                        channel.put_message(copy)
-                    except BackendError as exc:
-                        log.error(
-                            "TOPIC(%s) ERROR: failed to put msg(%s) to channel(%s) - %s",
-                            self.name, msg.id.decode(), channel.name, exc,
-                        )
+                    channel.put_message(msg if i == 0 else msg.copy())
             await trio.lowlevel.checkpoint()
 
     def _take(self, n: int) -> list[Message]:
@@ -198,7 +191,7 @@ class Topic:
         self.nsqd.spawn(self._delete_channel_backend, channel)
         self.nsqd.notify_channel(channel, created=False)
         self._wake.set()
-        if not self.channels and self.ephemeral:
+        if not self.channels and self.ephemeral and not self.exiting:
             self.nsqd.delete_topic(self.name)
 
     async def _delete_channel_backend(self, channel: Channel) -> None:
