@@ -1,0 +1,1062 @@
+"""nsqd's HTTP API (nsqd/http.go) as a quart-trio app, served by hypercorn inside the broker's nursery.
+
+Three layers, outermost first:
+
+- ``Front``, the ASGI callable hypercorn is given: refuses plain HTTP with 403 TLS_REQUIRED when TLS is
+  required (as nsqd's ServeHTTP), and serves the two hot routes, ``POST /pub`` and ``POST /mpub``, itself
+  straight from ASGI events; everything else goes to the Quart app. A Quart request costs several times
+  what the publish does (request/response objects, context variables, a nursery per request), so the
+  routes whose rate matters skip it. The Quart app has the same two routes, so it is complete on its own.
+- the ``QuartTrio`` app from ``create_app``: one route per nsqd endpoint, nsqd's JSON 404/405/500, and
+  httprouter's trailing-slash and fixed-path redirects.
+- ``Api``: one method per endpoint, free of any framework. It takes an ``ApiRequest`` (method, query
+  string, Content-Length and a body reader that stops at a cap) and returns a ``Reply``. Parameters,
+  checks, their order, status codes and messages are nsqd's, so nsqadmin, nsq_stat, nsq_to_http and every
+  client library keep working.
+
+Request bodies are never taken whole before their size is known to be allowed: a declared
+Content-Length over the limit is refused before reading, and a body streamed without one is read only up
+to the limit, the rest read and dropped (a lingering close, as nginx and Go do, so the client sees the
+413 instead of a reset) for at most LINGER_SECONDS.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import attrs
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
+
+from broker.backend import BackendError
+from broker.message import Message
+from broker.stats import GC_PAUSES, go_duration, health, prometheus_text, stats_document, stats_text
+from broker.topic import Topic
+from shared.http import join_host_port, serve_app
+from shared.logs import parse_level
+from shared.names import is_valid_channel_name, is_valid_topic_name
+from shared.version import VERSION
+
+log = logging.getLogger("nsqd")
+
+JSON_TYPE = "application/json; charset=utf-8"
+TEXT_TYPE = "text/plain; charset=utf-8"
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NSQ_CONTENT_TYPE = ("X-NSQ-Content-Type", "nsq; version=1.0")
+
+# how long a refused upload is read and dropped so its client can read the answer
+LINGER_SECONDS = 10.0
+
+# nsqd's boolParams: anything else is "not given" (stats) or "true" (mpub's binary)
+BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
+
+# nsqd's lg.LogLevel values, which GET /config/log_level reports
+GO_LOG_LEVELS = {"debug": 1, "info": 2, "warn": 3, "error": 4, "fatal": 5}
+
+# Options nsqd has without a flag tag, which /config/:opt therefore does not show
+_UNFLAGGED_OPTIONS = frozenset(
+    {"queue_scan_interval", "queue_scan_refresh_interval", "queue_scan_dirty_percent", "client_timeout"}
+)
+
+# set TRIO_NSQ_HTTP_FAST_PATH=0 to serve /pub and /mpub through Quart too (for measuring the difference)
+FAST_PATH = os.environ.get("TRIO_NSQ_HTTP_FAST_PATH", "1") != "0"
+
+_INT32 = struct.Struct(">i")
+_GO_INT = re.compile(r"[+-]?[0-9]+")
+_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+
+
+# --- replies ------------------------------------------------------------------------------------
+
+
+class HTTPError(Exception):
+    """nsqd's http_api.Err: answered as {"message": text} with this status."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+@attrs.frozen
+class Reply:
+    status: int
+    body: bytes
+    content_type: str | None = TEXT_TYPE
+    # nsqd's V1 decorator marks every answer; PlainText (/ping) does not
+    nsq_header: bool = True
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def header_list(self) -> list[tuple[str, str]]:
+        out = list(self.headers)
+        if self.content_type:
+            out.append(("Content-Type", self.content_type))
+        if self.nsq_header:
+            out.append(NSQ_CONTENT_TYPE)
+        return out
+
+
+OK = Reply(200, b"OK")
+EMPTY = Reply(200, b"")
+
+
+def json_bytes(value: Any) -> bytes:
+    """Go's json.Marshal layout: compact."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def ok_json(value: Any) -> Reply:
+    return Reply(200, json_bytes(value), JSON_TYPE)
+
+
+def error_reply(status: int, text: str) -> Reply:
+    return Reply(status, json_bytes({"message": text}), JSON_TYPE)
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete: nothing is published."""
+
+
+@attrs.define
+class ApiRequest:
+    """What an endpoint needs from an HTTP request, whichever layer received it.
+
+    ``read(cap)`` returns the body, or None as soon as more than ``cap`` bytes have arrived (the
+    rest is left unread); it raises ClientGone if the client leaves first."""
+
+    method: str
+    path: str
+    query: bytes
+    content_length: int | None
+    read: Callable[[int], Awaitable[bytes | None]]
+    remote: str = ""
+    server_port: int = 0
+
+    @property
+    def uri(self) -> str:
+        return self.path + ("?" + self.query.decode("latin-1") if self.query else "")
+
+
+def parse_query(raw: bytes) -> dict[str, list[str]]:
+    """Go's url.ParseQuery: '&'-separated, '+' is a space; a ';' or a bad %-escape is an error
+    (raised after the whole string is parsed, as Go returns the first error with the values)."""
+    values: dict[str, list[str]] = {}
+    error = None
+    for part in raw.split(b"&"):
+        if not part:
+            continue
+        if b";" in part:
+            error = error or "invalid semicolon separator in query"
+            continue
+        key, _, value = part.partition(b"=")
+        try:
+            k, v = _unescape(key), _unescape(value)
+        except ValueError as exc:
+            error = error or str(exc)
+            continue
+        values.setdefault(k, []).append(v)
+    if error is not None:
+        raise ValueError(error)
+    return values
+
+
+def _unescape(raw: bytes) -> str:
+    if b"%" in raw and _BAD_ESCAPE.search(raw):
+        raise ValueError(f"invalid URL escape in {raw[:40]!r}")
+    if b"+" in raw:
+        raw = raw.replace(b"+", b" ")
+    if b"%" in raw:
+        raw = unquote_to_bytes(raw)
+    return raw.decode("utf-8", "replace")
+
+
+def _parse_go_int(text: str) -> int:
+    """strconv.ParseInt(s, 10, 64)."""
+    if not _GO_INT.fullmatch(text):
+        raise ValueError(text)
+    value = int(text)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(text)
+    return value
+
+
+def parse_binary_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
+    """nsqd's readMPUB over an HTTP body: [count:int32][size:int32][bytes]...; bytes after the last
+    message are ignored, as nsqd reads only what the count announces. Errors are 413 with nsqd's
+    code minus its "E_" (BAD_BODY, BAD_MESSAGE)."""
+    end = len(body)
+    if end < 4:
+        raise HTTPError(413, "BAD_BODY")
+    (count,) = _INT32.unpack_from(body, 0)
+    if count <= 0 or count > (max_body_size - 4) // 5:
+        raise HTTPError(413, "BAD_BODY")
+    view = memoryview(body)
+    unpack = _INT32.unpack_from
+    pos = 4
+    out: list[bytes] = []
+    for _ in range(count):
+        if end - pos < 4:
+            raise HTTPError(413, "BAD_MESSAGE")
+        (size,) = unpack(body, pos)
+        pos += 4
+        if size <= 0 or size > max_msg_size or end - pos < size:
+            raise HTTPError(413, "BAD_MESSAGE")
+        out.append(bytes(view[pos : pos + size]))
+        pos += size
+    return out
+
+
+# --- the endpoints ------------------------------------------------------------------------------
+
+
+class Api:
+    """nsqd's httpServer handlers, one method per endpoint, each returning a Reply."""
+
+    def __init__(self, nsqd: Any) -> None:
+        self.nsqd = nsqd
+        self.options = nsqd.options
+        self.https_address: tuple[str, int] | None = None
+
+    async def call(self, name: str, req: ApiRequest, **kwargs: Any) -> Reply:
+        """Run one endpoint, turning HTTPError into nsqd's error reply; every endpoint but /pub and
+        /mpub is logged as nsqd's Log decorator does."""
+        start = time.perf_counter_ns()
+        try:
+            reply = await getattr(self, name)(req, **kwargs)
+        except HTTPError as exc:
+            reply = Reply(exc.status, exc.text.encode(), TEXT_TYPE, False) if name == "ping" else error_reply(exc.status, exc.text)
+        if name not in ("pub", "mpub"):
+            self.log_request(req, reply.status, start)
+        return reply
+
+    @staticmethod
+    def log_request(req: ApiRequest, status: int, start_ns: int) -> None:
+        if log.isEnabledFor(logging.INFO):
+            log.info("%d %s %s (%s) %s", status, req.method, req.uri, req.remote,
+                     go_duration(time.perf_counter_ns() - start_ns))
+
+    # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
+
+    def _params(self, req: ApiRequest) -> dict[str, list[str]]:
+        try:
+            return parse_query(req.query)
+        except ValueError as exc:
+            log.error("failed to parse request params - %s", exc)
+            raise HTTPError(400, "INVALID_REQUEST") from None
+
+    def _topic_from_query(self, req: ApiRequest) -> tuple[dict[str, list[str]], Topic]:
+        """Creates the topic if needed, as nsqd's GetTopic."""
+        params = self._params(req)
+        names = params.get("topic")
+        if names is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not is_valid_topic_name(names[0]):
+            raise HTTPError(400, "INVALID_TOPIC")
+        return params, self.nsqd.get_topic(names[0])
+
+    def _topic_name(self, req: ApiRequest) -> str:
+        names = self._params(req).get("topic")
+        if names is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        return names[0]
+
+    def _existing_topic(self, name: str) -> Topic:
+        topic = self.nsqd.get_existing_topic(name)
+        if topic is None:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        return topic
+
+    def _existing_topic_and_channel_name(self, req: ApiRequest) -> tuple[Topic, str]:
+        """nsqd's getExistingTopicFromQuery (the channel endpoints' argument checks)."""
+        params = self._params(req)
+        topic_names = params.get("topic")
+        if topic_names is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not is_valid_topic_name(topic_names[0]):
+            raise HTTPError(400, "INVALID_ARG_TOPIC")
+        channel_names = params.get("channel")
+        if channel_names is None:
+            raise HTTPError(400, "MISSING_ARG_CHANNEL")
+        if not is_valid_channel_name(channel_names[0]):
+            raise HTTPError(400, "INVALID_ARG_CHANNEL")
+        return self._existing_topic(topic_names[0]), channel_names[0]
+
+    def _existing_channel(self, req: ApiRequest):
+        topic, name = self._existing_topic_and_channel_name(req)
+        channel = topic.get_existing_channel(name)
+        if channel is None:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        return channel
+
+    # --- /ping /info ------------------------------------------------------------------------
+
+    async def ping(self, req: ApiRequest) -> Reply:
+        text = health(self.nsqd)
+        if self.nsqd.health_error is not None:
+            raise HTTPError(500, text)
+        return Reply(200, text.encode(), TEXT_TYPE, nsq_header=False)
+
+    async def info(self, req: ApiRequest) -> Reply:
+        opts = self.options
+        tcp = self.nsqd.tcp_address
+        http = self.nsqd.http_address
+        return ok_json({
+            "version": VERSION,
+            "broadcast_address": opts.broadcast_address,
+            "hostname": socket.gethostname(),
+            "http_port": http[1] if http else req.server_port,
+            "tcp_port": tcp[1] if tcp else -1,
+            "start_time": self.nsqd.start_time,
+            "max_heartbeat_interval": _ns(opts.max_heartbeat_interval),
+            "max_output_buffer_size": opts.max_output_buffer_size,
+            "max_output_buffer_timeout": _ns(opts.max_output_buffer_timeout),
+            "max_deflate_level": opts.max_deflate_level,
+            "topology_zone": "",
+            "topology_region": "",
+        })
+
+    # --- publishing -------------------------------------------------------------------------
+
+    async def pub(self, req: ApiRequest) -> Reply:
+        max_msg_size = self.options.max_msg_size
+        if req.content_length is not None and req.content_length > max_msg_size:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        body = await req.read(max_msg_size)
+        if body is None:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        if not body:
+            raise HTTPError(400, "MSG_EMPTY")
+        params, topic = self._topic_from_query(req)
+        deferred = 0.0
+        defer = params.get("defer")
+        if defer is not None:
+            try:
+                ms = _parse_go_int(defer[0])
+            except ValueError:
+                raise HTTPError(400, "INVALID_DEFER") from None
+            if ms < 0 or ms > self.options.max_req_timeout * 1000:
+                raise HTTPError(400, "INVALID_DEFER")
+            deferred = ms / 1000
+        msg = topic.new_message(body)
+        msg.deferred = deferred
+        try:
+            to_backend = topic.put_message(msg)
+        except BackendError as exc:
+            log.error("TOPIC(%s): HTTP pub failed - %s", topic.name, exc)
+            raise HTTPError(503, "EXITING") from None
+        if to_backend:
+            await self._sync(topic)
+        return OK
+
+    async def mpub(self, req: ApiRequest) -> Reply:
+        opts = self.options
+        if req.content_length is not None and req.content_length > opts.max_body_size:
+            raise HTTPError(413, "BODY_TOO_BIG")
+        params, topic = self._topic_from_query(req)
+        binary = False
+        values = params.get("binary")
+        if values is not None:
+            binary = BOOL_PARAMS.get(values[0], True)
+            if values[0] not in BOOL_PARAMS:
+                log.warning("deprecated value '%s' used for /mpub binary param", values[0])
+        body = await req.read(opts.max_body_size)
+        if body is None:
+            raise HTTPError(413, "BODY_TOO_BIG")
+        if binary:
+            bodies = parse_binary_mpub(body, opts.max_msg_size, opts.max_body_size)
+        else:
+            # newline-separated; empty lines are skipped, as nsqd has done since 0.2.22
+            bodies = [line for line in body.split(b"\n") if line]
+            max_msg_size = opts.max_msg_size
+            if any(len(line) > max_msg_size for line in bodies):
+                raise HTTPError(413, "MSG_TOO_BIG")
+        new_id = topic.guid.new_id
+        msgs = [Message(new_id(), b) for b in bodies]
+        try:
+            to_backend = topic.put_messages(msgs)
+        except BackendError as exc:
+            log.error("TOPIC(%s): HTTP mpub failed - %s", topic.name, exc)
+            raise HTTPError(503, "EXITING") from None
+        if to_backend:
+            await self._sync(topic)
+        return OK
+
+    async def _sync(self, topic: Topic) -> None:
+        """With --sync-every=1 a publish is answered only once it is on disk, over HTTP as over TCP
+        (concurrent requests share the fsync: the backend's sync is a group commit)."""
+        if self.options.sync_every != 1:
+            return
+        try:
+            await topic.backend.sync()
+        except BackendError as exc:
+            log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+
+    # --- /stats /metrics /openapi.json -----------------------------------------------------
+
+    async def stats(self, req: ApiRequest) -> Reply:
+        params = self._params(req)
+
+        def first(key: str) -> str:
+            return params.get(key, [""])[0]
+
+        kwargs = {
+            "topic": first("topic"),
+            "channel": first("channel"),
+            "include_clients": BOOL_PARAMS.get(first("include_clients"), True),
+            "include_mem": BOOL_PARAMS.get(first("include_mem"), True),
+        }
+        if first("format") != "json":
+            return Reply(200, stats_text(self.nsqd, **kwargs).encode(), TEXT_TYPE)
+        return ok_json(stats_document(self.nsqd, **kwargs))
+
+    async def metrics(self, req: ApiRequest) -> Reply:
+        return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)
+
+    async def openapi(self, req: ApiRequest) -> Reply:
+        return Reply(200, _openapi_bytes(), JSON_TYPE, nsq_header=False)
+
+    # --- topics -----------------------------------------------------------------------------
+
+    async def topic_create(self, req: ApiRequest) -> Reply:
+        self._topic_from_query(req)
+        return EMPTY
+
+    async def topic_delete(self, req: ApiRequest) -> Reply:
+        try:
+            self.nsqd.delete_topic(self._topic_name(req))
+        except KeyError:
+            raise HTTPError(404, "TOPIC_NOT_FOUND") from None
+        return EMPTY
+
+    async def topic_empty(self, req: ApiRequest) -> Reply:
+        name = self._topic_name(req)
+        if not is_valid_topic_name(name):
+            raise HTTPError(400, "INVALID_TOPIC")
+        topic = self._existing_topic(name)
+        try:
+            await topic.empty()
+        except (BackendError, OSError) as exc:
+            log.error("TOPIC(%s): failed to empty - %s", name, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+        return EMPTY
+
+    async def topic_pause(self, req: ApiRequest, *, unpause: bool = False) -> Reply:
+        topic = self._existing_topic(self._topic_name(req))
+        if unpause:
+            topic.unpause()
+        else:
+            topic.pause()
+        # persisted at once so a crash cannot silently (un)pause it, as nsqd
+        self.nsqd.persist_metadata()
+        return EMPTY
+
+    async def topic_unpause(self, req: ApiRequest) -> Reply:
+        return await self.topic_pause(req, unpause=True)
+
+    # --- channels ---------------------------------------------------------------------------
+
+    async def channel_create(self, req: ApiRequest) -> Reply:
+        topic, name = self._existing_topic_and_channel_name(req)
+        topic.get_channel(name)
+        return EMPTY
+
+    async def channel_delete(self, req: ApiRequest) -> Reply:
+        topic, name = self._existing_topic_and_channel_name(req)
+        try:
+            topic.delete_channel(name)
+        except KeyError:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND") from None
+        return EMPTY
+
+    async def channel_empty(self, req: ApiRequest) -> Reply:
+        channel = self._existing_channel(req)
+        try:
+            await channel.empty()
+        except (BackendError, OSError) as exc:
+            log.error("CHANNEL(%s): failed to empty - %s", channel.name, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+        return EMPTY
+
+    async def channel_pause(self, req: ApiRequest, *, unpause: bool = False) -> Reply:
+        channel = self._existing_channel(req)
+        if unpause:
+            channel.unpause()
+        else:
+            channel.pause()
+        self.nsqd.persist_metadata()
+        return EMPTY
+
+    async def channel_unpause(self, req: ApiRequest) -> Reply:
+        return await self.channel_pause(req, unpause=True)
+
+    # --- /config/:opt -----------------------------------------------------------------------
+
+    async def config(self, req: ApiRequest, opt: str) -> Reply:
+        """GET any option by its config-file name; PUT nsqlookupd_tcp_addresses (a JSON list) or
+        log_level (debug, info, warn, error, fatal; bare or as a JSON string). Answers with the value."""
+        if req.method == "PUT":
+            body = await req.read(self.options.max_msg_size)
+            if not body:  # None (too big) or empty
+                raise HTTPError(413, "INVALID_VALUE")
+            if opt == "nsqlookupd_tcp_addresses":
+                try:
+                    addresses = json.loads(body)
+                except ValueError:
+                    raise HTTPError(400, "INVALID_VALUE") from None
+                if addresses is None:
+                    addresses = []
+                if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+                    raise HTTPError(400, "INVALID_VALUE")
+                self.nsqd.set_lookupd_addresses(addresses)
+            elif opt == "log_level":
+                self._set_log_level(body)
+            else:
+                raise HTTPError(400, "INVALID_OPTION")
+        try:
+            return ok_json(option_value(self.options, opt))
+        except KeyError:
+            raise HTTPError(400, "INVALID_OPTION") from None
+
+    def _set_log_level(self, body: bytes) -> None:
+        text = body.decode("utf-8", "replace")
+        if text.startswith('"'):
+            try:
+                text = json.loads(text)
+            except ValueError:
+                raise HTTPError(400, "INVALID_VALUE") from None
+        level = str(text).lower()
+        if level not in GO_LOG_LEVELS:
+            raise HTTPError(400, "INVALID_VALUE")
+        self.options.log_level = level
+        root = logging.getLogger()
+        root.setLevel(parse_level(level))
+        logging.getLogger("hypercorn").setLevel(max(logging.WARNING, root.level))
+        log.info("log level set to %s", level)
+
+
+def option_value(options: Any, name: str) -> Any:
+    """An option as nsqd's getOptByCfgName shows it in JSON: durations in nanoseconds, the log level
+    as lg.LogLevel's number. Raises KeyError for an unknown name."""
+    for field in attrs.fields(type(options)):
+        if (field.metadata.get("cfg") or field.name) != name or field.name in _UNFLAGGED_OPTIONS:
+            continue
+        value = getattr(options, field.name)
+        if field.name == "log_level":
+            return GO_LOG_LEVELS.get(str(value).lower(), GO_LOG_LEVELS["warn"] if str(value).lower() == "warning" else 0)
+        if field.metadata.get("kind") == "duration":
+            return _ns(value)
+        return value
+    raise KeyError(name)
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1_000_000_000))
+
+
+# --- the Quart app ------------------------------------------------------------------------------
+
+# (rule, methods, Api method); /pub and /mpub are also served by Front when FAST_PATH is on
+ROUTES: list[tuple[str, list[str], str]] = [
+    ("/ping", ["GET"], "ping"),
+    ("/info", ["GET"], "info"),
+    ("/pub", ["POST"], "pub"),
+    ("/mpub", ["POST"], "mpub"),
+    ("/stats", ["GET"], "stats"),
+    ("/topic/create", ["POST"], "topic_create"),
+    ("/topic/delete", ["POST"], "topic_delete"),
+    ("/topic/empty", ["POST"], "topic_empty"),
+    ("/topic/pause", ["POST"], "topic_pause"),
+    ("/topic/unpause", ["POST"], "topic_unpause"),
+    ("/channel/create", ["POST"], "channel_create"),
+    ("/channel/delete", ["POST"], "channel_delete"),
+    ("/channel/empty", ["POST"], "channel_empty"),
+    ("/channel/pause", ["POST"], "channel_pause"),
+    ("/channel/unpause", ["POST"], "channel_unpause"),
+    ("/config/<opt>", ["GET", "PUT"], "config"),
+    ("/metrics", ["GET"], "metrics"),
+    ("/openapi.json", ["GET"], "openapi"),
+]
+
+_STATIC_PATHS = {rule.lower(): rule for rule, _, _ in ROUTES if "<" not in rule}
+
+
+def to_response(reply: Reply) -> Response:
+    response = Response(reply.body, status=reply.status)
+    response.headers.clear()
+    for key, value in reply.header_list():
+        response.headers[key] = value
+    response.headers["Content-Length"] = str(len(reply.body))
+    return response
+
+
+def _quart_request(max_seen: int | None = None) -> ApiRequest:
+    async def read(cap: int) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for data in request.body:
+                size += len(data)
+                if size > cap:
+                    return None
+                chunks.append(data)
+        except RequestEntityTooLarge:
+            return None
+        return b"".join(chunks)
+
+    client = request.scope.get("client") or ("", 0)
+    server = request.scope.get("server") or ("", 0)
+    return ApiRequest(
+        method=request.method,
+        path=request.path,
+        query=request.query_string,
+        content_length=request.content_length,
+        read=read,
+        remote=join_host_port(client[0], client[1]) if client[0] else "",
+        server_port=server[1] or 0,
+    )
+
+
+def create_app(api: Api) -> QuartTrio:
+    app = QuartTrio(__name__)
+    opts = api.options
+    # Quart's own body buffer stops here; each endpoint applies its smaller limit while reading
+    app.config["MAX_CONTENT_LENGTH"] = max(opts.max_body_size, opts.max_msg_size)
+
+    for rule, methods, name in ROUTES:
+        app.add_url_rule(rule, name, _view(api, name), methods=methods)
+
+    @app.errorhandler(404)
+    async def not_found(exc: HTTPException) -> Response:
+        start = time.perf_counter_ns()
+        req = _quart_request()
+        fixed = fixed_path(request.path)
+        if fixed is not None and fixed != request.path:
+            # httprouter's RedirectTrailingSlash/RedirectFixedPath: 301 for GET, 308 otherwise
+            status = 301 if request.method == "GET" else 308
+            location = fixed + ("?" + request.query_string.decode("latin-1") if request.query_string else "")
+            Api.log_request(req, status, start)
+            return Response(b"", status=status, headers={"Location": location})
+        Api.log_request(req, 404, start)
+        return to_response(error_reply(404, "NOT_FOUND"))
+
+    @app.errorhandler(405)
+    async def method_not_allowed(exc: MethodNotAllowed) -> Response:
+        start = time.perf_counter_ns()
+        Api.log_request(_quart_request(), 405, start)
+        response = to_response(error_reply(405, "METHOD_NOT_ALLOWED"))
+        if exc.valid_methods:
+            response.headers["Allow"] = ", ".join(sorted(set(exc.valid_methods)))
+        return response
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception) -> Response:
+        if isinstance(exc, HTTPException):
+            text = (exc.name or "ERROR").upper().replace(" ", "_")
+            return to_response(error_reply(exc.code or 500, text))
+        log.error("panic in HTTP handler - %r", exc, exc_info=exc)
+        return to_response(error_reply(500, "INTERNAL_ERROR"))
+
+    return app
+
+
+def _view(api: Api, name: str) -> Callable[..., Awaitable[Response]]:
+    async def view(**kwargs: Any) -> Response:
+        return to_response(await api.call(name, _quart_request(), **kwargs))
+
+    view.__name__ = name
+    return view
+
+
+def fixed_path(path: str) -> str | None:
+    """The route a mistyped path means, as httprouter finds it: trailing slash dropped, the path
+    cleaned (// . ..) and matched case-insensitively. None if there is none."""
+    cleaned = _clean_path(path)
+    if len(cleaned) > 1:
+        cleaned = cleaned.rstrip("/") or "/"
+    found = _STATIC_PATHS.get(cleaned.lower())
+    if found is not None:
+        return found
+    if cleaned[:8].lower() == "/config/":
+        opt = cleaned[8:]
+        if opt and "/" not in opt:
+            return "/config/" + opt
+    return None
+
+
+def _clean_path(path: str) -> str:
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(part)
+    out = "/" + "/".join(parts)
+    if path.endswith("/") and out != "/":
+        out += "/"
+    return out
+
+
+# --- the ASGI front -----------------------------------------------------------------------------
+
+
+class AsgiBody:
+    """A request body read straight from ASGI receive() events, never more than asked for."""
+
+    __slots__ = ("receive", "done")
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        self.receive = receive
+        self.done = False
+
+    async def read(self, cap: int) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        receive = self.receive
+        while not self.done:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            data = message.get("body", b"")
+            if not message.get("more_body", False):
+                self.done = True
+            size += len(data)
+            if size > cap:
+                return None
+            chunks.append(data)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def drain(self) -> None:
+        """Read and drop what is left, so the connection can answer and carry on."""
+        receive = self.receive
+        while not self.done:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                self.done = True
+
+
+class Front:
+    """The ASGI app hypercorn serves: TLS requirement, the hot routes, then the Quart app."""
+
+    def __init__(self, app: QuartTrio, api: Api, *, tls: bool, fast_path: bool = FAST_PATH) -> None:
+        self.app = app
+        self.api = api
+        self.tls = tls
+        self.fast = {"/pub": "pub", "/mpub": "mpub"} if fast_path else {}
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            if not self.tls and self.api.nsqd.tls_required:
+                await self._tls_required(receive, send)
+                return
+            if scope["method"] == "POST":
+                name = self.fast.get(scope["path"])
+                if name is not None:
+                    await self._serve(name, scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    async def _serve(self, name: str, scope: dict, receive: Callable, send: Callable) -> None:
+        body = AsgiBody(receive)
+        content_length = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                try:
+                    content_length = int(value)
+                except ValueError:
+                    pass
+                break
+        client = scope.get("client") or ("", 0)
+        req = ApiRequest("POST", scope["path"], scope["query_string"], content_length, body.read,
+                         f"{client[0]}:{client[1]}", (scope.get("server") or ("", 0))[1] or 0)
+        try:
+            reply = await self.api.call(name, req)
+        except ClientGone:
+            return
+        await send_reply(send, reply)
+        if not body.done:
+            with trio.move_on_after(LINGER_SECONDS):
+                await body.drain()
+
+    async def _tls_required(self, receive: Callable, send: Callable) -> None:
+        https_port = self.api.https_address[1] if self.api.https_address else 0
+        # nsqd writes this one by hand, spaces included
+        payload = f'{{"message": "TLS_REQUIRED", "https_port": {https_port}}}'.encode()
+        await send_reply(send, Reply(403, payload, JSON_TYPE))
+        with trio.move_on_after(LINGER_SECONDS):
+            await AsgiBody(receive).drain()
+
+
+async def send_reply(send: Callable, reply: Reply) -> None:
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.header_list()]
+    headers.append((b"content-length", str(len(reply.body)).encode()))
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})
+
+
+# --- serving ------------------------------------------------------------------------------------
+
+HYPERCORN_SETTINGS: dict[str, Any] = {
+    # nsqd (Go's net/http) does not close a keep-alive connection after N requests
+    "keep_alive_max_requests": 1 << 31,
+}
+
+
+async def serve_http(nsqd: Any, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the HTTP API on --http-address (and HTTPS on --https-address when TLS is configured)
+    until cancelled; reports the bound HTTP (host, port)."""
+    GC_PAUSES.install()
+    opts = nsqd.options
+    api = Api(nsqd)
+    app = create_app(api)
+    async with trio.open_nursery() as nursery:
+        if opts.https_address and nsqd.tls_context is not None:
+            api.https_address = await nursery.start(
+                functools.partial(serve_app, Front(app, api, tls=True), opts.https_address,
+                                  **HYPERCORN_SETTINGS, **_tls_settings(opts))
+            )
+            log.info("HTTPS: listening on %s", join_host_port(*api.https_address))
+        bound = await nursery.start(
+            functools.partial(serve_app, Front(app, api, tls=False), opts.http_address, **HYPERCORN_SETTINGS)
+        )
+        task_status.started(bound)
+
+
+def _tls_settings(opts: Any) -> dict[str, Any]:
+    import ssl
+
+    settings: dict[str, Any] = {"certfile": opts.tls_cert, "keyfile": opts.tls_key, "alpn_protocols": ["http/1.1"]}
+    if opts.tls_root_ca_file:
+        settings["ca_certs"] = opts.tls_root_ca_file
+    if opts.tls_client_auth_policy in ("require", "require-verify"):
+        settings["verify_mode"] = ssl.CERT_REQUIRED
+    return settings
+
+
+# --- OpenAPI ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _openapi_bytes() -> bytes:
+    return json_bytes(openapi_spec())
+
+
+def _param(name: str, description: str, *, required: bool = False, schema: dict | None = None) -> dict:
+    return {"name": name, "in": "query", "required": required, "description": description,
+            "schema": schema or {"type": "string"}}
+
+
+def _err(*messages: str) -> dict:
+    return {
+        "description": " | ".join(messages),
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"},
+                                         "examples": {m: {"value": {"message": m}} for m in messages}}},
+    }
+
+
+_TEXT_OK = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string", "example": "OK"}}}}
+_EMPTY_OK = {"description": "Done (empty body)"}
+_TOPIC = _param("topic", "topic name: [.a-zA-Z0-9_-]+(#ephemeral)?, 1-64 characters", required=True)
+_CHANNEL = _param("channel", "channel name: [.a-zA-Z0-9_-]+(#ephemeral)?, 1-64 characters", required=True)
+_INTEGER = {"type": "integer", "format": "int64"}
+_BOOL = {"type": "boolean"}
+
+
+def _schemas() -> dict:
+    latency = {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer"},
+            "percentiles": {"type": "array", "nullable": True, "items": {
+                "type": "object", "properties": {"quantile": {"type": "number"}, "value": {"type": "number",
+                                                                                     "description": "nanoseconds"}}}},
+        },
+    }
+    client = {"type": "object", "properties": {
+        **{k: {"type": "string"} for k in ("client_id", "hostname", "version", "remote_address", "user_agent",
+                                            "tls_cipher_suite", "tls_version", "tls_negotiated_protocol",
+                                            "auth_identity", "auth_identity_url", "topology_zone", "topology_region")},
+        **{k: _INTEGER for k in ("state", "ready_count", "in_flight_count", "message_count", "finish_count",
+                                  "requeue_count", "connect_ts", "sample_rate", "output_buffer_size",
+                                  "output_buffer_timeout")},
+        **{k: _BOOL for k in ("deflate", "snappy", "tls", "authed", "tls_negotiated_protocol_is_mutual")},
+        "pub_counts": {"type": "array", "items": {"type": "object", "properties": {
+            "topic": {"type": "string"}, "count": _INTEGER}}},
+    }}
+    channel = {"type": "object", "properties": {
+        "channel_name": {"type": "string"},
+        **{k: _INTEGER for k in ("depth", "backend_depth", "in_flight_count", "deferred_count", "message_count",
+                                  "requeue_count", "timeout_count", "client_count")},
+        "clients": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Client"}},
+        "paused": _BOOL,
+        "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
+    }}
+    topic = {"type": "object", "properties": {
+        "topic_name": {"type": "string"},
+        "channels": {"type": "array", "items": {"$ref": "#/components/schemas/ChannelStats"}},
+        **{k: _INTEGER for k in ("depth", "backend_depth", "message_count", "message_bytes")},
+        "paused": _BOOL,
+        "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
+    }}
+    memory = {"type": "object", "properties": {k: _INTEGER for k in (
+        "heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes", "gc_pause_usec_100",
+        "gc_pause_usec_99", "gc_pause_usec_95", "next_gc_bytes", "gc_total_runs")}}
+    stats = {"type": "object", "required": ["version", "health", "start_time", "topics", "producers"], "properties": {
+        "version": {"type": "string"}, "health": {"type": "string"}, "start_time": _INTEGER,
+        "topics": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/TopicStats"}},
+        "memory": {"$ref": "#/components/schemas/Memory"},
+        "producers": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Client"}},
+    }}
+    info = {"type": "object", "properties": {
+        "version": {"type": "string"}, "broadcast_address": {"type": "string"}, "hostname": {"type": "string"},
+        "http_port": {"type": "integer"}, "tcp_port": {"type": "integer"}, "start_time": _INTEGER,
+        "max_heartbeat_interval": {**_INTEGER, "description": "nanoseconds"},
+        "max_output_buffer_size": _INTEGER,
+        "max_output_buffer_timeout": {**_INTEGER, "description": "nanoseconds"},
+        "max_deflate_level": {"type": "integer"},
+        "topology_zone": {"type": "string"}, "topology_region": {"type": "string"},
+    }}
+    error = {"type": "object", "required": ["message"], "properties": {"message": {"type": "string"}}}
+    return {"Error": error, "Info": info, "Stats": stats, "TopicStats": topic, "ChannelStats": channel,
+            "Client": client, "Latency": latency, "Memory": memory}
+
+
+def openapi_spec() -> dict:
+    """An OpenAPI 3.0 description of every endpoint: parameters, bodies, statuses and error messages."""
+    not_allowed = _err("METHOD_NOT_ALLOWED")
+    bad_query = "INVALID_REQUEST"
+
+    def op(summary: str, responses: dict, parameters: list | None = None, body: dict | None = None,
+           description: str = "") -> dict:
+        operation: dict[str, Any] = {"summary": summary, "responses": {**responses, "405": not_allowed}}
+        if description:
+            operation["description"] = description
+        if parameters:
+            operation["parameters"] = parameters
+        if body:
+            operation["requestBody"] = body
+        return operation
+
+    binary_body = {"required": True, "content": {"application/octet-stream": {"schema": {
+        "type": "string", "format": "binary"}}}}
+    paths: dict[str, Any] = {
+        "/ping": {"get": op("Health check", {
+            "200": _TEXT_OK,
+            "500": {"description": "unhealthy", "content": {"text/plain": {"schema": {
+                "type": "string", "example": "NOK - failed to write to disk"}}}}})},
+        "/info": {"get": op("Version and listening ports", {
+            "200": {"description": "broker information", "content": {"application/json": {"schema": {
+                "$ref": "#/components/schemas/Info"}}}}})},
+        "/pub": {"post": op(
+            "Publish one message", {
+                "200": _TEXT_OK,
+                "400": _err("MSG_EMPTY", "MISSING_ARG_TOPIC", "INVALID_TOPIC", "INVALID_DEFER", bad_query),
+                "413": _err("MSG_TOO_BIG"),
+                "500": _err("INTERNAL_ERROR"),
+                "503": _err("EXITING")},
+            [_TOPIC, _param("defer", "delay delivery by this many milliseconds (0 to --max-req-timeout)",
+                            schema=_INTEGER)],
+            binary_body, "The body is the message (1 byte to --max-msg-size)."),
+        },
+        "/mpub": {"post": op(
+            "Publish several messages", {
+                "200": _TEXT_OK,
+                "400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", bad_query),
+                "413": _err("BODY_TOO_BIG", "MSG_TOO_BIG", "BAD_BODY", "BAD_MESSAGE"),
+                "500": _err("INTERNAL_ERROR"),
+                "503": _err("EXITING")},
+            [_TOPIC, _param("binary", "false (default): one message per line, empty lines skipped; true: "
+                                      "[count:int32][size:int32][bytes]... big-endian", schema={"type": "string"})],
+            binary_body, "At most --max-body-size bytes in all."),
+        },
+        "/stats": {"get": op(
+            "Topics, channels, clients and memory", {
+                "200": {"description": "JSON with format=json, nsqd's text report otherwise", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Stats"}},
+                    "text/plain": {"schema": {"type": "string"}}}},
+                "400": _err(bad_query)},
+            [_param("format", "json, or text (the default)", schema={"type": "string", "enum": ["json", "text"]}),
+             _param("topic", "only this topic"), _param("channel", "only this channel"),
+             _param("include_clients", "true (default) or false", schema={"type": "string"}),
+             _param("include_mem", "true (default) or false", schema={"type": "string"})]),
+        },
+        "/metrics": {"get": {"summary": "The /stats figures in Prometheus text format", "responses": {
+            "200": {"description": "text exposition format 0.0.4", "content": {"text/plain": {"schema": {
+                "type": "string"}}}}, "405": not_allowed}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": {"description": "OpenAPI 3 document", "content": {"application/json": {"schema": {
+                "type": "object"}}}}, "405": not_allowed}}},
+        "/config/{opt}": {
+            "parameters": [{"name": "opt", "in": "path", "required": True, "description":
+                            "an option's config-file name, e.g. nsqlookupd_tcp_addresses, log_level, mem_queue_size",
+                            "schema": {"type": "string"}}],
+            "get": op("Read an option (durations in nanoseconds)", {
+                "200": {"description": "the value as JSON", "content": {"application/json": {"schema": {}}}},
+                "400": _err("INVALID_OPTION")}),
+            "put": op("Change nsqlookupd_tcp_addresses or log_level at run time", {
+                "200": {"description": "the new value as JSON", "content": {"application/json": {"schema": {}}}},
+                "400": _err("INVALID_OPTION", "INVALID_VALUE"),
+                "413": _err("INVALID_VALUE")},
+                body={"required": True, "content": {
+                    "application/json": {"schema": {"type": "array", "items": {"type": "string"}},
+                                         "example": ["127.0.0.1:4160"]},
+                    "text/plain": {"schema": {"type": "string", "enum": list(GO_LOG_LEVELS)}}}}),
+        },
+    }
+    topic_errors = {
+        "create": ("Create a topic", {"400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", bad_query)}),
+        "delete": ("Delete a topic and its channels", {"400": _err("MISSING_ARG_TOPIC", bad_query),
+                                                       "404": _err("TOPIC_NOT_FOUND")}),
+        "empty": ("Drop every queued message of a topic", {"400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", bad_query),
+                                                           "404": _err("TOPIC_NOT_FOUND"),
+                                                           "500": _err("INTERNAL_ERROR")}),
+        "pause": ("Stop a topic's flow to its channels", {"400": _err("MISSING_ARG_TOPIC", bad_query),
+                                                           "404": _err("TOPIC_NOT_FOUND")}),
+        "unpause": ("Resume a paused topic", {"400": _err("MISSING_ARG_TOPIC", bad_query),
+                                              "404": _err("TOPIC_NOT_FOUND")}),
+    }
+    for action, (summary, errors) in topic_errors.items():
+        paths[f"/topic/{action}"] = {"post": op(summary, {"200": _EMPTY_OK, **errors}, [_TOPIC])}
+    channel_args = _err("MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", "MISSING_ARG_CHANNEL", "INVALID_ARG_CHANNEL",
+                        bad_query)
+    channel_summaries = {
+        "create": "Create a channel (the topic must exist)",
+        "delete": "Delete a channel",
+        "empty": "Drop every queued, in-flight and deferred message of a channel",
+        "pause": "Stop delivering a channel's messages",
+        "unpause": "Resume a paused channel",
+    }
+    for action, summary in channel_summaries.items():
+        not_found = _err("TOPIC_NOT_FOUND") if action == "create" else _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND")
+        responses = {"200": _EMPTY_OK, "400": channel_args, "404": not_found}
+        if action == "empty":
+            responses["500"] = _err("INTERNAL_ERROR")
+        paths[f"/channel/{action}"] = {"post": op(summary, responses, [_TOPIC, _CHANNEL])}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "trio-nsq nsqd HTTP API", "version": VERSION, "description":
+                 "nsqd's HTTP API (same paths, parameters, statuses and messages), plus /metrics and this "
+                 "document. Errors are JSON {\"message\": ...}; an unknown path is 404 NOT_FOUND and a wrong "
+                 "method 405 METHOD_NOT_ALLOWED. With TLS required, plain HTTP answers 403 "
+                 "{\"message\": \"TLS_REQUIRED\", \"https_port\": N}."},
+        "paths": paths,
+        "components": {"schemas": _schemas()},
+    }
