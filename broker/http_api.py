@@ -16,8 +16,10 @@ Three layers, outermost first:
 
 Request bodies are never taken whole before their size is known to be allowed: a declared
 Content-Length over the limit is refused before reading, and a body streamed without one is read only up
-to the limit, the rest read and dropped (a lingering close, as nginx and Go do, so the client sees the
-413 instead of a reset) for at most LINGER_SECONDS.
+to the limit. The rest is read and dropped before the 413 goes out (within LINGER_SECONDS and
+LINGER_BYTES; beyond them the answer goes out and the connection closes), because
+hypercorn closes a connection whose request body is unfinished when the answer ends, and a client still
+uploading would then see a reset instead of the answer; this way the connection even stays usable.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ TEXT_TYPE = "text/plain; charset=utf-8"
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NSQ_CONTENT_TYPE = ("X-NSQ-Content-Type", "nsq; version=1.0")
 
-# how long a refused upload is read and dropped so its client can read the answer
+# how long, and how much of, a refused upload is read and dropped so its client can read the answer
 LINGER_SECONDS = 10.0
+LINGER_BYTES = 64 * 1024 * 1024
 
 # nsqd's boolParams: anything else is "not given" (stats) or "true" (mpub's binary)
 BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
@@ -721,11 +724,12 @@ def _clean_path(path: str) -> str:
 class AsgiBody:
     """A request body read straight from ASGI receive() events, never more than asked for."""
 
-    __slots__ = ("receive", "done")
+    __slots__ = ("receive", "done", "received")
 
     def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
         self.receive = receive
         self.done = False
+        self.received = 0
 
     async def read(self, cap: int) -> bytes | None:
         chunks: list[bytes] = []
@@ -740,17 +744,31 @@ class AsgiBody:
                 self.done = True
             size += len(data)
             if size > cap:
+                self.received += size
                 return None
             chunks.append(data)
+        self.received += size
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def drain(self) -> None:
-        """Read and drop what is left, so the connection can answer and carry on."""
+    async def drain(self, budget: int) -> None:
+        """Read and drop what is left, up to `budget` bytes in all, so the answer reaches a client
+        still uploading and the connection can carry on."""
         receive = self.receive
-        while not self.done:
+        while not self.done and self.received <= budget:
             message = await receive()
-            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            self.received += len(message.get("body", b""))
+            if not message.get("more_body", False):
                 self.done = True
+
+    async def linger(self, content_length: int | None) -> None:
+        """drain() within LINGER_SECONDS and LINGER_BYTES; an upload declared bigger than that is
+        answered at once (and the connection closed by hypercorn), as there is no point reading it."""
+        if self.done or (content_length is not None and content_length > LINGER_BYTES):
+            return
+        with trio.move_on_after(LINGER_SECONDS):
+            await self.drain(LINGER_BYTES)
 
 
 class Front:
@@ -772,37 +790,71 @@ class Front:
                 if name is not None:
                     await self._serve(name, scope, receive, send)
                     return
+            await self._delegate(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    async def _delegate(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Hand a request to Quart, holding back the end of its answer until the request body is in.
+
+        Hypercorn closes a connection whose response ended before its request body did, so a client
+        still uploading may see a reset instead of the answer; Quart keeps reading (and, past its
+        MAX_CONTENT_LENGTH, dropping) the body meanwhile. Each send is shielded because quart-trio
+        cancels its request nursery when a disconnect arrives, which can land inside hypercorn's own
+        close bookkeeping and leave the connection open forever."""
+        done = trio.Event()
+
+        async def tracking_receive() -> dict:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                done.set()
+            return message
+
+        async def patient_send(message: dict) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not done.is_set():
+                declared = _content_length(scope)
+                if declared is None or declared <= LINGER_BYTES:
+                    with trio.move_on_after(LINGER_SECONDS):
+                        await done.wait()
+            with trio.CancelScope(shield=True):
+                await send(message)
+
+        await self.app(scope, tracking_receive, patient_send)
 
     async def _serve(self, name: str, scope: dict, receive: Callable, send: Callable) -> None:
         body = AsgiBody(receive)
-        content_length = None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                try:
-                    content_length = int(value)
-                except ValueError:
-                    pass
-                break
+        content_length = _content_length(scope)
         client = scope.get("client") or ("", 0)
         req = ApiRequest("POST", scope["path"], scope["query_string"], content_length, body.read,
                          f"{client[0]}:{client[1]}", (scope.get("server") or ("", 0))[1] or 0)
         try:
             reply = await self.api.call(name, req)
+            # answered before the body was in (a limit): read and drop the rest first, since
+            # hypercorn closes a connection whose request is unfinished when the answer ends
+            await body.linger(content_length)
         except ClientGone:
             return
         await send_reply(send, reply)
-        if not body.done:
-            with trio.move_on_after(LINGER_SECONDS):
-                await body.drain()
 
     async def _tls_required(self, receive: Callable, send: Callable) -> None:
         https_port = self.api.https_address[1] if self.api.https_address else 0
         # nsqd writes this one by hand, spaces included
         payload = f'{{"message": "TLS_REQUIRED", "https_port": {https_port}}}'.encode()
+        try:
+            await AsgiBody(receive).linger(None)
+        except ClientGone:
+            return
         await send_reply(send, Reply(403, payload, JSON_TYPE))
-        with trio.move_on_after(LINGER_SECONDS):
-            await AsgiBody(receive).drain()
+
+
+def _content_length(scope: dict) -> int | None:
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 async def send_reply(send: Callable, reply: Reply) -> None:
