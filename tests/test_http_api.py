@@ -660,3 +660,29 @@ def test_tls_required_refuses_plain_http_and_serves_https(tmp_path):
             assert topic_stats(https, "t")["depth"] == 1
     finally:
         b.stop()
+
+
+def test_quart_routes_serve_pub_and_mpub_too(tmp_path):
+    """With the ASGI fast path off (TRIO_NSQ_HTTP_FAST_PATH=0, for measuring it) the Quart app's own
+    /pub and /mpub answer the same way."""
+    b = BrokerProcess(tmp_path, "--max-body-size=1048576", env={"TRIO_NSQ_HTTP_FAST_PATH": "0"}).start()
+    try:
+        with httpx.Client(base_url=b.http_url, timeout=10.0) as http:
+            topic = unique()
+            assert http.post("/pub", params={"topic": topic}, content=b"one").text == "OK"
+            assert http.post("/mpub", params={"topic": topic, "binary": "true"},
+                             content=mpub_binary([b"two", b"three"])).text == "OK"
+            assert_error(http.post("/pub", params={"topic": topic}, content=b""), 400, "MSG_EMPTY")
+            assert_error(http.post("/pub", params={"topic": topic, "defer": "x"}, content=b"1"), 400, "INVALID_DEFER")
+
+            def chunks():
+                for _ in range(64):
+                    yield b"m\n" * 16384
+
+            assert_error(http.post("/mpub", params={"topic": topic}, content=chunks()), 413, "BODY_TOO_BIG")
+            assert http.get("/ping").text == "OK"
+            assert topic_stats(http, topic)["message_count"] == 3
+            with subscribe(b.tcp_address, topic, "ch", rdy=3) as consumer:
+                assert [m.body for m in consumer.expect_messages(3)] == [b"one", b"two", b"three"]
+    finally:
+        b.stop()
