@@ -242,7 +242,10 @@ class Api:
         try:
             reply = await getattr(self, name)(req, **kwargs)
         except HTTPError as exc:
-            reply = Reply(exc.status, exc.text.encode(), TEXT_TYPE, False) if name == "ping" else error_reply(exc.status, exc.text)
+            if name == "ping":  # nsqd's PlainText decorator: the text as it is
+                reply = Reply(exc.status, exc.text.encode(), TEXT_TYPE, nsq_header=False)
+            else:
+                reply = error_reply(exc.status, exc.text)
         if name not in ("pub", "mpub"):
             self.log_request(req, reply.status, start)
         return reply
@@ -561,7 +564,8 @@ def option_value(options: Any, name: str) -> Any:
             continue
         value = getattr(options, field.name)
         if field.name == "log_level":
-            return GO_LOG_LEVELS.get(str(value).lower(), GO_LOG_LEVELS["warn"] if str(value).lower() == "warning" else 0)
+            level = str(value).lower()
+            return GO_LOG_LEVELS.get("warn" if level == "warning" else level, 0)
         if field.metadata.get("kind") == "duration":
             return _ns(value)
         return value
@@ -608,7 +612,7 @@ def to_response(reply: Reply) -> Response:
     return response
 
 
-def _quart_request(max_seen: int | None = None) -> ApiRequest:
+def _quart_request() -> ApiRequest:
     async def read(cap: int) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
