@@ -1,0 +1,283 @@
+"""Durability of the real broker process: kill -9, SIGTERM, corrupt files, a full disk, a lost data dir.
+
+Every test counts message bodies: what got OK must come back after a restart; nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, Broker
+from shared.protocol import (
+    MAGIC_V2,
+    FrameParser,
+    decode_message,
+    encode_dpub,
+    encode_fin,
+    encode_identify,
+    encode_mpub,
+    encode_pub,
+    encode_rdy,
+    encode_sub,
+)
+
+OK_FRAME = struct.pack(">ii", 6, 0) + b"OK"
+
+
+def _connect(broker: Broker) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", broker.tcp_port), timeout=10)
+    sock.sendall(MAGIC_V2)
+    return sock
+
+
+def _read_frame(sock: socket.socket, parser: FrameParser, timeout: float = 10) -> tuple[int, bytes] | None:
+    sock.settimeout(timeout)
+    while True:
+        for frame in parser:
+            return frame
+        data = sock.recv(1 << 16)
+        if not data:
+            return None
+        parser.feed(data)
+
+
+def _create_channel(broker: Broker, topic: str, channel: str) -> None:
+    with _connect(broker) as sock:
+        sock.sendall(encode_sub(topic, channel))
+        assert _read_frame(sock, FrameParser()) == (0, b"OK")
+
+
+def consume(broker: Broker, topic: str, channel: str, want: set[bytes], timeout: float = 60) -> dict[bytes, int]:
+    """FIN everything; stop once every body in `want` was seen (or timeout). Returns body -> times seen."""
+    seen: dict[bytes, int] = {}
+    with _connect(broker) as sock:
+        parser = FrameParser()
+        sock.sendall(encode_identify({"heartbeat_interval": 5000}) + encode_sub(topic, channel) + encode_rdy(2500))
+        deadline = time.monotonic() + timeout
+        while not want <= seen.keys() and time.monotonic() < deadline:
+            try:
+                frame = _read_frame(sock, parser, timeout=1)
+            except socket.timeout:
+                continue
+            if frame is None:
+                break
+            kind, data = frame
+            if kind == 2:
+                msg = decode_message(data)
+                seen[msg.body] = seen.get(msg.body, 0) + 1
+                sock.sendall(encode_fin(msg.id))
+            elif data == b"_heartbeat_":
+                sock.sendall(b"NOP\n")
+    return seen
+
+
+def test_kill_9_loses_no_acknowledged_message(broker_factory):
+    """--mem-queue-size=0 --sync-every=1: an OK means fsynced; kill -9 mid-stream, restart, all come back."""
+    broker = broker_factory(mem_queue_size=0, sync_every=1)
+    _create_channel(broker, "dur", "ch")
+    acked: list[bytes] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    total, batch, writers = 100_000, 100, 4
+
+    def writer(w: int) -> None:
+        sock = _connect(broker)
+        parser = FrameParser()
+        i = 0
+        try:
+            while not stop.is_set() and i * batch * writers < total:
+                bodies = [b"w%d-%d-%d" % (w, i, j) for j in range(batch)]
+                sock.sendall(encode_mpub("dur", bodies))
+                frame = _read_frame(sock, parser)
+                if frame != (0, b"OK"):
+                    return
+                with lock:
+                    acked.extend(bodies)
+                i += 1
+        except OSError:
+            return
+        finally:
+            sock.close()
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(acked) < total // 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    broker.kill()
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert len(acked) >= total // 4, f"only {len(acked)} acknowledged before the kill"
+    broker.start()
+    want = set(acked)
+    seen = consume(broker, "dur", "ch", want, timeout=90)
+    missing = want - seen.keys()
+    assert not missing, f"{len(missing)} of {len(want)} acknowledged messages lost, e.g. {sorted(missing)[:3]}"
+
+
+def test_sigterm_keeps_memory_in_flight_and_deferred_messages(broker_factory):
+    broker = broker_factory(mem_queue_size=100)
+    _create_channel(broker, "term", "ch")
+    bodies = [b"m%05d" % i for i in range(3000)]
+    deferred = [b"d%03d" % i for i in range(20)]
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        for start in range(0, len(bodies), 500):
+            pub.sendall(encode_mpub("term", bodies[start : start + 500]))
+            assert _read_frame(pub, parser) == (0, b"OK")
+        for body in deferred:
+            pub.sendall(encode_dpub("term", 3_600_000, body))
+            assert _read_frame(pub, parser) == (0, b"OK")
+    # a consumer takes 50 and never finishes them: they are in flight at shutdown
+    cons = _connect(broker)
+    parser = FrameParser()
+    cons.sendall(encode_identify({"heartbeat_interval": 30000}) + encode_sub("term", "ch") + encode_rdy(50))
+    in_flight = set()
+    while len(in_flight) < 50:
+        kind, data = _read_frame(cons, parser)
+        if kind == 2:
+            in_flight.add(decode_message(data).body)
+    assert broker.stop() == 0
+    cons.close()
+    broker.start()
+    want = set(bodies) | set(deferred)
+    seen = consume(broker, "term", "ch", want, timeout=60)
+    assert want <= seen.keys(), f"lost {len(want - seen.keys())}"
+    assert in_flight <= seen.keys()
+
+
+def _diskqueue_files(data_path: Path, name: str) -> list[Path]:
+    return sorted(data_path.glob(f"{name}.diskqueue.*.dat"))
+
+
+def test_corrupt_and_truncated_files_are_survived(broker_factory):
+    broker = broker_factory(mem_queue_size=0, max_bytes_per_file=4096)
+    bodies = [b"c%04d" % i for i in range(400)]
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        for start in range(0, len(bodies), 50):
+            pub.sendall(encode_mpub("corrupt", bodies[start : start + 50]))
+            assert _read_frame(pub, parser) == (0, b"OK")
+    assert broker.stop() == 0
+    files = [f for f in _diskqueue_files(broker.data_path, "corrupt") if "meta" not in f.name]
+    assert len(files) >= 3, files
+    # an impossible length at the start of the first file, and a truncated tail on the last
+    with open(files[0], "r+b") as fh:
+        fh.write(struct.pack(">i", 0x7FFFFFF0))
+    with open(files[-1], "r+b") as fh:
+        fh.truncate(os.path.getsize(files[-1]) - 3)
+    broker.start()
+    survivors = set(bodies)
+    seen = consume(broker, "corrupt", "ch", survivors, timeout=8)
+    assert broker.is_alive()
+    assert len(seen) >= len(bodies) // 3, "the undamaged files must still be delivered"
+    assert all(n == 1 for n in seen.values())
+    assert "bad" in broker.stderr_text().lower() or list(broker.data_path.glob("*.bad"))
+    # and it keeps serving
+    with _connect(broker) as pub:
+        pub.sendall(encode_pub("corrupt", b"after"))
+        assert _read_frame(pub, FrameParser()) == (0, b"OK")
+
+
+def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    broker = Broker(mnt, mem_queue_size=0)
+    try:
+        broker.start()
+        _create_channel(broker, "full", "ch")
+        accepted: list[bytes] = []
+        failed = None
+        with _connect(broker) as pub:
+            parser = FrameParser()
+            for i in range(200):
+                bodies = [b"f%04d-%03d" % (i, j) + b"x" * 200 for j in range(50)]
+                pub.sendall(encode_mpub("full", bodies))
+                frame = _read_frame(pub, parser)
+                if frame != (0, b"OK"):
+                    failed = frame
+                    break
+                accepted.extend(bodies)
+        assert failed is not None and failed[0] == 1 and failed[1].startswith(b"E_MPUB_FAILED"), failed
+        assert broker.is_alive()
+        assert "failed to write" in broker.stderr_text()
+        seen = consume(broker, "full", "ch", set(accepted), timeout=60)
+        assert set(accepted) <= seen.keys(), f"lost {len(set(accepted) - seen.keys())} accepted messages"
+    finally:
+        broker.kill()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_missing_data_directory(tmp_path):
+    missing = tmp_path / "nope"
+    proc = subprocess.run(
+        [sys.executable, "-m", "broker", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
+         f"--data-path={missing}"],
+        cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=30,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert proc.returncode != 0
+    assert f"--data-path={missing}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_data_directory_removed_while_running(broker_factory):
+    broker = broker_factory(mem_queue_size=0)
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        pub.sendall(encode_pub("gone", b"before"))
+        assert _read_frame(pub, parser) == (0, b"OK")
+    for f in broker.data_path.iterdir():
+        f.unlink()
+    broker.data_path.rmdir()
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        pub.sendall(encode_pub("gone", b"after"))
+        kind, data = _read_frame(pub, parser)
+        assert kind == 1 and data.startswith(b"E_PUB_FAILED"), data
+    assert broker.is_alive()
+
+
+def test_data_directory_is_locked(broker_factory, tmp_path):
+    broker = broker_factory()
+    proc = subprocess.run(
+        [sys.executable, "-m", "broker", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
+         f"--data-path={broker.data_path}"],
+        cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=30,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert proc.returncode != 0 and "in use" in proc.stderr
+
+
+def test_metadata_survives_restart(broker_factory):
+    broker = broker_factory()
+    _create_channel(broker, "meta", "ch1")
+    _create_channel(broker, "meta", "ch2")
+    _create_channel(broker, "meta", "tmp#ephemeral")
+    deadline = time.monotonic() + 5
+    path = broker.data_path / "nsqd.dat"
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert broker.stop() == 0
+    meta = json.loads(path.read_text())
+    topic = next(t for t in meta["topics"] if t["name"] == "meta")
+    assert sorted(c["name"] for c in topic["channels"]) == ["ch1", "ch2"]
+    broker.start()
+    with _connect(broker) as pub:
+        pub.sendall(encode_pub("meta", b"both"))
+        assert _read_frame(pub, FrameParser()) == (0, b"OK")
+    # both channels exist again after the restart, so each gets the message
+    assert consume(broker, "meta", "ch1", {b"both"}, timeout=10) == {b"both": 1}
+    assert consume(broker, "meta", "ch2", {b"both"}, timeout=10) == {b"both": 1}
