@@ -228,5 +228,9 @@ class ClientV2:
                 return
             data, self.out = self.out, bytearray()
             timeout = self.heartbeat_interval if self.heartbeat_interval > 0 else self.nsqd.options.client_timeout
-            with trio.fail_after(timeout):
-                await self.stream.send_all(data)
+            try:
+                with trio.fail_after(timeout):
+                    await self.stream.send_all(data)
+            except trio.TooSlowError:
+                log.error("[%s] - write timeout after %gs, closing (the client is not reading)", self, timeout)
+                raise

@@ -71,6 +71,8 @@ class NSQD:
                 self._nursery = nursery
                 for topic in self.topics.values():
                     nursery.start_soon(topic.run)
+                # HTTP first: once TCP accepts connections, the whole broker is up
+                await self._start_http(nursery)
                 host, port = split_host_port(self.options.tcp_address)
                 listeners = await nursery.start(
                     functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None)
@@ -78,7 +80,6 @@ class NSQD:
                 sockname = listeners[0].socket.getsockname()
                 self.tcp_address = (sockname[0], sockname[1])
                 log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
-                await self._start_http(nursery)
                 await nursery.start(self.lookup.run)
                 nursery.start_soon(queue_scan_loop, self)
                 nursery.start_soon(self._persist_loop)
@@ -127,11 +128,8 @@ class NSQD:
             log.info("%s: flushed %d messages to backend", what, len(msgs))
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
-        """The HTTP API comes with broker/http_api.py; without it only TCP is served."""
-        try:
-            from broker.http_api import serve_http
-        except ImportError:
-            return
+        from broker.http_api import serve_http  # imported here: http_api imports this module
+
         self.http_address = await nursery.start(serve_http, self)
         log.info("HTTP: listening on %s", join_host_port(*self.http_address))
 

@@ -1,0 +1,199 @@
+"""A broker that bad clients cannot break: fuzzed TCP input, malformed HTTP, floods and slow peers.
+
+Fuzz cases are seeded (repeatable) mutations of valid command streams plus random bytes; each case is one
+connection that must end (answered or closed) within a timeout, and afterwards the broker must still
+publish and consume normally.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from nsq_raw import RawNSQ
+from shared.protocol import (
+    MAGIC_V2,
+    encode_dpub,
+    encode_fin,
+    encode_identify,
+    encode_mpub,
+    encode_pub,
+    encode_rdy,
+    encode_req,
+    encode_sub,
+    encode_touch,
+)
+
+FUZZ_CASES = 10_000
+
+SEEDS = [
+    MAGIC_V2 + encode_identify({"feature_negotiation": True, "heartbeat_interval": 1000}),
+    MAGIC_V2 + encode_pub("fuzz", b"hello"),
+    MAGIC_V2 + encode_mpub("fuzz", [b"a", b"bb", b"ccc"]),
+    MAGIC_V2 + encode_dpub("fuzz", 100, b"later"),
+    MAGIC_V2 + encode_sub("fuzz", "ch") + encode_rdy(5) + encode_fin(b"0" * 16) + encode_req(b"1" * 16, 10)
+    + encode_touch(b"2" * 16) + b"CLS\n",
+    MAGIC_V2 + b"NOP\nNOP\r\nAUTH\n\x00\x00\x00\x03abc",
+    MAGIC_V2 + encode_identify({"snappy": True, "deflate": True, "feature_negotiation": True}) + b"\xff\x06\x00\x00sNaPpY",
+]
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 6)):
+        op = rng.randrange(6)
+        pos = rng.randrange(len(buf) + 1)
+        if op == 0 and buf:
+            buf[min(pos, len(buf) - 1)] = rng.randrange(256)
+        elif op == 1:
+            buf[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif op == 2 and buf:
+            del buf[pos : pos + rng.randint(1, 8)]
+        elif op == 3:
+            # a length field set to something extreme
+            buf[pos:pos] = rng.choice([b"\x7f\xff\xff\xff", b"\xff\xff\xff\xff", b"\x00\x00\x00\x00", b"\x00\x10\x00\x00"])
+        elif op == 4:
+            buf[pos:pos] = rng.choice([b"\n", b" ", b"PUB ", b"MPUB t\n", b"SUB a b\n", b"RDY 99999999\n", b"IDENTIFY\n"])
+        else:
+            buf = buf[:pos]
+    return bytes(buf)
+
+
+def fuzz_case(address: tuple[str, int], seed: int) -> str:
+    rng = random.Random(seed)
+    if rng.random() < 0.2:
+        data = (MAGIC_V2 if rng.random() < 0.5 else b"") + rng.randbytes(rng.randint(0, 300))
+    else:
+        data = mutate(rng, rng.choice(SEEDS))
+    with socket.create_connection(address, timeout=10) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            # the broker must answer and/or close: read until EOF
+            while sock.recv(65536):
+                pass
+        except socket.timeout:
+            return f"hang on case {seed}: {data[:80]!r}"
+        except OSError:
+            pass  # the broker closed first (reset, not connected): that is an answer too
+    return ""
+
+
+def assert_serving(broker) -> None:
+    assert broker.is_alive(), broker.stderr_text()[-3000:]
+    with RawNSQ(broker.tcp_address) as consumer, RawNSQ(broker.tcp_address) as producer:
+        consumer.identify(heartbeat_interval=5000)
+        consumer.sub("alive", "ch")
+        consumer.rdy(1)
+        producer.command("PUB", "alive", body=b"still here")
+        producer.expect_response(b"OK")
+        msg = consumer.expect_message()
+        assert msg.body == b"still here"
+        consumer.fin(msg.id)
+
+
+def test_fuzzed_tcp_streams(broker):
+    address = ("127.0.0.1", broker.tcp_port)
+    with ThreadPoolExecutor(16) as pool:
+        failures = [f for f in pool.map(lambda s: fuzz_case(address, s), range(FUZZ_CASES)) if f]
+    assert not failures, failures[:5]
+    assert "internal error" not in broker.stderr_text()
+    assert_serving(broker)
+
+
+MALFORMED_HTTP = [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+    b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /pub?topic=t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZZ\r\nxx\r\n",
+    b"POST /mpub?topic=t&binary=true HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n\xff\xff\xff\xff\x00\x00\x00\x01",
+    b"GET /stats?format=json&topic=%ff%fe HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"PUT /config/nsqlookupd_tcp_addresses HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{bad}",
+    b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET / HTTP/1.1\r\n" + b"X-Big: " + b"b" * 200_000 + b"\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello on the plain port
+]
+
+
+def test_malformed_http_requests(broker):
+    for request in MALFORMED_HTTP:
+        with socket.create_connection(("127.0.0.1", broker.http_port), timeout=10) as sock:
+            try:
+                sock.sendall(request)
+                sock.shutdown(socket.SHUT_WR)
+                while sock.recv(65536):
+                    pass
+            except OSError:
+                pass
+    response = httpx.get(f"http://{broker.http_address}/ping", timeout=5)
+    assert response.status_code == 200 and response.text == "OK"
+    assert_serving(broker)
+
+
+def test_a_thousand_connections(broker):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    socks = []
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection(("127.0.0.1", broker.tcp_port), timeout=20)
+            sock.sendall(MAGIC_V2)
+            socks.append(sock)
+        for i, sock in enumerate(socks):
+            sock.sendall(encode_pub("flood", b"%d" % i))
+        ok = 0
+        for sock in socks:
+            data = b""
+            while len(data) < 10:
+                data += sock.recv(10 - len(data))
+            ok += data[8:] == b"OK"
+        assert ok == 1000
+        assert_serving(broker)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_consumer_that_never_reads_does_not_stall_others(broker):
+    body = b"z" * 200_000
+    with socket.create_connection(("127.0.0.1", broker.tcp_port)) as stuck:
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.sendall(MAGIC_V2 + encode_identify({"heartbeat_interval": 1000}) + encode_sub("slow", "stuck") + encode_rdy(2500))
+        time.sleep(0.2)
+        with RawNSQ(broker.tcp_address) as good, RawNSQ(broker.tcp_address) as producer:
+            good.identify(heartbeat_interval=5000)
+            good.sub("slow", "good")
+            good.rdy(100)
+            time.sleep(0.2)
+            start = time.monotonic()
+            for _ in range(100):
+                producer.command("PUB", "slow", body=body)
+                producer.expect_response(b"OK")
+            for _ in range(100):
+                good.fin(good.expect_message(timeout=10).id)
+            elapsed = time.monotonic() - start
+        # the stuck consumer is cut off once a write to it takes longer than its heartbeat interval
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and "write timeout" not in broker.stderr_text():
+            time.sleep(0.1)
+    assert elapsed < 10, f"other consumers were stalled: {elapsed:.1f}s for 100 messages"
+    assert "write timeout after 1s" in broker.stderr_text()
+    assert_serving(broker)
+
+
+@pytest.mark.parametrize("junk", [b"  V1", b"GET ", b"\x00\x00\x00\x00"])
+def test_bad_magic(broker, junk):
+    with socket.create_connection(("127.0.0.1", broker.tcp_port), timeout=5) as sock:
+        sock.sendall(junk)
+        data = b""
+        while chunk := sock.recv(100):
+            data += chunk
+    assert data.endswith(b"E_BAD_PROTOCOL")
+    assert_serving(broker)
