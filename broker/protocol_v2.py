@@ -474,8 +474,7 @@ class ProtocolV2:
         await self.check_auth(client, "MPUB", topic_name)
         bodies = parse_mpub_body(cmd.body, self.options.max_msg_size, self.options.max_body_size)
         topic = self.nsqd.get_topic(topic_name)
-        new_id = topic.guid.new_id
-        msgs = [Message(new_id(), body) for body in bodies]
+        msgs = list(map(Message, topic.guid.new_ids(len(bodies)), bodies))
         try:
             to_backend = topic.put_messages(msgs)
         except BackendError as exc:
