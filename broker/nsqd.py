@@ -17,6 +17,7 @@ import trio
 from broker.backend import BackendError, BackendQueue, DummyBackendQueue
 from broker.channel import Channel
 from broker.client_v2 import ClientV2
+from broker.diskqueue import DiskQueue
 from broker.lookup import LookupManager, register_cmd
 from broker.options import Options
 from broker.protocol_v2 import ProtocolV2
@@ -26,7 +27,7 @@ from broker.tls import build_server_context, tls_required
 from broker.topic import Topic
 from shared.http import join_host_port, split_host_port
 from shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
-from shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, encode_frame
+from shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, MIN_VALID_MSG_LENGTH, encode_frame
 from shared.version import VERSION
 
 log = logging.getLogger("nsqd")
@@ -212,7 +213,15 @@ class NSQD:
         return self._make_disk_backend(name)
 
     def _make_disk_backend(self, name: str) -> BackendQueue:
-        return DummyBackendQueue()
+        opts = self.options
+        return DiskQueue(
+            name, self.data_path,
+            max_bytes_per_file=opts.max_bytes_per_file,
+            min_msg_size=MIN_VALID_MSG_LENGTH,
+            max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
+            sync_every=opts.sync_every,
+            sync_timeout=opts.sync_timeout,
+        )
 
     def get_topic(self, name: str) -> Topic:
         topic = self.topics.get(name)

@@ -242,6 +242,7 @@ def test_data_directory_removed_while_running(broker_factory):
     for f in broker.data_path.iterdir():
         f.unlink()
     broker.data_path.rmdir()
+    time.sleep(0.3)  # the queue notices a vanished write file within 0.1 s
     with _connect(broker) as pub:
         parser = FrameParser()
         pub.sendall(encode_pub("gone", b"after"))
