@@ -23,6 +23,7 @@ from shared.protocol import (
     encode_fin,
     encode_identify,
     encode_mpub,
+    encode_mpub_body,
     encode_pub,
     encode_rdy,
     encode_req,
@@ -196,4 +197,34 @@ def test_bad_magic(broker, junk):
         while chunk := sock.recv(100):
             data += chunk
     assert data.endswith(b"E_BAD_PROTOCOL")
+    assert_serving(broker)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_publisher_faster_than_consumers_spills_to_disk_with_bounded_memory(broker_factory):
+    broker = broker_factory(mem_queue_size=1000)
+    body = b"p" * 1000
+    total = 200_000  # 200 MB of bodies: far more than the broker may hold in memory
+    with RawNSQ(broker.tcp_address) as consumer, RawNSQ(broker.tcp_address) as producer:
+        consumer.identify(heartbeat_interval=10000)
+        consumer.sub("spill", "slow")
+        consumer.rdy(1)  # a consumer far slower than the publisher
+        peak = 0.0
+        for i in range(total // 500):
+            producer.command("MPUB", "spill", body=encode_mpub_body([body] * 500))
+            producer.expect_response(b"OK")
+            if i % 40 == 0:
+                peak = max(peak, _rss_mb(broker.proc.pid))
+        peak = max(peak, _rss_mb(broker.proc.pid))
+        consumer.fin(consumer.expect_message().id)
+    on_disk = sum(f.stat().st_size for f in broker.data_path.glob("*.dat"))
+    assert on_disk > 150_000_000, on_disk
+    assert peak < 150, f"peak RSS {peak:.0f} MB while 200 MB were published"
     assert_serving(broker)
