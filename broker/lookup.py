@@ -74,10 +74,13 @@ class LookupPeer:
             while True:
                 try:
                     await self._session()
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
-                        LookupdError, ValueError) as exc:
+                except* (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
+                         LookupdError, ValueError) as group:
+                    exc = group.exceptions[0]
                     log.error("LOOKUPD(%s): %s", self.address, exc or type(exc).__name__)
                 finally:
+                    if self.connected:
+                        backoff = 0.5  # a working session ended: retry soon, then back off again
                     self.connected = False
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
@@ -117,15 +120,29 @@ class LookupPeer:
             while True:
                 if self._resync:
                     raise LookupdError("notification backlog overflowed, re-registering")
-                command = None
-                with trio.move_on_at(next_ping):
-                    command = await self._recv.receive()
+                command = await self._next_command(stream, next_ping)
                 if command is None:
                     command = b"PING\n"
                     next_ping = trio.current_time() + PING_INTERVAL
                 else:
                     log.info("LOOKUPD(%s): %s", self.address, command.decode().strip())
                 await self._command(stream, command)
+
+    async def _next_command(self, stream: trio.abc.Stream, deadline: float) -> bytes | None:
+        """The next notification, or None when it is time to PING. lookupd never speaks unasked, so
+        the stream is watched meanwhile: a lookupd that goes away is noticed at once, not at the PING."""
+        command = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                data = await stream.receive_some(1)
+                raise LookupdError("lookupd closed the connection" if not data else "unexpected data from lookupd")
+
+            nursery.start_soon(watch)
+            with trio.move_on_at(deadline):
+                command = await self._recv.receive()
+            nursery.cancel_scope.cancel()
+        return command
 
     async def _command(self, stream: trio.abc.Stream, command: bytes) -> bytes:
         await stream.send_all(command)
