@@ -1,0 +1,80 @@
+"""Every example runs as written against real processes; the compose file is consistent."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import httpx
+import yaml
+
+from conftest import REPO_ROOT
+from test_lookupd_discovery import Lookupd
+
+
+def run(argv, env, timeout=60):
+    return subprocess.run(argv, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env})
+
+
+def test_publish_consume_example(broker):
+    proc = run([sys.executable, "examples/publish_consume.py"], {"NSQD_TCP": broker.tcp_address, "TOPIC": "ex1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "done: hello from trio-nsq" in proc.stdout
+
+
+def test_curl_then_pynsq_examples(broker):
+    proc = run(["bash", "examples/publish_curl.sh"], {"NSQD_HTTP": broker.http_address, "TOPIC": "ex2"})
+    assert proc.returncode == 0, proc.stderr
+    assert "topic ex2 message_count 4" in proc.stdout
+    proc = run([sys.executable, "examples/consume_pynsq.py", "4"], {"NSQD_TCP": broker.tcp_address, "TOPIC": "ex2"})
+    assert proc.returncode == 0, proc.stderr
+    assert re.findall(r"pynsq received: (.*)", proc.stdout) == ["hello from curl", "one", "two", "three"]
+
+
+def test_multi_broker_example(tmp_path, broker_factory):
+    lk = Lookupd(tmp_path).start()
+    try:
+        brokers = [broker_factory(lookupd_tcp_address=lk.tcp_address, broadcast_address="127.0.0.1") for _ in range(2)]
+        proc = run([sys.executable, "examples/multi_broker.py"],
+                   {"NSQD_TCPS": ",".join(b.tcp_address for b in brokers),
+                    "LOOKUPD_HTTP": f"127.0.0.1:{lk.http_port}", "TOPIC": "ex3"})
+        assert proc.returncode == 0, proc.stderr
+        assert "received 10 messages from 2 brokers found through lookupd" in proc.stdout
+    finally:
+        lk.stop()
+
+
+def test_compose_file_is_consistent():
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"nsqlookupd", "nsqd1", "nsqd2"} <= services.keys()
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    for name, svc in services.items():
+        assert svc.get("build") == ".", name
+        command = svc["command"]
+        if command[0] == "python":
+            assert (REPO_ROOT / command[1]).exists(), command  # the example exists...
+            assert command[1].split("/")[0] + " " in dockerfile.replace("COPY ", "")  # ...and is in the image
+        else:
+            assert command[0] in scripts, command
+            module = scripts[command[0]].split(":")[0]
+            # flags the command really accepts
+            proc = subprocess.run([sys.executable, "-m", module.rsplit(".", 1)[0], "--help"], cwd=str(REPO_ROOT),
+                                  capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            for flag in command[1:]:
+                assert flag.split("=")[0] in proc.stdout, (name, flag)
+        for dep in svc.get("depends_on", {}):
+            assert dep in services
+        for volume in svc.get("volumes", []):
+            assert volume.split(":")[0] in compose["volumes"]
+    # brokers register with the lookupd service and answer on distinct host ports
+    host_ports = [p.split(":")[0] for s in services.values() for p in s.get("ports", [])]
+    assert len(host_ports) == len(set(host_ports))
+    for broker in ("nsqd1", "nsqd2"):
+        assert "--lookupd-tcp-address=nsqlookupd:4160" in services[broker]["command"]
+        assert "/ping" in " ".join(services[broker]["healthcheck"]["test"])
