@@ -31,7 +31,7 @@ from shared.protocol import (
     encode_touch,
 )
 
-FUZZ_CASES = 10_000
+FUZZ_CASES = 10_000  # on the broker; 5,000 more on lookupd below
 
 SEEDS = [
     MAGIC_V2 + encode_identify({"feature_negotiation": True, "heartbeat_interval": 1000}),
@@ -228,3 +228,44 @@ def test_a_publisher_faster_than_consumers_spills_to_disk_with_bounded_memory(br
     assert on_disk > 150_000_000, on_disk
     assert peak < 150, f"peak RSS {peak:.0f} MB while 200 MB were published"
     assert_serving(broker)
+
+
+V1_SEEDS = [
+    b"  V1IDENTIFY\n" + len(b'{"broadcast_address":"b","tcp_port":1,"http_port":2,"version":"1"}').to_bytes(4, "big")
+    + b'{"broadcast_address":"b","tcp_port":1,"http_port":2,"version":"1"}' + b"REGISTER t c\nPING\nUNREGISTER t c\n",
+    b"  V1PING\nREGISTER t\n",
+    b"  V1IDENTIFY\n\x00\x00\x00\x02{}",
+]
+
+
+def test_fuzzed_lookupd_streams(tmp_path):
+    from test_lookupd_discovery import Lookupd
+
+    lk = Lookupd(tmp_path).start()
+    try:
+        address = ("127.0.0.1", lk.tcp_port)
+
+        def case(seed: int) -> str:
+            rng = random.Random(seed)
+            data = mutate(rng, rng.choice(V1_SEEDS)) if rng.random() < 0.8 else rng.randbytes(rng.randint(0, 200))
+            with socket.create_connection(address, timeout=10) as sock:
+                try:
+                    sock.sendall(data)
+                    sock.shutdown(socket.SHUT_WR)
+                    while sock.recv(65536):
+                        pass
+                except socket.timeout:
+                    return f"hang on case {seed}: {data[:80]!r}"
+                except OSError:
+                    pass
+            return ""
+
+        with ThreadPoolExecutor(16) as pool:
+            failures = [f for f in pool.map(case, range(5_000)) if f]
+        assert not failures, failures[:5]
+        assert lk.proc.poll() is None
+        assert "internal error" not in lk.log.read_text()
+        assert lk.get("/ping").text == "OK"
+        assert lk.get("/nodes").json() == {"producers": []}  # every fuzzing peer was removed again
+    finally:
+        lk.stop()
