@@ -226,6 +226,7 @@ def test_a_publisher_faster_than_consumers_spills_to_disk_with_bounded_memory(br
         consumer.fin(consumer.expect_message().id)
     on_disk = sum(f.stat().st_size for f in broker.data_path.glob("*.dat"))
     assert on_disk > 150_000_000, on_disk
+    print(f"\npeak broker RSS {peak:.0f} MB while 200 MB were published, {on_disk / 1e6:.0f} MB on disk")
     assert peak < 150, f"peak RSS {peak:.0f} MB while 200 MB were published"
     assert_serving(broker)
 
