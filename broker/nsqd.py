@@ -28,6 +28,7 @@ from broker.topic import Topic
 from shared.http import join_host_port, split_host_port
 from shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
 from shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, MIN_VALID_MSG_LENGTH, encode_frame
+from shared.tcp import serve_connection
 from shared.version import VERSION
 
 log = logging.getLogger("nsqd")
@@ -164,41 +165,16 @@ class NSQD:
     # --- TCP ----------------------------------------------------------------------------------
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        try:
-            peer = stream.socket.getpeername()
-            remote = join_host_port(peer[0], peer[1])
-        except OSError:
-            return
-        log.info("TCP: new client(%s)", remote)
-        try:
-            magic = b""
-            with trio.move_on_after(self.options.client_timeout):
-                while len(magic) < 4:
-                    data = await stream.receive_some(4 - len(magic))
-                    if not data:
-                        return
-                    magic += data
-            if len(magic) < 4:
-                return
-            if magic != MAGIC_V2:
-                log.error("client(%s) bad protocol magic '%s'", remote, magic.decode(errors="replace"))
-                with trio.move_on_after(1):
-                    await stream.send_all(encode_frame(FRAME_TYPE_ERROR, b"E_BAD_PROTOCOL"))
-                return
-            log.info("CLIENT(%s): desired protocol magic '%s'", remote, magic.decode())
-            self._client_seq += 1
-            client = ClientV2(self._client_seq, stream, remote, self)
-            self.clients[client.id] = client
-            await self.protocol.serve(client)
-        except* (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as group:
-            log.info("client(%s) connection ended - %s", remote, group.exceptions[0])
-        except* Exception:
-            # a bug must cost one connection, never the broker
-            log.exception("client(%s) internal error, closing connection", remote)
-        finally:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                await stream.aclose()
+        await serve_connection(
+            stream, magic=MAGIC_V2, bad_magic_reply=encode_frame(FRAME_TYPE_ERROR, b"E_BAD_PROTOCOL"),
+            magic_timeout=self.options.client_timeout, handler=self._serve_v2, log=log,
+        )
+
+    async def _serve_v2(self, stream: trio.SocketStream, remote: str) -> None:
+        self._client_seq += 1
+        client = ClientV2(self._client_seq, stream, remote, self)
+        self.clients[client.id] = client
+        await self.protocol.serve(client)
 
     def remove_client(self, client: ClientV2) -> None:
         self.clients.pop(client.id, None)

@@ -12,6 +12,7 @@ from lookupd.options import Options
 from lookupd.protocol_v1 import ClientV1, LookupProtocolV1, frame
 from lookupd.registration_db import RegistrationDB
 from shared.http import join_host_port, serve_app, split_host_port
+from shared.tcp import serve_connection
 
 log = logging.getLogger("nsqlookupd")
 
@@ -40,31 +41,8 @@ class NSQLookupd:
             task_status.started()
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        try:
-            peer = stream.socket.getpeername()
-            remote = join_host_port(peer[0], peer[1])
-        except OSError:
-            return
-        log.info("TCP: new client(%s)", remote)
-        try:
-            magic = b""
-            with trio.move_on_after(self.options.inactive_producer_timeout):
-                while len(magic) < 4:
-                    data = await stream.receive_some(4 - len(magic))
-                    if not data:
-                        return
-                    magic += data
-            if magic != MAGIC_V1:
-                log.error("client(%s) bad protocol magic '%s'", remote, magic.decode(errors="replace"))
-                with trio.move_on_after(1):
-                    await stream.send_all(frame(b"E_BAD_PROTOCOL"))
-                return
-            await self.protocol.serve(stream, ClientV1(remote))
-        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as group:
-            log.info("client(%s) connection ended - %s", remote, group.exceptions[0])
-        except* Exception:
-            log.exception("client(%s) internal error, closing connection", remote)
-        finally:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                await stream.aclose()
+        await serve_connection(
+            stream, magic=MAGIC_V1, bad_magic_reply=frame(b"E_BAD_PROTOCOL"),
+            magic_timeout=self.options.inactive_producer_timeout, log=log,
+            handler=lambda s, remote: self.protocol.serve(s, ClientV1(remote)),
+        )

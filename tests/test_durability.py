@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import REPO_ROOT, Broker
 from shared.protocol import (

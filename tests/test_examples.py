@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tomllib
 
-import httpx
 import yaml
 
 from conftest import REPO_ROOT

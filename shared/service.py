@@ -1,0 +1,32 @@
+"""Running a server process (trio-nsqd, trio-nsqlookupd): until SIGTERM/SIGINT, which cancel it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import trio
+
+
+async def run_until_signalled(start: Callable[..., Awaitable[None]], log: logging.Logger) -> None:
+    """Start the server's `run(task_status=...)`, then cancel it on the first SIGTERM or SIGINT."""
+    async with trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await nursery.start(start)
+            async for signum in signals:
+                log.info("received signal %s, exiting", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def run_service(make_server: Callable[[], object], log: logging.Logger) -> None:
+    """trio.run the server; a start-up failure (bad options, port in use, data dir) exits 1 with a log line."""
+    try:
+        server = make_server()
+        trio.run(run_until_signalled, server.run, log)
+    except* (RuntimeError, OSError) as group:
+        for exc in group.exceptions:
+            log.critical("%s", exc)
+        sys.exit(1)
