@@ -30,7 +30,7 @@ async def main() -> None:
     async with Consumer(TOPIC, "example-channel", handler, nsqd_tcp_addresses=[NSQD_TCP], max_in_flight=10):
         with trio.fail_after(10):
             await done.wait()
-    print("done:", " ".join(received))
+    print("done:", ", ".join(sorted(received)))  # NSQ does not promise order
 
 
 if __name__ == "__main__":

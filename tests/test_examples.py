@@ -22,7 +22,7 @@ def run(argv, env, timeout=60):
 def test_publish_consume_example(broker):
     proc = run([sys.executable, "examples/publish_consume.py"], {"NSQD_TCP": broker.tcp_address, "TOPIC": "ex1"})
     assert proc.returncode == 0, proc.stderr
-    assert "done: hello from trio-nsq" in proc.stdout
+    assert "done: from, hello, trio-nsq" in proc.stdout
 
 
 def test_curl_then_pynsq_examples(broker):
