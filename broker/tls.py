@@ -1,10 +1,9 @@
-"""TLS for the broker: the server context built from nsqd's --tls-* options, and the client-cert policy.
+"""TLS for the broker: the server context built from nsqd's --tls-* options.
 
-Python's ssl module cannot ask for a client certificate without verifying it, so "require" (Go's
-RequireAnyClientCert) verifies against --tls-root-ca-file when one is given, and otherwise requests a
-certificate that is then checked for presence only after the handshake... which Python can only do by
-verifying it. We therefore treat "require" like "require-verify" when a root CA file is given, and
-refuse to start with "require" and no root CA file, saying so.
+Python's ssl module cannot request a client certificate without verifying it, so Go's "require"
+(any certificate) is not available: both "require" and "require-verify" verify against
+--tls-root-ca-file, which they therefore need. --tls-min-version below tls1.2 means tls1.2 (OpenSSL here
+refuses older versions).
 """
 
 from __future__ import annotations
