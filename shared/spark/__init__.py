@@ -1,0 +1,23 @@
+"""The PySpark connector: `df.write.format("nsq")` and `df.writeStream.format("nsq")` publish rows to NSQ
+through nsqd's `POST /mpub?binary=true`.
+
+    from shared.spark import NSQDataSource
+    spark.dataSource.register(NSQDataSource)
+
+With the package installed normally (not editable), no call is needed: Spark finds the top-level module
+`pyspark_nsq`, which exports this class as DefaultSource. See shared/spark/README.md.
+
+Modules: options (checked at planning time), rows (Arrow rows to message bodies), publisher (batches and
+HTTP, plain Python), datasource (the Spark classes).
+"""
+
+__all__ = ["NSQDataSource"]
+
+
+def __getattr__(name: str):
+    # pyspark is an optional extra: import it only when the data source is asked for
+    if name == "NSQDataSource":
+        from shared.spark.datasource import NSQDataSource
+
+        return NSQDataSource
+    raise AttributeError(name)

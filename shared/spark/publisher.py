@@ -1,0 +1,329 @@
+"""What a Spark task does with its messages, without Spark: batches bounded by count and body size, and
+`POST /mpub?binary=true` over one reused HTTP connection with retries. Plain Python (stdlib HTTP), so it is
+tested on its own and a Spark worker needs nothing beyond the package to run it.
+
+Errors are split the way Spark's retry logic needs them:
+
+- `NSQRefusedError`: the broker answered 4xx (message too big, bad topic...). Sending again cannot help,
+  so it is raised at once and fails the task with the broker's own code in the message.
+- `NSQUnavailableError`: no broker answered (connection refused, timeout, 5xx) after every retry.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import random
+import time
+import urllib.parse
+from collections.abc import Iterator
+
+from shared.protocol import encode_mpub_body
+
+log = logging.getLogger("trio_nsq.spark")
+
+# nsqd's defaults for --max-body-size and --max-msg-size
+DEFAULT_MAX_BODY_SIZE = 5 * 1024 * 1024
+DEFAULT_MAX_MSG_SIZE = 1024 * 1024
+
+
+class NSQPublishError(RuntimeError):
+    """A batch could not be published."""
+
+
+class NSQRefusedError(NSQPublishError):
+    """The broker refused a batch (4xx): retrying cannot help."""
+
+    def __init__(self, text: str, status: int, code: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.code = code
+
+
+class NSQUnavailableError(NSQPublishError, ConnectionError):
+    """No broker took the batch, after every retry."""
+
+
+def mpub_size(bodies: list[bytes]) -> int:
+    """Bytes of the binary /mpub body: [count:uint32] then [size:uint32][bytes] per message."""
+    return 4 + 4 * len(bodies) + sum(map(len, bodies))
+
+
+class Batcher:
+    """Groups messages per topic into /mpub batches of at most `max_count` messages and `max_bytes` body
+    bytes. Order within a topic is kept; a message larger than `max_bytes` on its own still makes a batch
+    of one, so that the broker, not the connector, says why it is refused."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._pending: dict[str, tuple[list[bytes], list[int]]] = {}
+
+    @property
+    def pending_bytes(self) -> int:
+        """Body bytes held back, over every topic (rows routed to many topics fill many small batches)."""
+        return sum(size[0] for _, size in self._pending.values())
+
+    def add(self, topic: str, body: bytes) -> tuple[str, list[bytes]] | None:
+        """Queue one message; returns a full batch to send (of this topic) when adding it overflowed one."""
+        entry = self._pending.get(topic)
+        if entry is None:
+            self._pending[topic] = ([body], [4 + 4 + len(body)])
+            return None
+        bodies, size = entry
+        cost = 4 + len(body)
+        if len(bodies) >= self.max_count or size[0] + cost > self.max_bytes:
+            self._pending[topic] = ([body], [4 + cost])
+            return topic, bodies
+        bodies.append(body)
+        size[0] += cost
+        return None
+
+    def flush(self) -> Iterator[tuple[str, list[bytes]]]:
+        pending, self._pending = self._pending, {}
+        for topic, (bodies, _) in pending.items():
+            yield topic, bodies
+
+
+def split_to_fit(bodies: list[bytes], max_bytes: int) -> Iterator[list[bytes]]:
+    """Consecutive slices of `bodies` whose /mpub bodies stay within max_bytes (a lone oversize message
+    is a slice of its own)."""
+    start, size = 0, 4
+    for i, body in enumerate(bodies):
+        cost = 4 + len(body)
+        if i > start and size + cost > max_bytes:
+            yield bodies[start:i]
+            start, size = i, 4
+        size += cost
+    if start < len(bodies):
+        yield bodies[start:]
+
+
+def host_port(address: str, default_port: int) -> tuple[str, int]:
+    """'host:port', 'http://host:port/', '[::1]:4151' or 'host' -> (host, port); ValueError if it is none."""
+    parts = urllib.parse.urlsplit(address if "://" in address else "http://" + address)
+    if parts.scheme != "http":
+        raise ValueError("only http:// is supported")
+    if not parts.hostname:
+        raise ValueError("no host")
+    return parts.hostname, parts.port or default_port  # .port raises ValueError for a bad port
+
+
+def _broker_message(data: bytes) -> str:
+    """nsqd's error body is {"message": "CODE"}; anything else is shown as text."""
+    try:
+        return str(json.loads(data)["message"])
+    except (ValueError, KeyError, TypeError):
+        return data.decode("utf-8", "replace").strip()[:200]
+
+
+class MPubClient:
+    """Publishes batches through `POST /mpub?binary=true`, keeping one HTTP/1.1 connection open.
+
+    `addresses` are nsqd HTTP addresses in order of preference: the first takes everything while it
+    answers; a failed attempt moves on to the next one (round robin) after a backoff of
+    `retry_backoff * 2**attempt` seconds (at most `retry_backoff_max`, with jitter). After `max_retries`
+    failed retries the batch fails with NSQUnavailableError. The broker's own limits are read once per
+    connection from `/config/max_body_size` and `/config/max_msg_size` (nsqd's GET /config/:opt), so
+    batches are cut to what the broker takes even when the option says more.
+    """
+
+    def __init__(self, addresses: list[str], *, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+                 max_retries: int = 8, retry_backoff: float = 0.5, retry_backoff_max: float = 5.0,
+                 timeout: float = 30.0, sleep=time.sleep) -> None:
+        if not addresses:
+            raise ValueError("no nsqd HTTP address")
+        self.addresses = [host_port(a, 4151) for a in addresses]
+        self.max_body_size = max_body_size
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.retry_backoff_max = retry_backoff_max
+        self.timeout = timeout
+        self._sleep = sleep
+        self._index = 0
+        self._conn: http.client.HTTPConnection | None = None
+        self._fresh = False
+        self._limits: tuple[int, int, bool] | None = None  # the broker's max_body_size, max_msg_size
+        # figures for the commit message
+        self.requests = 0
+        self.retries = 0
+        self.messages = 0
+        self.bytes = 0
+
+    @property
+    def address(self) -> str:
+        host, port = self.addresses[self._index % len(self.addresses)]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> MPubClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- HTTP ------------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """One request on the kept connection; a kept connection that the server closed meanwhile is
+        reopened once at no cost (that is not a failure of the broker)."""
+        for _ in range(2):
+            if self._conn is None:
+                host, port = self.addresses[self._index % len(self.addresses)]
+                self._conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+                self._fresh = True
+                self._limits = None
+            reused = not self._fresh
+            self._fresh = False
+            try:
+                self._conn.request(method, path, body=body, headers={"Content-Type": "application/octet-stream"})
+                response = self._conn.getresponse()
+                data = response.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if reused:
+                    continue
+                raise
+            except BaseException:
+                self.close()
+                raise
+            if response.will_close:
+                self.close()
+            return response.status, data
+        raise AssertionError("unreachable")
+
+    def _broker_limits(self) -> tuple[int, int, bool]:
+        """(max_body_size, max_msg_size, known): the broker's, or nsqd's defaults when it does not say."""
+        if self._limits is None:
+            limits = []
+            for name in ("max_body_size", "max_msg_size"):
+                status, data = self._request("GET", f"/config/{name}")
+                try:
+                    limits.append(int(json.loads(data)) if status == 200 else None)
+                except (ValueError, TypeError):
+                    limits.append(None)
+            known = None not in limits
+            self._limits = (limits[0] or DEFAULT_MAX_BODY_SIZE, limits[1] or DEFAULT_MAX_MSG_SIZE, known)
+        return self._limits
+
+    # --- publishing -------------------------------------------------------------------------------
+
+    def publish(self, topic: str, bodies: list[bytes]) -> None:
+        """Publish every body to `topic` (at least once), or raise NSQRefusedError / NSQUnavailableError."""
+        path = "/mpub?" + urllib.parse.urlencode({"topic": topic, "binary": "true"})
+        for chunk in split_to_fit(bodies, self.max_body_size):
+            self._publish(topic, path, chunk)
+
+    def _publish(self, topic: str, path: str, bodies: list[bytes]) -> None:
+        started = time.monotonic()
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.retries += 1
+                delay = min(self.retry_backoff_max, self.retry_backoff * 2 ** (attempt - 1))
+                delay *= random.uniform(0.8, 1.2)
+                log.warning("nsq: publishing %d messages to %r failed (%s); retry %d/%d in %.2fs", len(bodies),
+                            topic, last_error, attempt, self.max_retries, delay)
+                self._sleep(delay)
+            try:
+                max_body, max_msg, known = self._broker_limits()
+            except (OSError, http.client.HTTPException) as exc:
+                last_error = self._failed(exc)
+                continue
+            if mpub_size(bodies) > max_body:
+                if len(bodies) > 1:
+                    # the broker takes less than the option said: send what fits, one request at a time
+                    for chunk in split_to_fit(bodies, max_body):
+                        self._publish(topic, path, chunk)
+                    return
+                if known:  # it would answer 413, maybe before reading the body: do not send it
+                    text = self._refusal(topic, bodies, 413, "BODY_TOO_BIG", max_body, max_msg, sent=False)
+                    raise NSQRefusedError(text, 413, "BODY_TOO_BIG")
+            self.requests += 1
+            try:
+                status, data = self._request("POST", path, encode_mpub_body(bodies))
+            except (OSError, http.client.HTTPException) as exc:
+                last_error = self._failed(exc)
+                continue
+            if status == 200:
+                self.messages += len(bodies)
+                self.bytes += sum(map(len, bodies))
+                return
+            code = _broker_message(data)
+            if status == 413 and code == "BODY_TOO_BIG" and len(bodies) > 1:
+                half = len(bodies) // 2  # a broker behind a proxy, or limits that changed: halve and go on
+                self._publish(topic, path, bodies[:half])
+                self._publish(topic, path, bodies[half:])
+                return
+            if 400 <= status < 500:
+                raise NSQRefusedError(self._refusal(topic, bodies, status, code, max_body, max_msg), status, code)
+            last_error = self._failed(f"{status} {code}")
+        where = ", ".join(f"{h}:{p}" for h, p in self.addresses)
+        raise NSQUnavailableError(
+            f"nsq: could not publish {len(bodies)} messages to topic {topic!r}: no broker took them after "
+            f"{self.max_retries + 1} attempts in {time.monotonic() - started:.1f}s (brokers: {where}; last error: "
+            f"{last_error}). Check that nsqd is running there, or allow more time with the max_retries and "
+            f"retry_backoff options.")
+
+    def _failed(self, error: object) -> str:
+        """After a failed attempt: drop the connection; the next attempt goes to the next broker, if any."""
+        text = f"nsqd {self.address}: {repr(error) if isinstance(error, BaseException) else error}"
+        self.close()
+        self._index += 1
+        return text
+
+    def _refusal(self, topic: str, bodies: list[bytes], status: int, code: str, max_body: int, max_msg: int,
+                 sent: bool = True) -> str:
+        largest = max(map(len, bodies))
+        verb = "refused" if sent else "would refuse (its /config says so; not sent)"
+        text = f"nsqd {self.address} {verb} {len(bodies)} messages to topic {topic!r}: {status} {code}"
+        if code in ("MSG_TOO_BIG", "BAD_MESSAGE") and largest > max_msg:
+            text += (f" (a message of {largest} bytes is larger than the broker's --max-msg-size of {max_msg} "
+                     "bytes: make it smaller, or raise --max-msg-size)")
+        elif code == "BAD_MESSAGE" and min(map(len, bodies)) == 0:
+            text += " (NSQ messages cannot be empty)"
+        elif code == "BODY_TOO_BIG":
+            text += (f" (a message of {largest} bytes does not fit the broker's --max-body-size of {max_body} "
+                     "bytes: make it smaller, or raise --max-body-size and --max-msg-size)")
+        elif code == "INVALID_TOPIC":
+            text += " (topic names are 1-64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral)"
+        return text
+
+
+def nodes_from_lookupd(lookupd_http_addresses: list[str], timeout: float = 10.0) -> list[str]:
+    """nsqd HTTP addresses ("broadcast_address:http_port") from every lookupd's `/nodes`, deduplicated.
+    One lookupd that does not answer is skipped (as NSQ clients do); none answering is an error."""
+    nodes: list[str] = []
+    errors: list[str] = []
+    for address in lookupd_http_addresses:
+        host, port = host_port(address, 4161)
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        try:
+            conn.request("GET", "/nodes", headers={"Accept": "application/vnd.nsq; version=1.0"})
+            response = conn.getresponse()
+            data = response.read()
+            if response.status != 200:
+                errors.append(f"{address}: {response.status} {_broker_message(data)}")
+                continue
+            payload = json.loads(data)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            errors.append(f"{address}: {exc!r}")
+            continue
+        finally:
+            conn.close()
+        payload = payload.get("data", payload)  # nsqlookupd before 1.0 wrapped its answers in "data"
+        for producer in payload.get("producers") or []:
+            host = producer["broadcast_address"]
+            host = f"[{host}]" if ":" in host else host
+            nodes.append(f"{host}:{producer['http_port']}")
+    if errors and len(errors) == len(lookupd_http_addresses):
+        raise NSQUnavailableError(f"nsq: no lookupd answered /nodes ({'; '.join(errors)}); "
+                                  "check the lookupd_http_address option")
+    for error in errors:
+        log.warning("nsq: lookupd %s did not answer /nodes", error)
+    return list(dict.fromkeys(nodes))
