@@ -1,24 +1,42 @@
 """DiskQueue: go-diskqueue's files and behaviour, as a Trio-friendly BackendQueue.
 
-Files, in the data directory:
-- data `<name>.diskqueue.%06d.dat`: records `[length int32 BE][bytes]`; a new file once the next record
-  would take the current one past max_bytes_per_file;
-- meta `<name>.diskqueue.meta.dat`: "depth\\nreadFileNum,readPos\\nwriteFileNum,writePos\\n", written to a
-  temp file, fsynced and renamed.
+Files, in the data directory (byte for byte those of github.com/nsqio/go-diskqueue):
+- data `<name>.diskqueue.%06d.dat`: records `[length int32 BE][bytes]`; a record goes to a new file when
+  the current one is not empty and the record would take it past max_bytes_per_file (so a file ends
+  at most max_bytes_per_file long, or holds a single record that is longer);
+- meta `<name>.diskqueue.meta.dat`: "depth\\nreadFileNum,readPos\\nwriteFileNum,writePos\\n", written to
+  `<meta>.<random>.tmp`, fsynced and renamed over the old one.
 
-Differences from go-diskqueue, on purpose:
-- put() and read_nowait() are synchronous (plain writes and reads go to the OS in the event loop, which
-  is cheap); only fsync goes to a worker thread, so the loop never blocks on the disk's flush.
-- sync() is a group commit: every caller waiting at a moment shares one fsync.
-- On open, records written after the last metadata sync (a kill -9) are recovered by scanning the write
-  file past the recorded write position; go-diskqueue skips to a new file and leaves them unread.
+What is the same as go-diskqueue: the put size check, when a file rolls, how a reader knows a file is
+finished (maxBytesPerFileRead: its size once it is no longer the write file), deleting a file once it is
+read, a record length outside [min, max] or a short read renaming the file to `.bad` and skipping to the
+next one (the write file too if it was the one being read), the depth reset at the tail
+(checkTailCorruption), a sync every sync_every reads+writes, after a file change, or every sync_timeout
+when anything happened.
+
+Differences, on purpose:
+- put() and read_nowait() are synchronous: the write (one writev per record, unbuffered) and the reads go
+  straight to the OS from the event loop, which costs microseconds; every fsync runs in a worker thread,
+  so the loop never waits for the disk to flush. A roll does not fsync in put() as Go's writeOne does:
+  it wakes the io loop, which syncs at once.
+- sync() is a group commit: every caller waiting at one moment shares one fsync round.
+- Opening recovers records written after the last metadata sync (a kill -9): the write file is scanned
+  past the recorded write position, then any later files a roll had begun; a torn record at the end is
+  cut off. go-diskqueue instead starts a new write file and lets the reader salvage what it can with a
+  stale depth. Either way no records are lost; here the depth stays exact.
+- A write file that vanished (data directory removed) is noticed within LINK_CHECK_INTERVAL and the
+  next put fails loudly instead of writing into an unlinked file; a write file found shorter than the
+  write position is not written into (which would leave a hole of zeros): writing moves to a new file.
+- The directory is fsynced after the metadata rename, so new data files and the metadata survive a crash.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
+import re
 import struct
 import time
 
@@ -29,8 +47,19 @@ from broker.backend import BackendError
 log = logging.getLogger("nsqd")
 
 _LEN = struct.Struct(">i")
-# how often put() checks that its write file still exists
+# how often put() checks that its write file still has a name on disk
 LINK_CHECK_INTERVAL = 0.1
+
+
+class _SyncRound:
+    """One fsync round: the records it covers, and how it ended."""
+
+    __slots__ = ("writes", "done", "error")
+
+    def __init__(self, writes: int) -> None:
+        self.writes = writes
+        self.done = trio.Event()
+        self.error: str | None = None
 
 
 class DiskQueue:
@@ -55,33 +84,33 @@ class DiskQueue:
         self.sync_every = max(1, sync_every)
         self.sync_timeout = sync_timeout
 
+        # go-diskqueue's persisted state
         self._depth = 0
         self.read_file_num = 0
         self.read_pos = 0
         self.write_file_num = 0
         self.write_pos = 0
-        # the size of the file being read, once it is no longer the write file
+        # where the read file ends: its size once it is no longer the write file (maxBytesPerFileRead)
         self._max_bytes_per_file_read = 0
 
         self._read_file = None
         self._write_fd: int | None = None
-        self._retired_fds: list[int] = []
-
-        self.fsync_count = 0
-        self._since_sync = 0
-        self._needs_sync = False
-        self._writes = 0  # records put so far (group commit compares against it)
-        self._synced_writes = 0
-        self._syncing = False
-        self._sync_done = trio.Event()
-        self._sync_wanted = trio.Event()
-        self._readable = trio.Event()
-        self._closed = False
         self._last_link_check = 0.0
 
+        self.fsync_count = 0  # fsync rounds started (data files, metadata, directory)
+        self._count = 0  # reads + writes since the last round (go-diskqueue's count)
+        self._needs_sync = False  # something to persist (go-diskqueue's needSync, or count > 0)
+        self._writes = 0  # records put so far; group commit compares against it
+        self._synced_writes = 0  # records covered by a successful round
+        self._unsynced_from: int | None = None  # first data file written since the last round
+        self._round: _SyncRound | None = None  # the round in flight
+        self._wake = trio.Event()  # wakes run() early: sync_every reached or a file changed
+        self._readers = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+        self._meta_loaded = False
         self._retrieve_metadata()
-        if self._depth > 0:
-            self._readable.set()
+        self._recover_tail()
 
     def __repr__(self) -> str:
         return f"DiskQueue({self.name})"
@@ -98,50 +127,82 @@ class DiskQueue:
         return b"%d\n%d,%d\n%d,%d\n" % (
             self._depth, self.read_file_num, self.read_pos, self.write_file_num, self.write_pos)
 
-    def _persist_metadata(self, text: bytes) -> None:
-        path = self.meta_file_name()
-        tmp = f"{path}.{random.getrandbits(63)}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, text)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-
     def _retrieve_metadata(self) -> None:
+        path = self.meta_file_name()
         try:
-            with open(self.meta_file_name(), "rb") as fh:
-                lines = fh.read().decode().split("\n")
+            with open(path, "rb") as fh:
+                lines = fh.read().decode("ascii").split("\n")
             depth = int(lines[0])
             read_num, read_pos = (int(x) for x in lines[1].split(","))
             write_num, write_pos = (int(x) for x in lines[2].split(","))
         except FileNotFoundError:
             return
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            log.error("DISKQUEUE(%s): failed to retrieveMetaData - %s, starting empty", self.name, exc)
+            log.error("DISKQUEUE(%s) failed to retrieveMetaData - %s: %s", self.name, path, exc)
             return
+        self._meta_loaded = True
         self._depth = depth
         self.read_file_num, self.read_pos = read_num, read_pos
         self.write_file_num, self.write_pos = write_num, write_pos
-        self._recover_tail()
 
     def _recover_tail(self) -> None:
-        """Records written after the last metadata sync are still in the write file: count them in."""
-        path = self.file_name(self.write_file_num)
+        """Count in the records written after the metadata was last persisted: past the write position
+        in the write file, then in the files a roll had started since."""
+        num, pos = self.write_file_num, self.write_pos
+        recovered = 0
+        while True:
+            path = self.file_name(num)
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                # read and deleted after the metadata was written: later files may hold newer records
+                later = self._next_existing_file(num) if self._meta_loaded else None
+                if later is not None:
+                    log.warning("DISKQUEUE(%s) %s is missing (metadata writePos %d), recovering from %s",
+                                self.name, path, pos, self.file_name(later))
+                    num, pos = later, 0
+                    self.write_file_num, self.write_pos = num, 0
+                    continue
+                if pos == 0:
+                    break
+                log.error("DISKQUEUE(%s) %s is missing (metadata writePos %d), moving to a new file",
+                          self.name, path, pos)
+                size = -1
+            if size < pos:
+                if size >= 0:
+                    log.error("DISKQUEUE(%s) %s is shorter (%d) than metadata writePos %d, moving to a new file",
+                              self.name, path, size, pos)
+                num, pos = num + 1, 0
+                self.write_file_num, self.write_pos = num, 0
+                continue
+            end, count = self._scan_records(path, pos, size)
+            if end < size:
+                log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
+                            self.name, size - end, path)
+                os.truncate(path, end)
+            if count:
+                log.warning("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
+                            "last metadata sync)", self.name, count, pos, path)
+            recovered += count
+            self.write_file_num, self.write_pos = num, end
+            num, pos = num + 1, 0
+        self._depth += recovered
+
+    def _next_existing_file(self, num: int) -> int | None:
+        """The lowest data file number above num on disk, if any."""
+        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,})\.dat\Z")
         try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            return
-        if size < self.write_pos:
-            log.error("DISKQUEUE(%s): %s is shorter (%d) than its write position %d, moving to a new file",
-                      self.name, path, size, self.write_pos)
-            self.write_file_num += 1
-            self.write_pos = 0
-            return
-        if size == self.write_pos:
-            return
-        recovered, pos = 0, self.write_pos
+            names = os.listdir(self.data_path)
+        except OSError:
+            return None
+        nums = [int(m.group(1)) for m in map(mine.match, names) if m is not None]
+        return min((n for n in nums if n > num), default=None)
+
+    def _scan_records(self, path: str, pos: int, size: int) -> tuple[int, int]:
+        """(end of the last whole, valid record from pos, how many records)."""
+        count = 0
+        if size == pos:
+            return pos, 0
         with open(path, "rb") as fh:
             fh.seek(pos)
             while True:
@@ -149,100 +210,124 @@ class DiskQueue:
                 if len(header) < 4:
                     break
                 (length,) = _LEN.unpack(header)
-                if length < self.min_msg_size or length > self.max_msg_size:
+                if length < self.min_msg_size or length > self.max_msg_size or pos + 4 + length > size:
                     break
-                if len(fh.read(length)) < length:
-                    break
+                fh.seek(length, os.SEEK_CUR)
                 pos += 4 + length
-                recovered += 1
-        if pos < size:
-            log.warning("DISKQUEUE(%s): truncating %d bytes of partial record at the end of %s",
-                        self.name, size - pos, path)
-            os.truncate(path, pos)
-        log.warning("DISKQUEUE(%s): recovered %d records written after the last metadata sync",
-                    self.name, recovered)
-        self.write_pos = pos
-        self._depth += recovered
+                count += 1
+        return pos, count
 
     # --- writing ------------------------------------------------------------------------------
 
     def put(self, data: bytes) -> None:
+        """Append one record (go-diskqueue's writeOne); raises BackendError if it cannot be stored."""
         if self._closed:
             raise BackendError("exiting")
         length = len(data)
         if length < self.min_msg_size or length > self.max_msg_size:
-            raise BackendError(
-                f"invalid message write size ({length}) minMsgSize={self.min_msg_size} maxMsgSize={self.max_msg_size}")
+            raise BackendError(f"invalid message write size ({length}) "
+                               f"minMsgSize={self.min_msg_size} maxMsgSize={self.max_msg_size}")
         total = 4 + length
-        now = time.monotonic()
-        if now - self._last_link_check > LINK_CHECK_INTERVAL:
-            self._check_write_file_linked(now)
+        if self._write_fd is not None:
+            now = time.monotonic()
+            if now - self._last_link_check >= LINK_CHECK_INTERVAL:
+                self._check_write_file_linked(now)
         try:
             if self.write_pos > 0 and self.write_pos + total > self.max_bytes_per_file:
-                self._roll()
-            if self._write_fd is None:
-                self._write_fd = os.open(self.file_name(self.write_file_num), os.O_WRONLY | os.O_CREAT, 0o600)
-                os.lseek(self._write_fd, self.write_pos, os.SEEK_SET)
-            record = _LEN.pack(length) + data
-            written = os.write(self._write_fd, record)
-            if written != len(record):
-                # a short write (disk full): cut it off so the file still ends on a record boundary
-                os.ftruncate(self._write_fd, self.write_pos)
-                raise OSError(28, f"short write ({written} of {len(record)} bytes)")
+                self._next_write_file()
+            fd = self._write_fd
+            if fd is None:
+                fd = self._open_write_file()
+            written = os.writev(fd, (_LEN.pack(length), data))
+            if written != total:
+                # disk full part way: cut the piece off so the file still ends on a record boundary
+                try:
+                    os.ftruncate(fd, self.write_pos)
+                except OSError:
+                    pass  # the next open seeks to write_pos and writes over it
+                raise OSError(errno.ENOSPC, f"short write ({written} of {total} bytes)")
         except OSError as exc:
-            self._drop_write_fd()
+            self._close_write_fd()
             log.error("DISKQUEUE(%s): failed to write - %s", self.name, exc)
-            raise BackendError(f"failed to write to disk queue - {exc.strerror or exc}") from None
+            raise BackendError(f"failed to write to disk queue {self.name} - {exc}") from None
         self.write_pos += total
         self._depth += 1
         self._writes += 1
-        self._mark_dirty()
-        self._readable.set()
+        if self._unsynced_from is None:
+            self._unsynced_from = self.write_file_num
+        self._counted()
+        if self._readers:
+            self._readers.unpark_all()
+
+    def _open_write_file(self) -> int:
+        path = self.file_name(self.write_file_num)
+        if self.write_pos == 0:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        else:
+            # records before write_pos must be there: never create it, nor write past its end
+            try:
+                fd = os.open(path, os.O_WRONLY)
+            except FileNotFoundError:
+                log.error("DISKQUEUE(%s) %s is missing (writePos %d), moving to a new file",
+                          self.name, path, self.write_pos)
+                self._next_write_file()
+                return self._open_write_file()
+            try:
+                size = os.fstat(fd).st_size
+                if size < self.write_pos:
+                    log.error("DISKQUEUE(%s) %s is shorter (%d) than writePos %d, moving to a new file",
+                              self.name, path, size, self.write_pos)
+                    os.close(fd)
+                    self._next_write_file()
+                    return self._open_write_file()
+                os.lseek(fd, self.write_pos, os.SEEK_SET)
+            except OSError:
+                os.close(fd)
+                raise
+        log.info("DISKQUEUE(%s): writeOne() opened %s", self.name, path)
+        self._write_fd = fd
+        self._last_link_check = time.monotonic()
+        return fd
+
+    def _next_write_file(self) -> None:
+        """Roll: later records go to the next file (whose data the io loop fsyncs along with this one's)."""
+        if self.read_file_num == self.write_file_num:
+            self._max_bytes_per_file_read = self.write_pos
+        self._close_write_fd()
+        self.write_file_num += 1
+        self.write_pos = 0
+        self._file_changed()
 
     def _check_write_file_linked(self, now: float) -> None:
         """A write file deleted under us (rm -rf of the data directory) would swallow writes into an
         unlinked inode: notice it, at most LINK_CHECK_INTERVAL late, and reopen (which then fails loudly)."""
         self._last_link_check = now
-        if self._write_fd is not None and os.fstat(self._write_fd).st_nlink == 0:
-            log.error("DISKQUEUE(%s): %s was removed from the disk", self.name, self.file_name(self.write_file_num))
-            self._drop_write_fd()
+        try:
+            linked = os.fstat(self._write_fd).st_nlink > 0
+        except OSError:
+            linked = False
+        if not linked:
+            log.error("DISKQUEUE(%s) %s was removed from the disk", self.name, self.file_name(self.write_file_num))
+            self._close_write_fd()
 
-    def _roll(self) -> None:
-        """Next write file; go-diskqueue syncs at a roll, so the metadata never lags a whole file."""
-        if self.read_file_num == self.write_file_num:
-            self._max_bytes_per_file_read = self.write_pos
+    def _close_write_fd(self) -> None:
         if self._write_fd is not None:
-            os.fsync(self._write_fd)
-            self._retired_fds.append(self._write_fd)
-            self._write_fd = None
-        self.write_file_num += 1
-        self.write_pos = 0
-        self._persist_metadata(self._meta_text())
-        self._close_retired()
-
-    def _drop_write_fd(self) -> None:
-        if self._write_fd is not None:
-            if self._syncing:
-                self._retired_fds.append(self._write_fd)
-            else:
-                os.close(self._write_fd)
-            self._write_fd = None
-
-    def _close_retired(self) -> None:
-        if self._syncing:
-            return  # a worker thread may be fsyncing one of them
-        for fd in self._retired_fds:
             try:
-                os.close(fd)
+                os.close(self._write_fd)
             except OSError:
                 pass
-        self._retired_fds.clear()
+            self._write_fd = None
 
-    def _mark_dirty(self) -> None:
+    def _counted(self) -> None:
         self._needs_sync = True
-        self._since_sync += 1
-        if self._since_sync >= self.sync_every:
-            self._sync_wanted.set()
+        self._count += 1
+        if self._count >= self.sync_every:
+            self._wake.set()
+
+    def _file_changed(self) -> None:
+        """go-diskqueue syncs whenever the read or write file changes."""
+        self._needs_sync = True
+        self._wake.set()
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -253,55 +338,80 @@ class DiskQueue:
         return self.read_file_num < self.write_file_num or self.read_pos < self.write_pos
 
     def read_nowait(self) -> bytes:
-        # each read error skips a whole file, so this ends
-        while self._has_unread():
+        """Take the next record; raises trio.WouldBlock when there is none. Corruption is logged and
+        skipped (the file becomes `.bad`), never raised."""
+        if self._closed:
+            raise trio.WouldBlock
+        while self._has_unread():  # each read error skips at least one whole file, so this ends
             try:
                 data = self._read_one()
             except (OSError, ValueError) as exc:
-                log.error("DISKQUEUE(%s): reading at %s:%d failed - %s", self.name,
-                          self.file_name(self.read_file_num), self.read_pos, exc)
+                log.error("DISKQUEUE(%s) reading at %d of %s - %s",
+                          self.name, self.read_pos, self.file_name(self.read_file_num), exc)
+                self._close_read_file()
                 self._handle_read_error()
                 continue
-            self._move_forward(len(data))
+            if data is None:
+                # read to its end while it was still the write file, which has rolled since
+                self._finish_read_file()
+                self._check_tail_corruption()
+                continue
+            self._move_forward(4 + len(data))
             return data
-        self._check_tail_corruption()
-        self._readable = trio.Event()
         raise trio.WouldBlock
 
-    def _read_one(self) -> bytes:
-        if self._read_file is None:
-            self._read_file = open(self.file_name(self.read_file_num), "rb")
-            if self.read_pos:
-                self._read_file.seek(self.read_pos)
-            self._max_bytes_per_file_read = self.max_bytes_per_file
-            if self.read_file_num < self.write_file_num:
-                self._max_bytes_per_file_read = os.fstat(self._read_file.fileno()).st_size
-        header = self._read_file.read(4)
+    def _read_one(self) -> bytes | None:
+        """The next record, or None if the read file is finished (Go would take its EOF for a read
+        error and keep a finished file as `.bad`)."""
+        fh = self._read_file
+        if fh is None:
+            path = self.file_name(self.read_file_num)
+            fh = open(path, "rb")
+            try:
+                if self.read_pos > 0:
+                    fh.seek(self.read_pos)
+                # a finished file ends at its size; the write file at most at max_bytes_per_file
+                self._max_bytes_per_file_read = self.max_bytes_per_file
+                if self.read_file_num < self.write_file_num:
+                    self._max_bytes_per_file_read = os.fstat(fh.fileno()).st_size
+            except OSError:
+                fh.close()
+                raise
+            self._read_file = fh
+            log.info("DISKQUEUE(%s): readOne() opened %s", self.name, path)
+        if self.read_file_num < self.write_file_num and self.read_pos >= self._max_bytes_per_file_read:
+            return None
+        header = fh.read(4)
         if len(header) < 4:
-            raise ValueError("unexpected end of file reading a record length")
+            raise ValueError(f"unexpected EOF reading a record length ({len(header)} of 4 bytes)")
         (length,) = _LEN.unpack(header)
         if length < self.min_msg_size or length > self.max_msg_size:
+            # corrupt: there is no telling where a next record would start
             raise ValueError(f"invalid message read size ({length})")
-        data = self._read_file.read(length)
+        data = fh.read(length)
         if len(data) < length:
-            raise ValueError(f"unexpected end of file reading a record of {length} bytes")
+            raise ValueError(f"unexpected EOF reading a record ({len(data)} of {length} bytes)")
         return data
 
-    def _move_forward(self, length: int) -> None:
-        self.read_pos += 4 + length
+    def _move_forward(self, total: int) -> None:
+        self.read_pos += total
         self._depth -= 1
+        self._counted()
         if self.read_file_num < self.write_file_num and self.read_pos >= self._max_bytes_per_file_read:
-            # this file is done: delete it and read the next
-            self._close_read_file()
-            old = self.file_name(self.read_file_num)
-            self.read_file_num += 1
-            self.read_pos = 0
-            try:
-                os.remove(old)
-            except OSError as exc:
-                log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", self.name, old, exc)
-        self._mark_dirty()
+            self._finish_read_file()
         self._check_tail_corruption()
+
+    def _finish_read_file(self) -> None:
+        """The read file is read to its end: delete it and go on with the next."""
+        self._close_read_file()
+        old = self.file_name(self.read_file_num)
+        self.read_file_num += 1
+        self.read_pos = 0
+        self._file_changed()
+        try:
+            os.remove(old)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", self.name, old, exc)
 
     def _close_read_file(self) -> None:
         if self._read_file is not None:
@@ -309,10 +419,10 @@ class DiskQueue:
             self._read_file = None
 
     def _handle_read_error(self) -> None:
-        """As go-diskqueue: keep the bad file as `.bad`, jump to the next file, fix depth at the tail."""
-        self._close_read_file()
+        """As go-diskqueue's handleReadError: keep the bad file as `.bad` and jump to the next file (the
+        write file too, if it is the one that could not be read)."""
         if self.read_file_num == self.write_file_num:
-            self._drop_write_fd()
+            self._close_write_fd()
             self.write_file_num += 1
             self.write_pos = 0
         bad = self.file_name(self.read_file_num)
@@ -320,27 +430,38 @@ class DiskQueue:
         try:
             os.rename(bad, bad + ".bad")
         except OSError as exc:
-            log.error("DISKQUEUE(%s) failed to rename bad diskqueue file %s - %s", self.name, bad, exc)
+            log.error("DISKQUEUE(%s) failed to rename bad diskqueue file %s to %s.bad - %s",
+                      self.name, bad, bad, exc)
         self.read_file_num += 1
         self.read_pos = 0
-        self._needs_sync = True
+        self._file_changed()
         self._check_tail_corruption()
 
     def _check_tail_corruption(self) -> None:
         if self._has_unread():
             return
+        # at the end of the queue: depth must be 0
         if self._depth != 0:
-            what = "negative depth at tail, metadata corruption" if self._depth < 0 else "positive depth at tail, data loss"
-            log.error("DISKQUEUE(%s) %s (%d), resetting 0...", self.name, what, self._depth)
+            if self._depth < 0:
+                log.error("DISKQUEUE(%s) negative depth at tail (%d), metadata corruption, resetting 0...",
+                          self.name, self._depth)
+            else:
+                log.error("DISKQUEUE(%s) positive depth at tail (%d), data loss, resetting 0...",
+                          self.name, self._depth)
             self._depth = 0
             self._needs_sync = True
         if self.read_file_num != self.write_file_num or self.read_pos != self.write_pos:
-            log.error("DISKQUEUE(%s) read position past write position, corruption, skipping to next file", self.name)
+            if self.read_file_num > self.write_file_num:
+                log.error("DISKQUEUE(%s) readFileNum > writeFileNum (%d > %d), corruption, skipping to next "
+                          "writeFileNum and resetting 0...", self.name, self.read_file_num, self.write_file_num)
+            if self.read_pos > self.write_pos:
+                log.error("DISKQUEUE(%s) readPos > writePos (%d > %d), corruption, skipping to next "
+                          "writeFileNum and resetting 0...", self.name, self.read_pos, self.write_pos)
             self._skip_to_next_rw_file()
 
     def _skip_to_next_rw_file(self) -> None:
         self._close_read_file()
-        self._drop_write_fd()
+        self._close_write_fd()
         for num in range(self.read_file_num, self.write_file_num + 1):
             try:
                 os.remove(self.file_name(num))
@@ -353,102 +474,184 @@ class DiskQueue:
         self.read_file_num = self.write_file_num
         self.read_pos = 0
         self._depth = 0
-        self._needs_sync = True
+        self._unsynced_from = None
+        self._file_changed()
 
     async def wait_readable(self) -> None:
-        while not self._has_unread():
-            if self._readable.is_set():
-                self._readable = trio.Event()
-            await self._readable.wait()
+        """Return when there is a record to read (immediately if there is one)."""
+        while self._closed or not self._has_unread():
+            await self._readers.park()
+        await trio.lowlevel.checkpoint()
 
     # --- sync ---------------------------------------------------------------------------------
 
     async def sync(self) -> None:
-        """Return once everything put before this call is on disk; concurrent callers share fsyncs."""
+        """Return once every record put before this call is fsynced (and the metadata with it).
+
+        Group commit: a caller arriving while a round is in flight waits for it, and then the first of
+        those still not covered starts the next round for all of them."""
         target = self._writes
         while self._synced_writes < target:
-            if self._syncing:
-                await self._sync_done.wait()
-            else:
-                await self._sync_now()
+            current = self._round
+            if current is not None:
+                await current.done.wait()
+                if current.error is not None and current.writes >= target:
+                    raise BackendError(current.error)
+                continue
+            if self._closed:
+                raise BackendError("exiting")
+            await self._sync_round()
 
-    async def _sync_now(self) -> None:
-        self._syncing = True
-        done = self._sync_done
-        writes = self._writes
+    async def _sync_round(self) -> None:
+        """fsync the data files written since the last round, then persist the metadata, in a thread.
+        Only one round runs at a time; raises BackendError if it failed."""
+        assert self._round is None
+        current = self._round = _SyncRound(self._writes)
         meta = self._meta_text()
-        fds = [fd for fd in [self._write_fd, *self._retired_fds] if fd is not None]
-        self._since_sync = 0
+        first = self._unsynced_from
+        files = [] if first is None else [self.file_name(n) for n in range(first, self.write_file_num + 1)]
+        self._unsynced_from = None
+        count, needs_sync = self._count, self._needs_sync
+        self._count = 0
         self._needs_sync = False
-        self._sync_wanted = trio.Event()
-        try:
-            await trio.to_thread.run_sync(self._fsync_and_persist, fds, meta)
-        except OSError as exc:
-            self._needs_sync = True
-            log.error("DISKQUEUE(%s) failed to sync - %s", self.name, exc)
-            raise BackendError(f"failed to sync disk queue - {exc}") from None
-        finally:
-            self._syncing = False
-            self._sync_done = trio.Event()
-            done.set()
-            self._close_retired()
-        self._synced_writes = max(self._synced_writes, writes)
-
-    def _fsync_and_persist(self, fds: list[int], meta: bytes) -> None:
-        for fd in fds:
-            os.fsync(fd)
-        self._persist_metadata(meta)
         self.fsync_count += 1
+        ok = False
+        try:
+            await trio.to_thread.run_sync(self._fsync_and_persist, files, meta)
+            ok = True
+        except OSError as exc:
+            current.error = f"failed to sync disk queue {self.name} - {exc}"
+            log.error("DISKQUEUE(%s) failed to sync - %s", self.name, exc)
+            raise BackendError(current.error) from None
+        finally:
+            if not ok:
+                # not durable: the next round must do these files and this metadata again
+                if first is not None:
+                    self._unsynced_from = first if self._unsynced_from is None else min(first, self._unsynced_from)
+                self._count += count
+                self._needs_sync = self._needs_sync or needs_sync
+            else:
+                self._synced_writes = max(self._synced_writes, current.writes)
+            self._round = None
+            current.done.set()
+
+    def _fsync_and_persist(self, files: list[str], meta: bytes) -> None:
+        """In a worker thread. fsync goes through a descriptor of our own (fsync flushes the file, not the
+        descriptor), so the event loop may close or replace its write descriptor meanwhile."""
+        for path in files:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue  # read and deleted meanwhile, or renamed .bad: nothing to keep
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        # persistMetaData: a temp file, fsynced, renamed over the old one
+        path = self.meta_file_name()
+        tmp = f"{path}.{random.getrandbits(63)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, meta)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        # the rename and any new data file's name are durable once the directory is
+        fd = os.open(self.data_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The io_loop: fsync and metadata every sync_every reads/writes, or sync_timeout when dirty."""
+        """The io_loop: fsync and metadata after sync_every reads+writes, after a file change, or every
+        sync_timeout seconds when anything happened; ends when the queue is closed or deleted."""
         task_status.started()
-        while True:
-            with trio.move_on_after(self.sync_timeout):
-                await self._sync_wanted.wait()
-            if self._needs_sync and not self._syncing:
+        while not self._closed:
+            if not self._wake.is_set():
+                with trio.move_on_after(self.sync_timeout):
+                    await self._wake.wait()
+            self._wake = trio.Event()
+            if self._closed:
+                break
+            if self._round is not None:
+                # a sync() round is under way: it covers what woke us up; anything since wakes us again
+                await self._round.done.wait()
+                continue
+            if self._needs_sync:
                 try:
-                    await self._sync_now()
+                    await self._sync_round()
                 except BackendError:
                     pass  # logged; the next round tries again
+
+    async def _wait_round(self) -> None:
+        while self._round is not None:
+            await self._round.done.wait()
 
     # --- admin --------------------------------------------------------------------------------
 
     async def empty(self) -> None:
-        log.info("DISKQUEUE(%s): emptying", self.name)
-        self._skip_to_next_rw_file()
-        await self._sync_quietly()
-
-    async def close(self) -> None:
+        """Drop every record (go-diskqueue's Empty: delete the files, skip to a new file, depth 0)."""
         if self._closed:
             return
-        await self._sync_quietly()
-        self._closed = True
-        self._close_read_file()
-        self._drop_write_fd()
-        self._close_retired()
+        log.info("DISKQUEUE(%s): emptying", self.name)
+        with trio.CancelScope(shield=True):
+            await self._wait_round()
+            self._skip_to_next_rw_file()
+            try:
+                await self._sync_round()
+            except BackendError:
+                pass  # logged; run() or the next sync() tries again
 
-    async def _sync_quietly(self) -> None:
-        while self._syncing:
-            await self._sync_done.wait()
-        try:
-            await self._sync_now()
-        except BackendError:
-            pass
+    async def close(self) -> None:
+        """Final fsync and metadata, then release the files; a new DiskQueue on the same files resumes
+        exactly here."""
+        if self._closed:
+            return
+        log.info("DISKQUEUE(%s): closing", self.name)
+        with trio.CancelScope(shield=True):
+            await self._wait_round()
+            try:
+                await self._sync_round()
+            except BackendError:
+                pass  # logged
+        self._shut()
 
     async def delete(self) -> None:
+        """Remove every data file of this queue and its metadata."""
+        log.info("DISKQUEUE(%s): deleting", self.name)
+        self._shut()
+        with trio.CancelScope(shield=True):
+            await self._wait_round()
+            await trio.to_thread.run_sync(self._remove_files)
+
+    def _shut(self) -> None:
         self._closed = True
-        while self._syncing:
-            await self._sync_done.wait()
         self._close_read_file()
-        self._drop_write_fd()
-        self._close_retired()
-        for num in range(self.read_file_num, self.write_file_num + 1):
-            try:
-                os.remove(self.file_name(num))
-            except OSError:
-                pass
+        self._close_write_fd()
+        self._wake.set()
+        self._readers.unpark_all()
+
+    def _remove_files(self) -> None:
+        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat|meta\.dat(\.\d+\.tmp)?)\Z")
         try:
-            os.remove(self.meta_file_name())
-        except OSError:
-            pass
+            names = os.listdir(self.data_path)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to list %s - %s", self.name, self.data_path, exc)
+            return
+        for entry in names:
+            if mine.match(entry):
+                try:
+                    os.remove(os.path.join(self.data_path, entry))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.error("DISKQUEUE(%s) failed to remove %s - %s", self.name, entry, exc)
