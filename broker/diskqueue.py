@@ -71,7 +71,7 @@ class DiskQueue:
         data_path: str,
         *,
         max_bytes_per_file: int = 100 * 1024 * 1024,
-        min_msg_size: int = 0,
+        min_msg_size: int = 26,
         max_msg_size: int = 1024 * 1024 + 26,
         sync_every: int = 2500,
         sync_timeout: float = 2.0,
