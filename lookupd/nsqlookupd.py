@@ -1,10 +1,12 @@
-"""NSQLookupd: the directory. Owns the root nursery: TCP (protocol V1) and HTTP (nsqlookupd/nsqlookupd.go)."""
+"""NSQLookupd: the directory (nsqlookupd/nsqlookupd.go). `run()` owns the root nursery: the TCP listener
+(protocol V1, one task per peer) and the HTTP server (hypercorn + the quart-trio app)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 
+import attrs
 import trio
 
 from lookupd.http_api import create_app
@@ -19,28 +21,39 @@ log = logging.getLogger("nsqlookupd")
 MAGIC_V1 = b"  V1"
 
 
+@attrs.define(eq=False)
 class NSQLookupd:
-    def __init__(self, options: Options) -> None:
-        self.options = options
-        self.db = RegistrationDB()
+    """`NSQLookupd(options)`; `await nursery.start(lookupd.run)` returns once both listeners are bound.
+
+    `tcp_address` and `http_address` are then the bound (host, port) pairs (Go's RealTCPAddr and
+    RealHTTPAddr), so port 0 works. Cancelling `run` closes both listeners and every peer connection;
+    each peer's registrations go with its connection.
+    """
+
+    options: Options
+    db: RegistrationDB = attrs.field(factory=RegistrationDB)
+    tcp_address: tuple[str, int] | None = attrs.field(default=None, init=False)
+    http_address: tuple[str, int] | None = attrs.field(default=None, init=False)
+    protocol: LookupProtocolV1 = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
         self.protocol = LookupProtocolV1(self)
-        self.tcp_address: tuple[str, int] | None = None
-        self.http_address: tuple[str, int] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self.http_address = await nursery.start(
-                functools.partial(serve_app, create_app(self), self.options.http_address))
-            log.info("HTTP: listening on %s", join_host_port(*self.http_address))
             host, port = split_host_port(self.options.tcp_address)
             listeners = await nursery.start(
                 functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None))
             sockname = listeners[0].socket.getsockname()
             self.tcp_address = (sockname[0], sockname[1])
             log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
+            self.http_address = await nursery.start(
+                functools.partial(serve_app, create_app(self), self.options.http_address))
+            log.info("HTTP: listening on %s", join_host_port(*self.http_address))
             task_status.started()
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
+        # Go waits for the magic without a deadline; we give a silent connection the producer timeout
         await serve_connection(
             stream, magic=MAGIC_V1, bad_magic_reply=frame(b"E_BAD_PROTOCOL"),
             magic_timeout=self.options.inactive_producer_timeout, log=log,

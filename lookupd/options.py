@@ -6,11 +6,21 @@ import socket
 
 import attrs
 
-from shared.options import load_options, option
+from shared.logs import parse_level
+from shared.options import build_parser, load_options, option
+
+PROG = "trio-nsqlookupd"
+DESCRIPTION = "trio-nsq directory service (nsqlookupd)"
 
 
 @attrs.define
 class Options:
+    """nsqlookupd's Options (nsqlookupd/options.go): the field is the TOML key, `--field-name` the flag.
+
+    Durations are seconds (floats); flags and the config file take Go durations ("300s", "5m", "100ms")
+    or plain seconds.
+    """
+
     log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal")
     log_prefix: str = option("[nsqlookupd] ", "log message prefix")
     tcp_address: str = option("0.0.0.0:4160", "<addr>:<port> to listen on for TCP clients")
@@ -23,4 +33,11 @@ class Options:
 
 
 def parse_options(argv: list[str] | None = None) -> Options:
-    return load_options(Options, argv, "trio-nsqlookupd", "trio-nsq directory service (nsqlookupd)")
+    """Defaults, then the --config TOML file, then the command line (flags win). A bad value exits 2
+    with a usage message, as Go's flag package does."""
+    options = load_options(Options, argv, PROG, DESCRIPTION)
+    try:
+        parse_level(options.log_level)
+    except ValueError as exc:
+        build_parser(Options, PROG, DESCRIPTION).error(f"--log-level: {exc}")
+    return options

@@ -22,8 +22,11 @@ class Registration:
                 and (subkey == "*" or self.subkey == subkey))
 
 
-@attrs.define
+@attrs.define(eq=False)
 class PeerInfo:
+    """What an nsqd said about itself in IDENTIFY; shared by all of its Producers, so a PING refreshes
+    every registration of the peer at once. `last_update` is time.monotonic()."""
+
     id: str
     remote_address: str = ""
     hostname: str = ""
@@ -44,8 +47,10 @@ class PeerInfo:
         }
 
 
-@attrs.define
+@attrs.define(eq=False)
 class Producer:
+    """One peer under one registration; a tombstone is per (topic, peer)."""
+
     peer: PeerInfo
     tombstoned: bool = False
     tombstoned_at: float = 0.0
@@ -59,14 +64,22 @@ class Producer:
 
 
 def filter_active(producers: list[Producer], inactivity_timeout: float, tombstone_lifetime: float) -> list[Producer]:
+    """Go's Producers.FilterByActive: drop producers not heard from within the timeout, and tombstoned ones
+    whose tombstone is younger than its lifetime (a lifetime of 0 keeps every tombstoned producer)."""
     now = time.monotonic()
     return [p for p in producers
             if now - p.peer.last_update <= inactivity_timeout and not p.is_tombstoned(tombstone_lifetime)]
 
 
+@attrs.define
 class RegistrationDB:
-    def __init__(self) -> None:
-        self.registrations: dict[Registration, dict[str, Producer]] = {}
+    """Registration -> {peer id: Producer}. Only the Trio thread touches it, so it needs no lock.
+
+    As in Go, removing a registration's last producer leaves the registration (a topic stays listed
+    until deleted over HTTP), except that UNREGISTER drops an ephemeral one.
+    """
+
+    registrations: dict[Registration, dict[str, Producer]] = attrs.field(factory=dict)
 
     def add_registration(self, key: Registration) -> None:
         self.registrations.setdefault(key, {})
@@ -105,9 +118,16 @@ class RegistrationDB:
         return [k for k, producers in self.registrations.items() if peer_id in producers]
 
 
+def filter_registrations(registrations: list[Registration], category: str, key: str, subkey: str) -> list[Registration]:
+    """Go's Registrations.Filter."""
+    return [r for r in registrations if r.is_match(category, key, subkey)]
+
+
 def keys(registrations: list[Registration]) -> list[str]:
-    return list(dict.fromkeys(r.key for r in registrations))
+    """Go's Registrations.Keys (one per registration: duplicates are kept, as Go keeps them)."""
+    return [r.key for r in registrations]
 
 
 def subkeys(registrations: list[Registration]) -> list[str]:
-    return list(dict.fromkeys(r.subkey for r in registrations))
+    """Go's Registrations.SubKeys."""
+    return [r.subkey for r in registrations]
