@@ -131,8 +131,10 @@ def config_values(cls: type, raw: dict[str, Any], parser: argparse.ArgumentParse
     for key, value in raw.items():
         field = fields.get(key.replace("-", "_"))
         if field is None:
-            parser.error(f"unknown config key {key!r}")
+            continue  # as Go's go-options: keys of no option are ignored
         convert = _converter(field)
+        if field.metadata.get("kind") == "duration" and isinstance(value, int) and not isinstance(value, bool):
+            value = value / 1000  # go-options reads an integer duration in the config as milliseconds
         try:
             if field.metadata.get("repeat"):
                 values[field.name] = [convert(v) for v in (value if isinstance(value, list) else [value])]

@@ -150,11 +150,11 @@ def test_flags_win_over_config_which_wins_over_defaults(tmp_path):
     assert (o.node_id, o.mem_queue_size, o.msg_timeout, o.nsqlookupd_tcp_addresses) == (7, 9, 30.0, ["a:4160", "b:4160"])
 
 
-def test_unknown_config_key(tmp_path):
+def test_config_file_reads_like_go_options(tmp_path):
     cfg = tmp_path / "nsqd.toml"
-    cfg.write_text("no_such_key = 1\n")
-    with pytest.raises(SystemExit):
-        parse_options([f"--config={cfg}"])
+    # an integer duration is milliseconds, and a key of no option is ignored, as go-options does
+    cfg.write_text("msg_timeout = 30000\nno_such_key = 1\n")
+    assert parse_options([f"--config={cfg}"]).msg_timeout == 30.0
 
 
 # --- quantiles ----------------------------------------------------------------------------------
