@@ -1,0 +1,333 @@
+"""broker/pqueue.py: the in-flight/deferred queue (dict by id + heap by deadline, lazy deletion).
+
+What a channel relies on: pop_expired hands back exactly the messages whose deadline has passed,
+earliest first; pop(id) (FIN/REQ) and a re-push (TOUCH) make the old heap entry
+stale without touching the heap; and the heap is compacted so its size follows the live set.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from broker.message import Message
+from broker.pqueue import _COMPACT_MIN, MessagePQueue
+
+
+def _msg(i: int) -> Message:
+    return Message(b"%016x" % i, b"body-%d" % i, timestamp=i, attempts=1)
+
+
+def _ids(msgs: list[Message]) -> list[bytes]:
+    return [m.id for m in msgs]
+
+
+def _heap_bound_holds(q: MessagePQueue) -> bool:
+    return len(q._heap) <= 2 * len(q) + _COMPACT_MIN
+
+
+def test_pop_expired_returns_due_messages_earliest_first():
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(10)]
+    deadlines = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 0.5]
+    for m, d in zip(msgs, deadlines):
+        q.push(m, d)
+    assert q.next_deadline() == 0.5
+    assert _ids(q.pop_expired(0.4)) == []
+    assert _ids(q.pop_expired(3.0)) == _ids([msgs[9], msgs[1], msgs[5], msgs[3]])  # <= now is due
+    assert len(q) == 6 and msgs[3].id not in q and msgs[0].id in q
+    assert _ids(q.pop_expired(100.0)) == _ids([msgs[7], msgs[0], msgs[8], msgs[4], msgs[6], msgs[2]])
+    assert len(q) == 0 and q.next_deadline() is None and q.pop_expired(1e9) == []
+
+
+def test_equal_deadlines_all_come_out_together():
+    # a delivery batch shares one trio.current_time(), so equal deadlines are common; their relative
+    # order is not promised (Go's heap does not promise it either)
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(50)]
+    for m in reversed(msgs):
+        q.push(m, 1.0)
+    q.push(_msg(99), 1.5)
+    assert sorted(_ids(q.pop_expired(1.0))) == sorted(_ids(msgs))
+    assert _ids(q.pop_expired(2.0)) == [_msg(99).id]
+
+
+def test_push_records_the_deadline_on_the_message():
+    q = MessagePQueue()
+    m = _msg(1)
+    q.push(m, 12.5)
+    assert m.pri == 12.5 and q.items[m.id] is m
+
+
+def test_pop_by_id_makes_the_heap_entry_stale():
+    q = MessagePQueue()
+    a, b, c = _msg(1), _msg(2), _msg(3)
+    q.push(a, 1.0)
+    q.push(b, 2.0)
+    q.push(c, 3.0)
+    assert q.pop(a.id) is a  # FIN
+    assert q.pop(a.id) is None  # twice: nothing
+    assert q.pop(b"0" * 16) is None  # never there
+    assert len(q._heap) == 3  # lazily: the heap is not searched
+    assert a.id not in q and len(q) == 2
+    assert q.next_deadline() == 2.0  # the stale head is skipped
+    assert _ids(q.pop_expired(10.0)) == [b.id, c.id]
+
+
+def test_a_popped_message_pushed_again_is_due_only_at_its_new_deadline():
+    # REQ to the deferred queue and back, or FIN then a redelivery of the same object
+    q = MessagePQueue()
+    m = _msg(1)
+    q.push(m, 1.0)
+    q.pop(m.id)
+    q.push(m, 5.0)
+    assert _ids(q.pop_expired(4.0)) == []  # its old entry (1.0) is stale, not due
+    assert _ids(q.pop_expired(5.0)) == [m.id]
+    assert q.pop_expired(100.0) == []  # exactly once
+
+
+def test_touch_moves_the_deadline_later():
+    q = MessagePQueue()
+    a, b = _msg(1), _msg(2)
+    q.push(a, 1.0)
+    q.push(b, 2.0)
+    q.push(a, 10.0)  # TOUCH: a re-push of a message in flight
+    assert len(q) == 2
+    assert q.next_deadline() == 2.0
+    assert _ids(q.pop_expired(9.0)) == [b.id]
+    assert _ids(q.pop_expired(10.0)) == [a.id]
+
+
+def test_repush_can_also_move_the_deadline_earlier():
+    q = MessagePQueue()
+    a, b = _msg(1), _msg(2)
+    q.push(a, 10.0)
+    q.push(b, 5.0)
+    q.push(a, 1.0)
+    assert _ids(q.pop_expired(1.0)) == [a.id]
+    assert _ids(q.pop_expired(10.0)) == [b.id]
+
+
+def test_many_touches_of_one_message_deliver_it_once():
+    q = MessagePQueue()
+    m = _msg(1)
+    for i in range(5000):
+        q.push(m, float(i))
+        assert _heap_bound_holds(q)
+    assert len(q) == 1
+    assert _ids(q.pop_expired(1e9)) == [m.id]
+    assert q.pop_expired(1e9) == [] and len(q._heap) == 0
+
+
+def test_a_message_moved_to_another_queue_is_stale_in_the_first():
+    # REQ with a delay: pop from in-flight, push to deferred; later the same object is in flight again
+    in_flight, deferred = MessagePQueue(), MessagePQueue()
+    m = _msg(1)
+    in_flight.push(m, 1.0)
+    deferred.push(in_flight.pop(m.id), 2.0)
+    assert in_flight.pop_expired(100.0) == []
+    in_flight.push(deferred.pop_expired(2.0)[0], 50.0)
+    assert deferred.pop_expired(100.0) == []
+    assert _ids(in_flight.pop_expired(100.0)) == [m.id]
+
+
+def test_drain_empties_everything_and_old_entries_stay_dead():
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(100)]
+    for i, m in enumerate(msgs):
+        q.push(m, float(i))
+    q.pop(msgs[0].id)
+    drained = q.drain()
+    assert sorted(_ids(drained)) == sorted(_ids(msgs[1:]))
+    assert len(q) == 0 and q.next_deadline() is None and q.pop_expired(1e9) == []
+    q.push(msgs[5], 3.0)  # the queue is usable again
+    assert _ids(q.pop_expired(3.0)) == [msgs[5].id]
+
+
+def test_next_deadline_discards_stale_heads():
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(10)]
+    for i, m in enumerate(msgs):
+        q.push(m, float(i))
+    for m in msgs[:9]:
+        q.pop(m.id)
+    assert q.next_deadline() == 9.0
+    assert len(q._heap) == 1
+
+
+# --- memory -----------------------------------------------------------------------------------------
+
+
+def test_heap_stays_bounded_over_100k_push_pop_with_a_live_window():
+    # a consumer with ~1000 in flight, FINning the oldest as each new one is delivered
+    q = MessagePQueue()
+    window = 1000
+    for i in range(100_000):
+        q.push(_msg(i), float(i))
+        assert _heap_bound_holds(q)
+        if i >= window:
+            q.pop(b"%016x" % (i - window))
+            assert _heap_bound_holds(q)
+    assert len(q) == window
+
+
+def test_heap_stays_bounded_over_100k_immediate_fins():
+    q = MessagePQueue()
+    for i in range(100_000):
+        m = _msg(i)
+        q.push(m, float(i))
+        q.pop(m.id)
+        assert _heap_bound_holds(q)
+    assert len(q) == 0
+
+
+def test_heap_stays_bounded_over_100k_touches():
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(100)]
+    for m in msgs:
+        q.push(m, 0.0)
+    for i in range(100_000):
+        q.push(msgs[i % 100], float(i))
+        assert _heap_bound_holds(q)
+
+
+def test_compaction_keeps_order_and_contents():
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(5000)]
+    for i, m in enumerate(msgs):
+        q.push(m, float(5000 - i))
+    for m in msgs[::2]:
+        q.pop(m.id)
+    for m in msgs[1:1000:2]:  # re-push some: the stale entries now outnumber the live ones
+        q.push(m, float(10_000 + int(m.id, 16)))
+    assert _heap_bound_holds(q)
+    out = q.pop_expired(1e9)
+    pris = [m.pri for m in out]
+    assert pris == sorted(pris)
+    assert sorted(_ids(out)) == sorted(_ids(msgs[1::2]))
+
+
+# --- model ------------------------------------------------------------------------------------------
+
+
+def _assert_expired(got: list[Message], model: dict[bytes, tuple[float, int]], now: float) -> None:
+    """pop_expired gave exactly the model's due messages, each at its latest deadline, earliest first
+    (equal deadlines in any order)."""
+    assert sorted(_ids(got)) == sorted(k for k, (pri, _) in model.items() if pri <= now)
+    assert [m.pri for m in got] == [model[m.id][0] for m in got]
+    assert [m.pri for m in got] == sorted(m.pri for m in got)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["push", "push", "pop", "expire", "next", "drain"]),
+            st.integers(0, 30),
+            st.integers(0, 60),
+        ),
+        max_size=120,
+    )
+)
+def test_against_a_dict_and_sorted_model(ops):
+    q = MessagePQueue()
+    msgs = {k: _msg(k) for k in range(31)}
+    model: dict[bytes, tuple[float, int]] = {}  # id -> (deadline, push order)
+    order = 0
+    for op, key, t in ops:
+        m = msgs[key]
+        if op == "push":
+            q.push(m, float(t))
+            model[m.id] = (float(t), order)
+            order += 1
+        elif op == "pop":
+            got = q.pop(m.id)
+            assert (got is m) == (m.id in model) and (got is None) == (m.id not in model)
+            model.pop(m.id, None)
+        elif op == "expire":
+            got = q.pop_expired(float(t))
+            _assert_expired(got, model, float(t))
+            for m_ in got:
+                del model[m_.id]
+        elif op == "next":
+            assert q.next_deadline() == (min(p for p, _ in model.values()) if model else None)
+        else:
+            assert sorted(_ids(q.drain())) == sorted(model)
+            model.clear()
+        assert len(q) == len(model)
+        assert set(q.items) == set(model)
+        for k in msgs.values():
+            assert (k.id in q) == (k.id in model)
+    _assert_expired(q.pop_expired(1e9), model, 1e9)
+
+
+class PQueueMachine(RuleBasedStateMachine):
+    """The same model as a state machine, with many messages so compaction is exercised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = MessagePQueue()
+        self.model: dict[bytes, tuple[float, int]] = {}
+        self.msgs = [_msg(i) for i in range(3000)]
+        self.order = 0
+        self.now = 0.0
+
+    def _push(self, m: Message, pri: float) -> None:
+        self.q.push(m, pri)
+        self.model[m.id] = (pri, self.order)
+        self.order += 1
+
+    @rule(start=st.integers(0, 2999), n=st.integers(1, 1500), spread=st.integers(0, 100))
+    def push_many(self, start, n, spread):
+        for i in range(n):
+            self._push(self.msgs[(start + i) % 3000], self.now + (i * 7919) % (spread + 1))
+
+    @rule(start=st.integers(0, 2999), n=st.integers(1, 1500), step=st.integers(1, 5))
+    def fin_many(self, start, n, step):
+        for i in range(0, n, step):
+            m = self.msgs[(start + i) % 3000]
+            assert (self.q.pop(m.id) is m) == (m.id in self.model)
+            self.model.pop(m.id, None)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def touch(self, data):
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        self._push(self.q.items[key], self.now + data.draw(st.integers(0, 200)))
+
+    @rule(dt=st.integers(0, 50))
+    def scan(self, dt):
+        self.now += dt
+        got = self.q.pop_expired(self.now)
+        _assert_expired(got, self.model, self.now)
+        for m in got:
+            del self.model[m.id]
+
+    @invariant()
+    def same_contents(self):
+        assert len(self.q) == len(self.model)
+        assert set(self.q.items) == set(self.model)
+
+    @invariant()
+    def next_deadline_is_the_models(self):
+        expected = min((p for p, _ in self.model.values()), default=None)
+        assert self.q.next_deadline() == expected
+
+
+TestPQueueMachine = PQueueMachine.TestCase
+TestPQueueMachine.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.parametrize("n", [0, 1, _COMPACT_MIN, _COMPACT_MIN + 1, 3 * _COMPACT_MIN])
+def test_sizes_around_the_compaction_threshold(n):
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(n)]
+    for m in msgs:
+        q.push(m, 1.0)
+    for m in msgs:
+        q.push(m, 2.0)  # every first entry goes stale
+        assert _heap_bound_holds(q)
+    assert _ids(q.pop_expired(1.5)) == []
+    assert _ids(q.pop_expired(2.0)) == _ids(msgs)
