@@ -62,6 +62,19 @@ def test_parse_duration_refuses_invalid_strings(text):
         parse_duration(text)
 
 
+def test_parse_duration_refuses_what_go_refuses_and_a_timeout_cannot_be():
+    """Go's ParseDuration refuses every one of these; here they come back as nan / inf / 3.0 / -1.0
+    (Python's float() and the regex's Unicode \\d accept them, lstrip("+-") eats any number of signs),
+    so `--msg-timeout=nan` would start a broker whose timeouts never compare true."""
+    accepted = {}
+    for text in ["nan", "NaN", "inf", "-inf", "infinity", "\u0663s", "\u0661\u0660", "--1s", "+-1s"]:
+        try:
+            accepted[text] = parse_duration(text)
+        except ValueError:
+            pass
+    assert accepted == {}
+
+
 _UNIT_SECONDS = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
@@ -153,6 +166,12 @@ def test_host_derived_defaults_are_nsqds():
     assert o.heartbeat_interval == 30.0  # ClientTimeout / 2
 
 
+def test_default_https_address_is_nsqds():
+    """nsqd.NewOptions sets HTTPSAddress "0.0.0.0:4152", so a Go nsqd given --tls-cert/--tls-key serves
+    HTTPS on 4152 without any --https-address; here the default is "" and no HTTPS listener starts."""
+    assert parse_options([]).https_address == "0.0.0.0:4152"
+
+
 def test_defaults_are_fresh_lists_per_instance():
     a, b = parse_options([]), parse_options([])
     a.nsqlookupd_tcp_addresses.append("x:4160")
@@ -183,6 +202,13 @@ def test_flags_use_nsqds_names_and_units():
 def test_bad_flags_exit(argv):
     with pytest.raises(SystemExit):
         parse_options(argv)
+
+
+def test_e2e_percentiles_flag_takes_a_comma_separated_list_as_nsqd():
+    """nsqd's help: 'can be specified multiple times or comma separated '1.0,0.99,0.95''
+    (app.FloatArray.Set splits on ','); here the comma form is refused."""
+    o = parse_options(["--e2e-processing-latency-percentile=1.0,0.99,0.95"])
+    assert sorted(o.e2e_processing_latency_percentiles) == [0.95, 0.99, 1.0]
 
 
 # --- --config TOML ----------------------------------------------------------------------------------
@@ -359,6 +385,25 @@ def test_every_nsqd_config_key_loads(tmp_path):
             parse_options([_config(tmp_path, f"{key} = {_toml_value(value)}\n")])
         except SystemExit:
             refused.append(key)
+    assert refused == []
+
+
+def test_every_nsqd_flag_is_accepted():
+    """A command line written for Go nsqd must parse (apps/nsqd/options.go nsqdFlagSet)."""
+    refused = []
+    for key, value in NSQD_CONFIG_KEYS.items():
+        flag = {
+            "id": "node-id", "nsqlookupd_tcp_addresses": "lookupd-tcp-address",
+            "auth_http_addresses": "auth-http-address",
+            "e2e_processing_latency_percentiles": "e2e-processing-latency-percentile",
+        }.get(key, key.replace("_", "-"))
+        if isinstance(value, list):
+            value = value[0]
+        arg = f"--{flag}={str(value).lower() if isinstance(value, bool) else value}"
+        try:
+            parse_options([arg])
+        except SystemExit:
+            refused.append(arg)
     assert refused == []
 
 

@@ -209,6 +209,21 @@ def test_compaction_keeps_order_and_contents():
     assert sorted(_ids(out)) == sorted(_ids(msgs[1::2]))
 
 
+def test_heap_is_bounded_after_the_consumer_fins_everything():
+    """The module promises 'memory stays within twice the number of messages held'. A burst of 100k
+    in flight all FINned leaves the queue empty, yet every FINned message (body included) stays
+    referenced by its stale heap entry until its deadline passes (msg_timeout, 60 s by default, up to
+    --max-msg-timeout), because compaction only runs on push."""
+    q = MessagePQueue()
+    for i in range(100_000):
+        q.push(_msg(i), 1000.0 + i)
+    for i in range(100_000):
+        q.pop(b"%016x" % i)
+    assert len(q) == 0
+    heap_entries = len(q._heap)
+    assert heap_entries <= _COMPACT_MIN, f"{heap_entries} heap entries kept for 0 messages held"
+
+
 # --- model ------------------------------------------------------------------------------------------
 
 

@@ -345,6 +345,20 @@ def test_long_line_after_earlier_commands_is_measured_from_its_own_start():
     assert got[-1] == Command(b"FIN", (b"a" * 90,)) and len(got) == 51
 
 
+def test_line_length_boundary_matches_nsqd_bufio():
+    """nsqd reads a line with bufio.Reader.ReadSlice('\\n') over a 16 KiB buffer: the line *with* its
+    newline must fit in 16384 bytes, so a 16383-byte line is read and a 16384-byte line fails."""
+    ok = CommandParser(_accept_all)
+    ok.feed(b"a" * 16383 + b"\n")
+    assert ok.next_command() == Command(b"a" * 16383, ())
+
+    too_long = CommandParser(_accept_all)
+    too_long.feed(b"a" * 16384 + b"\n")
+    with pytest.raises(FatalClientError) as err:
+        too_long.next_command()
+    assert _fatal(err) == LINE_TOO_LONG
+
+
 # --- MPUB body --------------------------------------------------------------------------------------
 
 
