@@ -58,7 +58,7 @@ class Options:
     output_buffer_timeout: float = option(0.25, "default duration of time between flushing data to clients", kind="duration")
     max_channel_consumers: int = option(0, "maximum channel consumer connection count per nsqd instance (0 = unlimited)")
 
-    https_address: str = option("", "<addr>:<port> to listen on for HTTPS clients (needs --tls-cert/--tls-key)")
+    https_address: str = option("0.0.0.0:4152", "<addr>:<port> to listen on for HTTPS clients (served when --tls-cert/--tls-key are set)")
     tls_cert: str = option("", "path to certificate file")
     tls_key: str = option("", "path to key file")
     tls_root_ca_file: str = option("", "path to certificate authority file")
@@ -84,9 +84,13 @@ class Options:
     statsd_mem_stats: bool = option(True, "toggle sending memory and GC stats to statsd")
     statsd_udp_packet_size: int = option(508, "the size in bytes of statsd UDP packets")
     e2e_processing_latency_percentiles: list = option(
-        [], "message processing time percentiles (as float (0, 1.0]) to track (can be specified multiple times)",
-        flag="--e2e-processing-latency-percentile", repeat=True, kind="float",
+        [], "message processing time percentiles (as float (0, 1.0]) to track (can be specified multiple times or comma separated '1.0,0.99,0.95')",
+        flag="--e2e-processing-latency-percentile", repeat=True, kind="floats",
     )
+    statsd_exclude_ephemeral: bool = option(False, "skip ephemeral topics and channels when sending stats to statsd")
+    topology_region: str = option("", "the region this nsqd is in (reported in IDENTIFY)")
+    topology_zone: str = option("", "the availability zone this nsqd is in (reported in IDENTIFY)")
+    enable_experiment: list = option([], "experimental features to enable (accepted; none is implemented)", repeat=True)
     e2e_processing_latency_window_time: float = option(
         600.0, "calculate end to end latency quantiles for this duration of time", kind="duration"
     )

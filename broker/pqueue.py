@@ -46,6 +46,8 @@ class MessagePQueue:
         msg = self.items.pop(msg_id, None)
         if msg is not None:
             msg.generation += 1
+            if len(self._heap) > _COMPACT_MIN and len(self._heap) > 2 * len(self.items):
+                self._compact()  # FINs leave stale entries (holding bodies): keep them bounded
         return msg
 
     def pop_expired(self, now: float) -> list[Message]:

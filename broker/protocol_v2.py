@@ -287,8 +287,8 @@ class ProtocolV2:
             "auth_required": self.nsqd.auth_enabled,
             "output_buffer_size": client.output_buffer_size,
             "output_buffer_timeout": int(client.output_buffer_timeout * 1000),
-            "topology_region": "",
-            "topology_zone": "",
+            "topology_region": opts.topology_region,
+            "topology_zone": opts.topology_zone,
         }
         client.write_frame(FRAME_TYPE_RESPONSE, json.dumps(response, separators=(",", ":")).encode())
         await client.flush()

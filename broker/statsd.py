@@ -38,7 +38,10 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
     def gauge(key: str, value: float) -> None:
         lines.append(f"{key}:{int(value)}|g")
 
+    exclude_ephemeral = nsqd.options.statsd_exclude_ephemeral
     for topic in list(nsqd.topics.values()):
+        if exclude_ephemeral and topic.ephemeral:
+            continue
         t = f"topic.{topic.name}"
         incr(f"{t}.message_count", topic.message_count)
         incr(f"{t}.message_bytes", topic.message_bytes)
@@ -48,6 +51,8 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
         for item in (e2e or {}).get("percentiles", []):
             gauge(f"{t}.e2e_processing_latency_{item['quantile'] * 100:.0f}", item["value"])
         for channel in list(topic.channels.values()):
+            if exclude_ephemeral and channel.ephemeral:
+                continue
             c = f"{t}.channel.{channel.name}"
             incr(f"{c}.message_count", channel.message_count)
             gauge(f"{c}.depth", channel.depth())

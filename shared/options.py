@@ -14,7 +14,8 @@ from typing import Any
 
 import attrs
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
+_PLAIN_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", re.ASCII)
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -23,12 +24,11 @@ def parse_duration(value: str | int | float) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     text = str(value).strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
+    if _PLAIN_NUMBER.fullmatch(text):
+        return float(text)  # our leniency: plain seconds
     sign = -1.0 if text.startswith("-") else 1.0
-    text = text.lstrip("+-")
+    if text[:1] in "+-":
+        text = text[1:]
     pos, total = 0, 0.0
     while pos < len(text):
         match = _DURATION_PART.match(text, pos)
@@ -67,6 +67,8 @@ def _converter(field: attrs.Attribute):
         return parse_duration
     if field.metadata.get("kind") == "float":
         return float
+    if field.metadata.get("kind") == "floats":
+        return _floats
     default = field.default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
         return str
@@ -77,6 +79,20 @@ def _converter(field: attrs.Attribute):
     if isinstance(default, float):
         return float
     return str
+
+
+def _floats(value: Any) -> list[float]:
+    """One flag value holding one or more comma-separated numbers (Go's app.FloatArray)."""
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    return [float(part) for part in str(value).split(",") if part.strip()]
+
+
+def _flatten(values: list) -> list:
+    out = []
+    for value in values:
+        out.extend(value if isinstance(value, list) else [value])
+    return out
 
 
 def _parse_bool(value: Any) -> bool:
@@ -122,6 +138,10 @@ def load_options(cls: type, argv: list[str] | None, prog: str, description: str)
         with open(config_path, "rb") as fh:
             values.update(config_values(cls, tomllib.load(fh), parser))
     values.update(args)
+    for field in attrs.fields(cls):
+        if field.metadata.get("kind") == "floats" and field.name in values:
+            # as nsqd: every value given, in descending order
+            values[field.name] = sorted(_flatten(values[field.name]), reverse=True)
     return cls(**values)
 
 

@@ -241,10 +241,10 @@ class CommandParser:
         if self._pending is None:
             end = buf.find(b"\n", self._pos)
             if end < 0:
-                if len(buf) - self._pos > self._max_line:
+                if len(buf) - self._pos >= self._max_line:
                     raise FatalClientError("E_INVALID", "failed to read command - line too long")
                 return None
-            if end - self._pos > self._max_line:
+            if end - self._pos >= self._max_line:  # the line and its '\n' must fit, as in nsqd's bufio buffer
                 raise FatalClientError("E_INVALID", "failed to read command - line too long")
             line = bytes(buf[self._pos : end])
             self._pos = end + 1

@@ -95,6 +95,9 @@ class Broker:
             f"--http-address={self.http_address}",
             f"--data-path={self.data_path}",
         ]
+        if "tls_cert" in self.flags and "https_address" not in self.flags and not REFERENCE_BIN:
+            # nsqd's default HTTPS address is 0.0.0.0:4152: tests keep to loopback and free ports
+            self.flags["https_address"] = f"127.0.0.1:{free_port()}"
         args += [_flag(k, v) for k, v in self.flags.items()]
         return args
 
