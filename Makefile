@@ -22,7 +22,7 @@ run: $(STAMP)
 	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
 	@$(BIN)/python -m lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
 	trap 'kill $$LOOKUPD 2>/dev/null; wait $$LOOKUPD' EXIT INT TERM; \
-	$(BIN)/python -m broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160
+	$(BIN)/python -m broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
