@@ -155,11 +155,14 @@ class DiskQueue:
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                # read and deleted after the metadata was written: later files may hold newer records
-                later = self._next_existing_file(num) if self._meta_loaded else None
+                # read and deleted after the metadata was written (or no metadata was ever written):
+                # later files may hold newer records, and their numbers must not be written over
+                later = self._next_existing_file(num)
                 if later is not None:
                     log.warning("DISKQUEUE(%s) %s is missing (metadata writePos %d), recovering from %s",
                                 self.name, path, pos, self.file_name(later))
+                    if not self._meta_loaded and self.read_file_num == num:
+                        self.read_file_num, self.read_pos = later, 0
                     num, pos = later, 0
                     self.write_file_num, self.write_pos = num, 0
                     continue
@@ -380,6 +383,9 @@ class DiskQueue:
             self._read_file = fh
             log.info("DISKQUEUE(%s): readOne() opened %s", self.name, path)
         if self.read_file_num < self.write_file_num and self.read_pos >= self._max_bytes_per_file_read:
+            if self.read_pos > self._max_bytes_per_file_read:
+                log.warning("DISKQUEUE(%s) readPos %d is past the end (%d) of %s, nothing left in it",
+                            self.name, self.read_pos, self._max_bytes_per_file_read, self.file_name(self.read_file_num))
             return None
         header = fh.read(4)
         if len(header) < 4:
@@ -552,11 +558,12 @@ class DiskQueue:
         tmp = f"{path}.{random.getrandbits(63)}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.write(fd, meta)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
+            try:
+                if os.write(fd, meta) != len(meta):
+                    raise OSError(errno.ENOSPC, f"short write of {tmp}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.rename(tmp, path)
         except OSError:
             try:

@@ -22,7 +22,7 @@ import broker.diskqueue as diskqueue_module
 from broker.backend import BackendError
 from broker.diskqueue import DiskQueue
 
-LOGGER = "nsqd"
+LOGGER = diskqueue_module.log.name
 
 
 def rec(data: bytes) -> bytes:
@@ -227,8 +227,25 @@ class DiskQueueMachine(RuleBasedStateMachine):
         trio.run(old.delete)  # the old process's files are gone with it; only the copy lives on
         self.dq = self._open()
 
-    # crash (kill -9) rules are left out of the machine until tail recovery across rolls is exact;
-    # the kill-9 unit tests below cover the single-file cases.
+    @precondition(lambda self: not self.read_since_persist)
+    @rule()
+    def crash_after_puts(self):
+        # nothing read since the metadata was persisted: the reopened queue is exact
+        self._crash()
+
+    @precondition(lambda self: bool(self.read_since_persist))
+    @rule()
+    def crash_after_reads(self):
+        replayable = list(self.read_since_persist)
+        self._crash()
+        got = drain(self.dq)
+        unread = list(self.model)
+        assert got[len(got) - len(unread):] == unread, "unread records lost or reordered"
+        replayed = got[: len(got) - len(unread)]
+        assert replayed == replayable[len(replayable) - len(replayed):], "replays must be the last records read"
+        assert self.dq.depth() == 0
+        self.model.clear()
+        self.read_since_persist = got
 
     @invariant()
     def depth_is_exact(self):
@@ -449,6 +466,45 @@ async def test_kill_9_after_the_metadata_write_file_was_read_and_deleted(tmp_pat
     got = drain(again)
     assert got[-1] == b"four-1234" and set(got) <= {b"three-123", b"four-1234"}
     assert again.depth() == 0
+    await again.close()
+    await dq.close()
+
+
+async def test_kill_9_after_a_roll_the_metadata_never_saw_and_its_file_was_read(tmp_path):
+    d = tmp_path / "live"
+    d.mkdir()
+    dq = DiskQueue("k", str(d), max_bytes_per_file=30, min_msg_size=1)
+    dq.put(b"dropped")
+    await dq.empty()
+    assert meta(d, "k") == "0\n1,0\n1,0\n"  # the write file (1) has no file yet
+    for m in (b"a-1234567", b"b-1234567", b"c-1234567"):  # 13 bytes: two to a file, c in file 2
+        dq.put(m)
+    assert drain(dq) == [b"a-1234567", b"b-1234567", b"c-1234567"]  # file 1 read and deleted
+    dq.put(b"d-1234567")
+    again = DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=30, min_msg_size=1)
+    assert (again.write_file_num, again.write_pos) == (2, 26)  # file 2 found, not written over
+    assert drain(again) == [b"c-1234567", b"d-1234567"]  # c again: read after the last metadata sync
+    assert again.depth() == 0
+    again.put(b"e")
+    assert drain(again) == [b"e"]
+    await again.close()
+    await dq.close()
+
+
+async def test_kill_9_before_any_metadata_after_a_roll_and_a_read(tmp_path):
+    d = tmp_path / "live"
+    d.mkdir()
+    dq = DiskQueue("k", str(d), max_bytes_per_file=30, min_msg_size=1)
+    dq.put(b"a-1234567")
+    dq.put(b"b-1234567")
+    dq.put(b"c-1234567")  # file 1
+    assert drain(dq) == [b"a-1234567", b"b-1234567", b"c-1234567"]  # file 0 deleted; no metadata yet
+    dq.put(b"d-1234567")
+    assert not (d / "k.diskqueue.meta.dat").exists()
+    again = DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=30, min_msg_size=1)
+    assert (again.read_file_num, again.write_file_num, again.write_pos) == (1, 1, 26)  # file 1 not reused
+    assert again.depth() == 2
+    assert drain(again) == [b"c-1234567", b"d-1234567"]
     await again.close()
     await dq.close()
 
