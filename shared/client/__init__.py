@@ -1,8 +1,16 @@
-"""A Trio client for NSQ: Producer, HTTPProducer and Consumer, built on the sans-IO shared.protocol."""
+"""A Trio client for NSQ, built on the sans-IO shared.protocol.
 
-from shared.client.connection import Connection, Message, NSQError
-from shared.client.consumer import Consumer
+- Producer: publish over TCP (pipelined, reconnecting); HTTPProducer: publish over HTTP in batches.
+- Consumer: subscribe on brokers given directly or found through nsqlookupd, with NSQ's RDY and
+  backoff rules; handlers get Message objects.
+- Connection: one V2 connection, for anything the others do not cover.
+
+Logs go to the "trio_nsq.client" logger.
+"""
+
+from shared.client.connection import Connection, NSQConnectionError, NSQError
+from shared.client.consumer import Consumer, Message
 from shared.client.http_producer import HTTPProducer
 from shared.client.producer import Producer
 
-__all__ = ["Connection", "Consumer", "HTTPProducer", "Message", "NSQError", "Producer"]
+__all__ = ["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError", "Producer"]

@@ -1,7 +1,19 @@
-"""Connection: one protocol V2 conversation with a broker, owned by a nursery.
+"""Connection: one protocol V2 conversation with nsqd, owning its reader and writer tasks.
 
-Responses are matched to commands in order (nsqd answers in order), so any number of PUBs may be in
-flight at once. Messages go to the owner's callback; heartbeats are answered with NOP.
+    async with Connection("127.0.0.1:4150") as conn:
+        await conn.command(encode_pub("topic", b"body"))
+
+nsqd answers the commands that have an answer (IDENTIFY, SUB, PUB, MPUB, DPUB, CLS, AUTH) in the order
+it reads them, so any number of them may be in flight: each waits on a slot in a FIFO and the reader
+hands every response or error frame to the oldest slot. FIN, REQ, TOUCH, RDY and NOP have no answer;
+their only possible errors (E_FIN_FAILED, E_REQ_FAILED, E_TOUCH_FAILED) are logged, never matched.
+
+Writes are appended to one output buffer and a writer task sends whatever has accumulated in one
+`send_all`, so a burst of pipelined PUBs (or FINs) leaves as one segment. The buffer is bounded:
+`command()` waits for room past `max_pending` unanswered commands or `write_buffer_size` bytes.
+
+The end of the connection is a state, not an exception: the reader records why it ended, sets
+`closed`, and fails every waiting command. The tasks never raise into the owner's nursery.
 """
 
 from __future__ import annotations
@@ -16,12 +28,17 @@ import trio
 
 from shared.http import split_host_port
 from shared.protocol import (
+    CLOSE_WAIT,
     FRAME_TYPE_ERROR,
     FRAME_TYPE_MESSAGE,
+    FRAME_TYPE_RESPONSE,
     HEARTBEAT,
     MAGIC_V2,
+    DecodedMessage,
     FrameParser,
     decode_message,
+    encode_auth,
+    encode_cls,
     encode_fin,
     encode_identify,
     encode_nop,
@@ -33,17 +50,72 @@ from shared.version import USER_AGENT
 
 log = logging.getLogger("trio_nsq.client")
 
-# errors nsqd sends for FIN/REQ/TOUCH, which have no response of their own to be matched with
-_UNMATCHED_ERRORS = (b"E_FIN_FAILED", b"E_REQ_FAILED", b"E_TOUCH_FAILED")
-MAX_FRAME = 16 * 1024 * 1024
+# Errors nsqd sends for commands without a response; nsqd keeps the connection after them.
+NON_FATAL_ERRORS = frozenset({"E_FIN_FAILED", "E_REQ_FAILED", "E_TOUCH_FAILED"})
+MAX_FRAME_SIZE = 64 * 1024 * 1024
+RECV_SIZE = 65536
 
 
 class NSQError(Exception):
-    """An error frame from the broker: `code` is nsqd's (E_BAD_TOPIC...), str() its whole text."""
+    """An error nsqd answered: `code` is nsqd's (E_BAD_TOPIC, ...), `description` the rest of its text.
 
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.code = text.split(" ", 1)[0]
+    Every error nsqd sends except E_FIN_FAILED / E_REQ_FAILED / E_TOUCH_FAILED is fatal: nsqd closes the
+    connection right after it (`fatal` says so). HTTP errors carry nsqd's JSON message as the code
+    (MSG_TOO_BIG, TOPIC_NOT_FOUND...) and `status` the HTTP status.
+    """
+
+    def __init__(self, code: str, description: str = "", *, status: int | None = None) -> None:
+        super().__init__(f"{code} {description}".strip())
+        self.code = code
+        self.description = description
+        self.status = status
+
+    @property
+    def fatal(self) -> bool:
+        return self.code not in NON_FATAL_ERRORS
+
+    @classmethod
+    def from_frame(cls, data: bytes) -> NSQError:
+        code, _, description = data.decode(errors="replace").partition(" ")
+        return cls(code, description)
+
+
+class NSQConnectionError(ConnectionError):
+    """The connection ended before the command's answer arrived.
+
+    `maybe_processed` is False when nsqd certainly never executed the command (it was never written,
+    or it came after a command nsqd refused with a fatal error: nsqd stops reading there), so sending
+    it again cannot duplicate anything. When True, the command may or may not have been executed.
+    """
+
+    def __init__(self, message: str, *, maybe_processed: bool = True) -> None:
+        super().__init__(message)
+        self.maybe_processed = maybe_processed
+
+
+class OwnedNursery:
+    """The nursery of an object used as an async context manager: opened in __aenter__, cancelled and
+    left in __aexit__. Our tasks never raise, so when the nursery wraps the body's exception in an
+    ExceptionGroup (strict exception groups), the body's exception is let through unwrapped.
+    """
+
+    def __init__(self) -> None:
+        self._cm: Any = None
+        self.nursery: trio.Nursery | None = None
+
+    async def open(self) -> trio.Nursery:
+        self._cm = trio.open_nursery()
+        self.nursery = await self._cm.__aenter__()
+        return self.nursery
+
+    async def close(self, exc_info: tuple[Any, Any, Any]) -> bool:
+        self.nursery.cancel_scope.cancel()
+        try:
+            return bool(await self._cm.__aexit__(*exc_info))
+        except BaseExceptionGroup as group:
+            if exc_info[1] is not None and all(e is exc_info[1] for e in group.exceptions):
+                return False  # the body's exception propagates as it was raised
+            raise
 
 
 class _Pending:
@@ -52,144 +124,332 @@ class _Pending:
     def __init__(self) -> None:
         self.event = trio.Event()
         self.value: bytes | None = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
 
 
-class Message:
-    """A message from a consumer connection; finish/requeue/touch answer the broker for it."""
-
-    def __init__(self, conn: Connection, msg_id: bytes, body: bytes, attempts: int, timestamp: int) -> None:
-        self.conn = conn
-        self.id = msg_id
-        self.body = body
-        self.attempts = attempts
-        self.timestamp = timestamp
-        self.responded = False
-
-    async def finish(self) -> None:
-        if not self.responded:
-            self.responded = True
-            await self.conn.send(encode_fin(self.id))
-            self.conn.in_flight -= 1
-
-    async def requeue(self, delay_ms: int = 0) -> None:
-        if not self.responded:
-            self.responded = True
-            await self.conn.send(encode_req(self.id, delay_ms))
-            self.conn.in_flight -= 1
-
-    async def touch(self) -> None:
-        if not self.responded:
-            await self.conn.send(encode_touch(self.id))
+# on_message(connection, message): called by the reader task, so it must not block.
+MessageCallback = Callable[["Connection", DecodedMessage], None]
 
 
 class Connection:
+    """One V2 connection. Use as `async with Connection(address, ...) as conn:`.
+
+    Entering connects, sends the magic and IDENTIFY (with feature_negotiation; the broker's JSON answer
+    is kept in `features` and its main values as attributes), and AUTH when the broker requires it.
+    Message frames go to `on_message`, or, without one, into `messages` (a memory channel of
+    `message_buffer` entries; the reader waits when it is full). Leaving closes the socket.
+    """
+
     def __init__(
         self,
         address: str,
         *,
         identify: dict[str, Any] | None = None,
-        on_message: Callable[[Message], None] | None = None,
+        auth_secret: bytes | str | None = None,
+        on_message: MessageCallback | None = None,
+        message_buffer: int = 100,
         connect_timeout: float = 5.0,
+        max_pending: int = 10_000,
+        write_buffer_size: int = 4 * 1024 * 1024,
     ) -> None:
         self.address = address
-        self.identify_data = {"feature_negotiation": True, "user_agent": USER_AGENT, **(identify or {})}
+        self.identify_data: dict[str, Any] = {
+            "client_id": "trio-nsq",
+            "hostname": "localhost",
+            "feature_negotiation": True,
+            "user_agent": USER_AGENT,
+            **(identify or {}),
+        }
+        self.auth_secret = auth_secret.encode() if isinstance(auth_secret, str) else auth_secret
         self.on_message = on_message
         self.connect_timeout = connect_timeout
+        self.write_buffer_size = write_buffer_size
+
+        # what the broker answered to IDENTIFY
         self.features: dict[str, Any] = {}
-        self.rdy = 0
-        self.rdy_history: deque[int] = deque(maxlen=64)  # the last RDY counts sent, for inspection
-        self.in_flight = 0
+        self.max_rdy_count = 2500
+        self.msg_timeout = 60_000  # ms
+        self.max_msg_timeout = 15 * 60_000
+        self.heartbeat_interval = 30_000
+        self.auth: dict[str, Any] | None = None
+
+        # consumer bookkeeping (used by Consumer; harmless for producers)
+        self.rdy = 0  # the last RDY sent
+        self.rdy_remaining = 0  # last RDY minus the messages received since
+        self.rdy_history: deque[int] = deque(maxlen=256)
+        self.in_flight = 0  # messages received and not yet FIN'd or REQ'd
+        self.last_message_at = 0.0
+        self.messages_received = 0
+
         self.closed = trio.Event()
-        self._stream: trio.abc.Stream | None = None
+        self.close_reason: BaseException | None = None
+        self._stream: trio.SocketStream | None = None
+        self._parser = FrameParser(MAX_FRAME_SIZE)
         self._pending: deque[_Pending] = deque()
-        self._send_lock = trio.StrictFIFOLock()
-        self._parser = FrameParser(MAX_FRAME)
+        self._pending_slots = trio.Semaphore(max_pending)
+        self._unwritten = 0  # how many of the newest _pending entries are still in _outbuf
+        self._fatal_seen = False
+        self._outbuf = bytearray()
+        self._write_wanted = trio.Event()
+        self._write_lot = trio.lowlevel.ParkingLot()  # woken when the buffer was written
+        self._idle_lot = trio.lowlevel.ParkingLot()  # woken when in_flight drops to 0
+        self._messages_send, self.messages = trio.open_memory_channel[DecodedMessage](message_buffer)
+        self._tasks = OwnedNursery()
 
     def __repr__(self) -> str:
         return f"Connection({self.address})"
 
-    async def run(self, *, task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect and IDENTIFY, report started, then read frames until the connection ends."""
-        host, port = split_host_port(self.address, default_host="127.0.0.1")
-        try:
-            with trio.fail_after(self.connect_timeout):
-                self._stream = await trio.open_tcp_stream(host, port)
-                await self._stream.send_all(MAGIC_V2 + encode_identify(self.identify_data))
-                kind, data = await self._next_frame()
-            if kind == FRAME_TYPE_ERROR:
-                raise NSQError(data.decode(errors="replace"))
-            if data != b"OK":
-                self.features = json.loads(data)
-            task_status.started(self)
-            while True:
-                kind, data = await self._next_frame()
-                if kind == FRAME_TYPE_MESSAGE:
-                    msg = decode_message(data)
-                    self.in_flight += 1
-                    if self.on_message is not None:
-                        self.on_message(Message(self, msg.id, msg.body, msg.attempts, msg.timestamp))
-                elif kind == FRAME_TYPE_ERROR and data.startswith(_UNMATCHED_ERRORS):
-                    log.warning("%s: %s", self, data.decode(errors="replace"))
-                elif kind != FRAME_TYPE_ERROR and data == HEARTBEAT:
-                    await self.send(encode_nop())
-                else:
-                    self._resolve(kind, data)
-        finally:
-            self._fail_pending(ConnectionError(f"connection to {self.address} closed"))
-            self.closed.set()
-            if self._stream is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    await self._stream.aclose()
+    @property
+    def is_closed(self) -> bool:
+        return self.closed.is_set()
 
-    async def _next_frame(self) -> tuple[int, bytes]:
+    # --- life ---------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Connection:
+        host, port = split_host_port(self.address, default_host="127.0.0.1")
+        with trio.fail_after(self.connect_timeout):
+            self._stream = await trio.open_tcp_stream(host, port)
+            try:
+                await self._handshake()
+            except BaseException:
+                self._set_closed(None)
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+                raise
+        nursery = await self._tasks.open()
+        nursery.start_soon(self._reader)
+        nursery.start_soon(self._writer)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool:
+        try:
+            return await self._tasks.close(exc_info)
+        finally:
+            self._set_closed(None)
+            with trio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    async def _handshake(self) -> None:
+        await self._stream.send_all(MAGIC_V2 + encode_identify(self.identify_data))
+        kind, data = await self._read_frame()
+        if kind == FRAME_TYPE_ERROR:
+            raise NSQError.from_frame(data)
+        if data != b"OK":
+            self._apply_features(json.loads(data))
+        if self.features.get("auth_required"):
+            if self.auth_secret is None:
+                raise NSQError("E_AUTH_REQUIRED", f"{self.address} requires AUTH and no secret was given")
+            await self._stream.send_all(encode_auth(self.auth_secret))
+            kind, data = await self._read_frame()
+            if kind == FRAME_TYPE_ERROR:
+                raise NSQError.from_frame(data)
+            self.auth = json.loads(data)
+
+    def _apply_features(self, features: dict[str, Any]) -> None:
+        self.features = features
+        self.max_rdy_count = int(features.get("max_rdy_count", self.max_rdy_count))
+        self.msg_timeout = int(features.get("msg_timeout", self.msg_timeout))
+        self.max_msg_timeout = int(features.get("max_msg_timeout", self.max_msg_timeout))
+        self.heartbeat_interval = int(features.get("heartbeat_interval", self.heartbeat_interval))
+        for wanted in ("tls_v1", "snappy", "deflate"):
+            if features.get(wanted):
+                # we never ask for them, so a broker that turns them on is not speaking to us
+                raise NSQError("E_INVALID", f"{self.address} negotiated {wanted}, which this client does not speak")
+
+    async def _read_frame(self) -> tuple[int, bytes]:
         while True:
             for frame in self._parser:
                 return frame
-            data = await self._stream.receive_some(65536)
+            data = await self._stream.receive_some(RECV_SIZE)
             if not data:
-                raise ConnectionError(f"{self.address} closed the connection")
+                raise NSQConnectionError(f"{self.address} closed the connection")
             self._parser.feed(data)
 
-    def _resolve(self, kind: int, data: bytes) -> None:
-        if not self._pending:
-            if kind == FRAME_TYPE_ERROR:
-                log.error("%s: %s", self, data.decode(errors="replace"))
-            return
-        pending = self._pending.popleft()
-        if kind == FRAME_TYPE_ERROR:
-            pending.error = NSQError(data.decode(errors="replace"))
+    async def _reader(self) -> None:
+        """Read frames until the connection ends; a silence of two heartbeat intervals ends it too."""
+        timeout = 2 * self.heartbeat_interval / 1000 if self.heartbeat_interval > 0 else float("inf")
+        reason: BaseException | None = None
+        try:
+            while True:
+                with trio.fail_after(timeout):
+                    kind, data = await self._read_frame()
+                if kind == FRAME_TYPE_MESSAGE:
+                    await self._got_message(decode_message(data))
+                elif kind == FRAME_TYPE_RESPONSE and data == HEARTBEAT:
+                    self.write(encode_nop())
+                elif kind == FRAME_TYPE_ERROR:
+                    self._got_error(NSQError.from_frame(data))
+                else:
+                    self._got_response(data)
+        except trio.TooSlowError:
+            reason = NSQConnectionError(f"{self.address}: no data for {timeout:g}s (heartbeats missed)")
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as exc:
+            reason = exc
+        except NSQConnectionError as exc:
+            reason = exc
+        finally:
+            self._set_closed(reason)
+            if self._stream is not None:
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+        if reason is not None and not isinstance(reason, NSQConnectionError):
+            log.info("%s: connection ended - %r", self, reason)
+
+    async def _got_message(self, msg: DecodedMessage) -> None:
+        self.in_flight += 1
+        self.rdy_remaining -= 1
+        self.messages_received += 1
+        self.last_message_at = trio.current_time()
+        if self.on_message is not None:
+            self.on_message(self, msg)
         else:
-            pending.value = data
+            await self._messages_send.send(msg)
+
+    def _got_error(self, error: NSQError) -> None:
+        if not error.fatal:
+            log.warning("%s: %s", self, error)
+            return
+        self._fatal_seen = True
+        if self._pending:
+            self._resolve(None, error)
+        else:
+            log.error("%s: %s", self, error)
+
+    def _got_response(self, data: bytes) -> None:
+        if not self._pending:
+            log.warning("%s: unexpected response %r", self, data[:100])
+            return
+        self._resolve(data, None)
+
+    def _resolve(self, value: bytes | None, error: BaseException | None) -> None:
+        pending = self._pending.popleft()
+        pending.value, pending.error = value, error
         pending.event.set()
 
-    def _fail_pending(self, error: Exception) -> None:
-        while self._pending:
-            pending = self._pending.popleft()
-            pending.error = error
+    def _set_closed(self, reason: BaseException | None) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        written = len(self._pending) - self._unwritten
+        for i, pending in enumerate(self._pending):
+            # after a fatal error nsqd stops reading: nothing later was executed; nor was the unwritten
+            maybe = i < written and not self._fatal_seen
+            pending.error = NSQConnectionError(f"connection to {self.address} closed"
+                                               + (f" ({reason})" if reason else ""), maybe_processed=maybe)
             pending.event.set()
+        self._pending.clear()
+        self._outbuf.clear()
+        self._unwritten = 0
+        self._messages_send.close()
+        self._write_lot.unpark_all()
+        self._idle_lot.unpark_all()
 
-    async def send(self, data: bytes) -> None:
-        """A command with no response (FIN, REQ, TOUCH, RDY, NOP)."""
-        if self._stream is None or self.closed.is_set():
-            raise ConnectionError(f"not connected to {self.address}")
-        async with self._send_lock:
-            await self._stream.send_all(data)
+    # --- writing ------------------------------------------------------------------------------
+
+    async def _writer(self) -> None:
+        try:
+            while True:
+                await self._write_wanted.wait()
+                self._write_wanted = trio.Event()
+                while self._outbuf:
+                    data = bytes(self._outbuf)
+                    self._outbuf.clear()
+                    self._unwritten = 0
+                    await self._stream.send_all(data)
+                self._write_lot.unpark_all()
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._set_closed(exc)
+            with trio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    def write(self, data: bytes) -> None:
+        """Queue a command that has no response (FIN, REQ, TOUCH, RDY, NOP); the writer sends it."""
+        if self.closed.is_set():
+            raise NSQConnectionError(f"not connected to {self.address}", maybe_processed=False)
+        self._outbuf += data
+        self._write_wanted.set()
+
+    async def drain(self) -> None:
+        """Wait while the output buffer is over `write_buffer_size` (backpressure for writers)."""
+        while len(self._outbuf) > self.write_buffer_size and not self.closed.is_set():
+            await self._write_lot.park()
+        await trio.lowlevel.checkpoint()
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been handed to the socket."""
+        while self._outbuf and not self.closed.is_set():
+            await self._write_lot.park()
+        await trio.lowlevel.checkpoint()
 
     async def command(self, data: bytes) -> bytes:
-        """A command with a response (PUB, MPUB, DPUB, SUB, CLS); raises NSQError on an error frame."""
-        if self._stream is None or self.closed.is_set():
-            raise ConnectionError(f"not connected to {self.address}")
-        pending = _Pending()
-        async with self._send_lock:
+        """Send a command that has a response; return the response, raise NSQError for an error frame.
+
+        Raises NSQConnectionError when the connection ends before the answer (see `maybe_processed`).
+        """
+        async with self._pending_slots:
+            await self.drain()
+            self.write(data)
+            pending = _Pending()
             self._pending.append(pending)
-            await self._stream.send_all(data)
-        await pending.event.wait()
+            self._unwritten += 1
+            await pending.event.wait()
         if pending.error is not None:
             raise pending.error
         return pending.value
 
-    async def set_rdy(self, count: int) -> None:
-        self.rdy = count
+    # --- consumer commands --------------------------------------------------------------------
+
+    def send_rdy(self, count: int) -> None:
+        count = max(0, min(count, self.max_rdy_count))
+        self.rdy = self.rdy_remaining = count
         self.rdy_history.append(count)
-        await self.send(encode_rdy(count))
+        self.write(encode_rdy(count))
+
+    def _responded(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self._idle_lot.unpark_all()
+
+    def fin(self, msg_id: bytes) -> None:
+        self.write(encode_fin(msg_id))
+        self._responded()
+
+    def req(self, msg_id: bytes, delay_ms: int = 0) -> None:
+        self.write(encode_req(msg_id, max(0, int(delay_ms))))
+        self._responded()
+
+    def touch(self, msg_id: bytes) -> None:
+        self.write(encode_touch(msg_id))
+
+    async def wait_idle(self) -> None:
+        """Wait until no message received on this connection is waiting for FIN or REQ."""
+        while self.in_flight > 0 and not self.closed.is_set():
+            await self._idle_lot.park()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_closed(self) -> None:
+        await self.closed.wait()
+
+    async def close_gracefully(self, timeout: float = 5.0) -> None:
+        """NSQ's clean close: CLS, wait for CLOSE_WAIT (after it nsqd sends no more messages), wait until
+        every message received is FIN'd or REQ'd, then half-close so nsqd reads all of it and closes.
+        """
+        with trio.move_on_after(timeout):
+            if not self.closed.is_set():
+                try:
+                    answer = await self.command(encode_cls())
+                except (NSQError, NSQConnectionError) as exc:
+                    log.info("%s: CLS - %s", self, exc)
+                    return
+                if answer != CLOSE_WAIT:
+                    log.warning("%s: CLS answered %r", self, answer)
+            await self.wait_idle()
+            await self.flush()
+            if not self.closed.is_set():
+                try:
+                    await self._stream.send_eof()
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                await self.closed.wait()

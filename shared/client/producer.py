@@ -1,14 +1,15 @@
-"""Producer: publish to one broker over TCP, pipelined, reconnecting when the broker goes away."""
+"""Producer: publish to one nsqd over TCP, pipelined, reconnecting when the broker goes away."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import trio
 
 from shared.client.backoff import backoff_delay
-from shared.client.connection import Connection, NSQError
+from shared.client.connection import Connection, NSQConnectionError, NSQError, OwnedNursery
 from shared.protocol import encode_dpub, encode_mpub, encode_pub
 
 log = logging.getLogger("trio_nsq.client")
@@ -17,57 +18,93 @@ log = logging.getLogger("trio_nsq.client")
 class Producer:
     """`async with Producer("127.0.0.1:4150") as p: await p.pub("topic", b"body")`.
 
-    Any number of tasks may publish at once; their commands are pipelined on one connection. While the
-    broker is unreachable, a publish waits up to `reconnect_timeout` for the connection to come back,
-    then raises ConnectionError. A publish whose connection breaks before its answer raises too: it may
-    or may not have been stored (NSQ is at least once; publish again if in doubt).
+    Any number of tasks may publish at once: their commands share one connection, pipelined, and each
+    gets its own answer (nsqd answers in order). An error frame raises NSQError (nsqd closes the
+    connection after it; the producer reconnects at once).
+
+    A task owned by the producer keeps the connection up, reconnecting with exponential backoff. A
+    publish made while the broker is away waits up to `reconnect_timeout` seconds for the connection,
+    then raises NSQConnectionError. A publish that nsqd certainly did not execute when the connection
+    broke (never written, or queued behind a refused command) is sent again on the next connection;
+    one whose answer was lost with the connection raises NSQConnectionError with maybe_processed=True:
+    it may have been stored (NSQ delivers at least once; publish again if in doubt).
     """
 
-    def __init__(self, address: str, *, reconnect_timeout: float = 5.0, identify: dict | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        reconnect_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        max_reconnect_delay: float = 5.0,
+        identify: dict[str, Any] | None = None,
+        auth_secret: bytes | str | None = None,
+    ) -> None:
         self.address = address
         self.reconnect_timeout = reconnect_timeout
+        self.connect_timeout = connect_timeout
+        self.max_reconnect_delay = max_reconnect_delay
         self.identify = identify or {}
+        self.auth_secret = auth_secret
         self.conn: Connection | None = None
-        self._connected = trio.Event()
-        self._nursery: trio.Nursery | None = None
+        self.connects = 0  # how many connections were made (1 + reconnects)
+        self.last_error: BaseException | None = None
+        self._up = trio.Event()
+        self._tasks = OwnedNursery()
 
     async def __aenter__(self) -> Producer:
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
-        self._nursery.start_soon(self._maintain)
-        with trio.move_on_after(self.reconnect_timeout):
-            await self._connected.wait()
+        nursery = await self._tasks.open()
+        nursery.start_soon(self._keep_connected)
         return self
 
-    async def __aexit__(self, *exc) -> bool | None:
-        self._nursery.cancel_scope.cancel()
-        return await self._nursery_cm.__aexit__(*exc)
+    async def __aexit__(self, *exc_info: Any) -> bool:
+        return await self._tasks.close(exc_info)
 
-    async def _maintain(self) -> None:
-        attempt = 0
+    async def _keep_connected(self) -> None:
+        failures = 0
         while True:
-            conn = Connection(self.address, identify=self.identify)
             try:
-                async with trio.open_nursery() as nursery:
-                    self.conn = await nursery.start(conn.run)
-                    attempt = 0
-                    self._connected.set()
+                async with Connection(self.address, identify=self.identify, auth_secret=self.auth_secret,
+                                      connect_timeout=self.connect_timeout) as conn:
+                    self.conn = conn
+                    self.connects += 1
+                    failures = 0
+                    self._up.set()
                     log.info("PRODUCER: connected to %s", self.address)
-            except* (OSError, ConnectionError, trio.TooSlowError, NSQError) as group:
-                log.warning("PRODUCER: %s - %s", self.address, group.exceptions[0])
-            if self._connected.is_set():
-                self._connected = trio.Event()
-            self.conn = None
-            attempt += 1
-            await trio.sleep(backoff_delay(attempt, base=0.2, cap=5.0))
+                    await conn.wait_closed()
+                    self.last_error = conn.close_reason
+                    log.info("PRODUCER: connection to %s closed - %s", self.address, conn.close_reason)
+            except (OSError, NSQConnectionError, NSQError, trio.TooSlowError, ValueError) as exc:
+                self.last_error = exc
+                log.warning("PRODUCER: cannot connect to %s - %s", self.address, exc)
+            finally:
+                self.conn = None
+                if self._up.is_set():
+                    self._up = trio.Event()
+            if failures:
+                await trio.sleep(backoff_delay(failures, base=0.1, cap=self.max_reconnect_delay))
+            failures += 1  # the first retry after a working connection is immediate
 
     async def _command(self, data: bytes) -> bytes:
-        with trio.move_on_after(self.reconnect_timeout):
-            await self._connected.wait()
-        conn = self.conn
-        if conn is None:
-            raise ConnectionError(f"not connected to {self.address} after {self.reconnect_timeout}s")
-        return await conn.command(data)
+        deadline = trio.current_time() + self.reconnect_timeout
+        while True:
+            conn = self.conn
+            if conn is None or conn.is_closed:
+                with trio.move_on_at(deadline):
+                    while self.conn is None or self.conn.is_closed:
+                        await self._up.wait()
+                        await trio.lowlevel.checkpoint()
+                conn = self.conn
+                if conn is None or conn.is_closed:
+                    raise NSQConnectionError(
+                        f"not connected to {self.address} after {self.reconnect_timeout:g}s"
+                        + (f": {self.last_error}" if self.last_error else ""), maybe_processed=False)
+            try:
+                return await conn.command(data)
+            except NSQConnectionError as exc:
+                if exc.maybe_processed or trio.current_time() >= deadline:
+                    raise
+                # nsqd never executed it: send it again on the next connection
 
     async def pub(self, topic: str, body: bytes) -> None:
         await self._command(encode_pub(topic, body))
@@ -76,4 +113,4 @@ class Producer:
         await self._command(encode_mpub(topic, bodies))
 
     async def dpub(self, topic: str, delay_ms: int, body: bytes) -> None:
-        await self._command(encode_dpub(topic, delay_ms, body))
+        await self._command(encode_dpub(topic, int(delay_ms), body))
