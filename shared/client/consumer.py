@@ -1,27 +1,109 @@
-"""Consumer: subscribe to a topic/channel on brokers given directly or found through lookupd.
+"""Consumer: subscribe to a topic/channel on brokers given directly or found through nsqlookupd.
 
-RDY follows NSQ's client guidelines: max_in_flight is split over the connections (at least 1 each;
-with more connections than max_in_flight, RDY 1 rotates among them). A handler that raises puts the
-consumer in backoff: RDY 0 everywhere for an exponentially growing interval, then RDY 1 on one
-connection to test; a success steps back towards normal, a failure backs off longer.
+    async def handler(message):
+        ...                       # returns: FIN; raises: REQ (with a growing delay) and backoff
+
+    async with Consumer("topic", "channel", handler, lookupd_http_addresses=["127.0.0.1:4161"],
+                        max_in_flight=100) as consumer:
+        await trio.sleep_forever()
+
+RDY follows NSQ's "Building Client Libraries" guide:
+
+- max_in_flight is split over the connections, at least 1 each; the remainder goes to the first ones,
+  so the sum is exactly max_in_flight. With more connections than max_in_flight, RDY 1 goes to
+  max_in_flight of them and rotates every `rdy_redistribute_interval` seconds, so none starves.
+- RDY is sent again when the messages received since the last RDY leave less than 25 % of it (or 1).
+- Backoff: a handler that fails (or requeue(backoff=True)) sets RDY 0 on every connection for an
+  interval growing exponentially with the backoff counter (capped by max_backoff); results that
+  arrive during that interval are ignored. Then one connection gets RDY 1 to test the water: a success
+  resumes the normal RDY (and decrements the counter, so a run of successes forgets old failures); a
+  failure backs off again, longer.
+
+A message whose handler fails is REQ'd with a delay of requeue_delay_ms × attempts (capped). The
+handler runs at most max_attempts times for one message: when it fails on the last attempt, or a
+message arrives with more attempts than that, `on_give_up(message)` is called and the message FIN'd.
+
+Handlers run in `concurrency` worker tasks (default: max_in_flight) in the consumer's nursery, which
+take the messages in the order they arrived; with concurrency=1 messages are handled one at a time in
+order, as go-nsq's AddHandler does. Leaving the `async
+with` normally (or `await consumer.close()`) closes cleanly: CLS on every connection, every message
+already received is handled and FIN'd, nsqd reads it all and closes. Leaving with an exception cancels
+the handlers: their messages go back to the queue after nsqd's msg_timeout.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
+import random
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import httpx
 import trio
 
-from shared.client.backoff import backoff_delay
-from shared.client.connection import Connection, Message, NSQError
+from shared.client.backoff import backoff_delay, requeue_delay_ms
+from shared.client.connection import Connection, NSQConnectionError, NSQError, OwnedNursery
 from shared.client.lookupd import lookup_producers
-from shared.protocol import encode_cls, encode_sub
+from shared.protocol import DecodedMessage, encode_sub
 
 log = logging.getLogger("trio_nsq.client")
 
+
+class Message:
+    """A message given to a handler: `.id .body .attempts .timestamp` (ns) and `.conn` it came on.
+
+    The handler may answer it itself with finish(), requeue() or touch(); if it does not, the consumer
+    FINs it when the handler returns and REQs it when the handler raises. Answering a message whose
+    connection has gone is a no-op: nsqd gives the message to someone else after its msg_timeout.
+    """
+
+    __slots__ = ("_consumer", "conn", "id", "body", "attempts", "timestamp", "_responded")
+
+    def __init__(self, consumer: Consumer, conn: Connection, decoded: DecodedMessage) -> None:
+        self._consumer = consumer
+        self.conn = conn
+        self.id = decoded.id
+        self.body = decoded.body
+        self.attempts = decoded.attempts
+        self.timestamp = decoded.timestamp
+        self._responded = False
+
+    def __repr__(self) -> str:
+        return f"Message({self.id.decode()}, attempts={self.attempts}, {len(self.body)} bytes)"
+
+    @property
+    def has_responded(self) -> bool:
+        return self._responded
+
+    async def finish(self) -> None:
+        """FIN: the message is done."""
+        if not self._responded:
+            self._responded = True
+            self._consumer._finished(self)
+            await self.conn.drain()
+
+    async def requeue(self, delay_ms: int | None = None, backoff: bool = True) -> None:
+        """REQ: deliver it again after `delay_ms` (default requeue_delay_ms × attempts, capped).
+        With backoff=True this counts as a failure for the consumer's backoff."""
+        if not self._responded:
+            self._responded = True
+            self._consumer._requeued(self, delay_ms, backoff)
+            await self.conn.drain()
+
+    async def touch(self) -> None:
+        """TOUCH: reset the message's timeout on the broker (msg_timeout, see conn.msg_timeout ms)."""
+        if not self._responded:
+            try:
+                self.conn.touch(self.id)
+            except NSQConnectionError:
+                log.debug("CONSUMER: TOUCH %s on a closed connection", self.id.decode())
+            await self.conn.drain()
+
+
 Handler = Callable[[Message], Awaitable[None]]
+GiveUpHook = Callable[[Message], "Awaitable[None] | None"]
 
 
 class Consumer:
@@ -35,206 +117,366 @@ class Consumer:
         lookupd_http_addresses: Sequence[str] = (),
         max_in_flight: int = 1,
         max_attempts: int = 5,
+        on_give_up: GiveUpHook | None = None,
         requeue_delay_ms: int = 1000,
-        max_backoff: float = 30.0,
+        max_requeue_delay_ms: int = 60_000,
         backoff_base: float = 0.5,
+        max_backoff: float = 30.0,
         lookupd_poll_interval: float = 60.0,
-        rdy_rotate_interval: float = 5.0,
-        on_give_up: Callable[[Message], Awaitable[None] | None] | None = None,
-        identify: dict | None = None,
+        rdy_redistribute_interval: float = 5.0,
+        max_reconnect_delay: float = 15.0,
+        close_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        concurrency: int | None = None,
+        identify: dict[str, Any] | None = None,
+        auth_secret: bytes | str | None = None,
     ) -> None:
         if not nsqd_tcp_addresses and not lookupd_http_addresses:
             raise ValueError("give nsqd_tcp_addresses or lookupd_http_addresses")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.topic, self.channel, self.handler = topic, channel, handler
         self.nsqd_tcp_addresses = list(nsqd_tcp_addresses)
         self.lookupd_http_addresses = list(lookupd_http_addresses)
         self.max_in_flight = max_in_flight
+        self.concurrency = concurrency or max_in_flight
         self.max_attempts = max_attempts
-        self.requeue_delay_ms = requeue_delay_ms
-        self.max_backoff = max_backoff
-        self.backoff_base = backoff_base
-        self.lookupd_poll_interval = lookupd_poll_interval
-        self.rdy_rotate_interval = rdy_rotate_interval
         self.on_give_up = on_give_up
+        self.requeue_delay_ms = requeue_delay_ms
+        self.max_requeue_delay_ms = max_requeue_delay_ms
+        self.backoff_base = backoff_base
+        self.max_backoff = max_backoff
+        self.lookupd_poll_interval = lookupd_poll_interval
+        self.rdy_redistribute_interval = rdy_redistribute_interval
+        self.max_reconnect_delay = max_reconnect_delay
+        self.close_timeout = close_timeout
+        self.connect_timeout = connect_timeout
         self.identify = identify or {}
+        self.auth_secret = auth_secret
 
-        self.connections: dict[str, Connection] = {}
-        self.backoff_level = 0
-        self.in_backoff = False
+        self.connections: dict[str, Connection] = {}  # subscribed connections by address
+        self.backoff_counter = 0
+        self.in_backoff = False  # RDY 0 everywhere until the backoff interval ends
+        self.testing = False  # RDY 1 on one connection until a result arrives
         self.closing = False
-        self.stats = {"finished": 0, "requeued": 0, "given_up": 0}
-        self._handlers = trio.CapacityLimiter(max_in_flight)
+        self.stats = {"received": 0, "finished": 0, "requeued": 0, "failed": 0, "given_up": 0, "backoffs": 0}
+
+        self._addresses: dict[str, trio.CancelScope] = {}  # every address with a task keeping it connected
+        # Received messages wait here for a worker. Unbounded as a channel, bounded in fact: nsqd sends
+        # no more unanswered messages than RDY, and the RDY we hand out adds up to max_in_flight.
+        self._inbox_send, self._inbox = trio.open_memory_channel[Message](math.inf)
+        self._unfinished = 0  # messages received and not yet through their handler
+        self._unfinished_lot = trio.lowlevel.ParkingLot()
+        self._connected_lot = trio.lowlevel.ParkingLot()
         self._rotation = 0
-        self._backoff_wake = trio.Event()
+        self._tasks = OwnedNursery()
+        self._nursery: trio.Nursery | None = None  # handlers
+        self._bg: trio.Nursery | None = None  # connections, discovery, RDY rotation, backoff timer
+        self._bg_scope = trio.CancelScope()
+        self._closed = trio.Event()
+        self._close_started = False
+
+    def __repr__(self) -> str:
+        return f"Consumer({self.topic}/{self.channel})"
 
     # --- life ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Consumer:
-        self._outer_cm = trio.open_nursery()
-        self._outer = await self._outer_cm.__aenter__()
-        self._handler_nursery = await self._outer.start(self._run_handler_nursery)
-        self._conn_scope = trio.CancelScope()
-        self._outer.start_soon(self._run_connections)
+        self._nursery = await self._tasks.open()
+        for _ in range(self.concurrency):
+            self._nursery.start_soon(self._worker)
+        await self._nursery.start(self._run_background)
         return self
 
-    async def __aexit__(self, *exc) -> bool | None:
-        if exc[0] is None:
+    async def __aexit__(self, *exc_info: Any) -> bool:
+        if exc_info[0] is None:
             await self.close()
-        self._outer.cancel_scope.cancel()
-        return await self._outer_cm.__aexit__(*exc)
+        return await self._tasks.close(exc_info)
 
-    async def _run_handler_nursery(self, *, task_status) -> None:
-        async with trio.open_nursery() as nursery:
-            task_status.started(nursery)
-            await trio.sleep_forever()
-
-    async def _run_connections(self) -> None:
-        with self._conn_scope:
-            async with trio.open_nursery() as nursery:
-                self._conn_nursery = nursery
+    async def _run_background(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with self._bg_scope:
+            async with trio.open_nursery() as bg:
+                self._bg = bg
                 for address in self.nsqd_tcp_addresses:
-                    nursery.start_soon(self._keep_connected, address)
+                    self._add_address(address)
                 if self.lookupd_http_addresses:
-                    nursery.start_soon(self._poll_lookupd)
-                nursery.start_soon(self._rotate_rdy)
-                nursery.start_soon(self._backoff_loop)
+                    bg.start_soon(self._poll_lookupd)
+                bg.start_soon(self._rdy_loop)
+                task_status.started()
 
     async def close(self) -> None:
-        """CLS everywhere, let in-flight handlers finish (they FIN), then disconnect."""
+        """Close cleanly: CLS everywhere, let every handler finish (FIN), wait for nsqd to close."""
+        if self._close_started:
+            await self._closed.wait()
+            return
+        self._close_started = True
         self.closing = True
-        for conn in list(self.connections.values()):
-            try:
-                await conn.command(encode_cls())
-            except (ConnectionError, NSQError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-        with trio.move_on_after(30):
-            while any(c.in_flight > 0 for c in self.connections.values()):
-                await trio.sleep(0.01)
-        self._conn_scope.cancel()
+        with trio.move_on_after(self.close_timeout) as scope:
+            async with trio.open_nursery() as nursery:
+                for conn in list(self.connections.values()):
+                    nursery.start_soon(conn.close_gracefully, self.close_timeout)
+            await self.wait_handlers()
+        if scope.cancelled_caught:
+            log.warning("%s: close timed out with %d messages unfinished", self, self._unfinished)
+        self._bg_scope.cancel()
+        self._closed.set()
+
+    async def wait_handlers(self) -> None:
+        """Wait until every message received so far has been through its handler."""
+        while self._unfinished:
+            await self._unfinished_lot.park()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_connected(self, count: int = 1) -> None:
+        """Wait until at least `count` connections are subscribed."""
+        while len(self.connections) < count:
+            await self._connected_lot.park()
+        await trio.lowlevel.checkpoint()
 
     # --- connections --------------------------------------------------------------------------
 
-    async def _poll_lookupd(self) -> None:
-        async with httpx.AsyncClient(timeout=5) as client:
-            while True:
-                for lookupd in self.lookupd_http_addresses:
-                    for address in await lookup_producers(client, lookupd, self.topic):
-                        if address not in self.connections and not self.closing:
-                            self.connections[address] = None  # claimed; _keep_connected fills it in
-                            self._conn_nursery.start_soon(self._keep_connected, address)
-                await trio.sleep(self.lookupd_poll_interval)
+    def _add_address(self, address: str) -> None:
+        scope = trio.CancelScope()
+        self._addresses[address] = scope
+        self._bg.start_soon(self._run_address, address, scope)
+
+    async def _run_address(self, address: str, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                await self._keep_connected(address)
+        finally:
+            if self._addresses.get(address) is scope:
+                del self._addresses[address]
 
     async def _keep_connected(self, address: str) -> None:
-        attempt = 0
+        failures = 0
         while not self.closing:
-            conn = Connection(address, identify=self.identify, on_message=self._on_message)
             try:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(conn.run)
+                async with Connection(address, identify=self.identify, auth_secret=self.auth_secret,
+                                      on_message=self._on_message, connect_timeout=self.connect_timeout) as conn:
                     await conn.command(encode_sub(self.topic, self.channel))
-                    self.connections[address] = conn
-                    attempt = 0
-                    log.info("CONSUMER(%s/%s): connected to %s", self.topic, self.channel, address)
-                    await self._redistribute_rdy()
-            except* (OSError, ConnectionError, trio.TooSlowError, trio.BrokenResourceError, NSQError) as group:
-                log.warning("CONSUMER: %s - %s", address, group.exceptions[0])
-            if self.connections.get(address) is conn:
-                self.connections[address] = None
-            if not self.closing:
-                await self._redistribute_rdy()
-            attempt += 1
-            await trio.sleep(backoff_delay(attempt, base=0.2, cap=10.0))
+                    if self.closing:
+                        await conn.close_gracefully(self.close_timeout)
+                        return
+                    failures = 0
+                    self._attach(address, conn)
+                    try:
+                        await conn.wait_closed()
+                    finally:
+                        self._detach(address, conn)
+                    if not self.closing:
+                        log.warning("%s: lost %s - %s", self, address, conn.close_reason)
+            except (OSError, NSQConnectionError, NSQError, trio.TooSlowError, ValueError) as exc:
+                log.warning("%s: cannot connect to %s - %s", self, address, exc)
+            if self.closing:
+                return
+            failures += 1
+            await trio.sleep(backoff_delay(failures, base=0.1, cap=self.max_reconnect_delay))
+
+    def _attach(self, address: str, conn: Connection) -> None:
+        self.connections[address] = conn
+        log.info("%s: subscribed on %s (max_rdy_count %d, msg_timeout %d ms)", self, address,
+                 conn.max_rdy_count, conn.msg_timeout)
+        self._connected_lot.unpark_all()
+        self._apply_rdy()
+
+    def _detach(self, address: str, conn: Connection) -> None:
+        if self.connections.get(address) is conn:
+            del self.connections[address]
+        self._apply_rdy()
+
+    async def _poll_lookupd(self) -> None:
+        async with httpx.AsyncClient(timeout=self.connect_timeout) as client:
+            while True:
+                await self._query_lookupd(client)
+                # jitter, so that many consumers do not ask at the same instant
+                await trio.sleep(self.lookupd_poll_interval * random.uniform(0.9, 1.1))
+
+    async def _query_lookupd(self, client: httpx.AsyncClient) -> None:
+        found: set[str] = set()
+        everyone_answered = True
+        for lookupd in self.lookupd_http_addresses:
+            producers = await lookup_producers(client, lookupd, self.topic)
+            if producers is None:
+                everyone_answered = False
+            else:
+                found.update(producers)
+        if self.closing:
+            return
+        for address in sorted(found - self._addresses.keys()):
+            log.info("%s: lookupd found %s", self, address)
+            self._add_address(address)
+        if everyone_answered:
+            # a broker lookupd no longer lists is not retried once its connection is gone
+            for address in list(self._addresses):
+                if address not in found and address not in self.nsqd_tcp_addresses \
+                        and address not in self.connections:
+                    self._addresses.pop(address).cancel()
+
+    # --- RDY ----------------------------------------------------------------------------------
 
     def _live(self) -> list[Connection]:
-        return [c for c in self.connections.values() if c is not None and not c.closed.is_set()]
+        return [conn for _, conn in sorted(self.connections.items()) if not conn.is_closed]
 
-    async def _send_rdy(self, conn: Connection, count: int) -> None:
-        if conn.rdy != count:
-            try:
-                await conn.set_rdy(min(count, conn.features.get("max_rdy_count", 2500)))
-            except (ConnectionError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-
-    async def _redistribute_rdy(self) -> None:
-        """Split max_in_flight over live connections; in backoff only the test connection gets RDY 1."""
+    def rdy_plan(self) -> dict[Connection, int]:
+        """The RDY each live connection should have now."""
         live = self._live()
-        if not live or self.closing:
-            return
+        if not live:
+            return {}
         if self.in_backoff:
-            for conn in live:
-                await self._send_rdy(conn, 0)
-            return
-        if self.backoff_level > 0:
-            # testing the water after a backoff interval: one message at a time on one connection
-            for i, conn in enumerate(live):
-                await self._send_rdy(conn, 1 if i == 0 else 0)
-            return
-        if len(live) <= self.max_in_flight:
-            share = max(1, self.max_in_flight // len(live))
-            for conn in live:
-                await self._send_rdy(conn, share)
-        else:
-            start = self._rotation % len(live)
-            chosen = {id(c) for c in (live + live)[start : start + self.max_in_flight]}
-            for conn in live:
-                await self._send_rdy(conn, 1 if id(conn) in chosen else 0)
+            return {conn: 0 for conn in live}
+        if self.testing:
+            chosen = live[self._rotation % len(live)]
+            return {conn: 1 if conn is chosen else 0 for conn in live}
+        n = len(live)
+        if n <= self.max_in_flight:
+            share, extra = divmod(self.max_in_flight, n)
+            return {conn: share + (1 if i < extra else 0) for i, conn in enumerate(live)}
+        chosen_idx = {(self._rotation + i) % n for i in range(self.max_in_flight)}
+        return {conn: 1 if i in chosen_idx else 0 for i, conn in enumerate(live)}
 
-    async def _rotate_rdy(self) -> None:
+    def _apply_rdy(self) -> None:
+        if self.closing:
+            return
+        plan = self.rdy_plan()
+        # lower first, then raise: the total never passes max_in_flight on our side
+        for lowering in (True, False):
+            for conn, count in plan.items():
+                if count != conn.rdy and (count < conn.rdy) == lowering:
+                    self._send_rdy(conn, count)
+
+    def _send_rdy(self, conn: Connection, count: int) -> None:
+        try:
+            conn.send_rdy(count)
+        except NSQConnectionError:
+            pass  # its task notices and detaches it
+
+    def _maybe_update_rdy(self, conn: Connection) -> None:
+        """Send RDY again when what is left of the last one falls under 25 % (the guide's refill rule)."""
+        if self.closing or self.in_backoff or self.testing or conn.rdy <= 0:
+            return
+        if conn.rdy_remaining <= 1 or conn.rdy_remaining < conn.rdy / 4:
+            self._send_rdy(conn, self.rdy_plan().get(conn, conn.rdy))
+
+    async def _rdy_loop(self) -> None:
+        """Rotate RDY among connections when there are more of them than max_in_flight, and move the
+        test RDY 1 of backoff to another connection when the tested one has nothing to deliver."""
         while True:
-            await trio.sleep(self.rdy_rotate_interval)
-            if len(self._live()) > self.max_in_flight:
+            await trio.sleep(self.rdy_redistribute_interval)
+            live = self._live()
+            if self.in_backoff or self.closing or len(live) < 2:
+                continue
+            if self.testing:
+                tested = self.rdy_plan()
+                if any(count and conn.in_flight == 0 for conn, count in tested.items()):
+                    self._rotation += 1
+                    self._apply_rdy()
+            elif len(live) > self.max_in_flight:
                 self._rotation += self.max_in_flight
-                await self._redistribute_rdy()
+                self._apply_rdy()
+
+    # --- backoff ------------------------------------------------------------------------------
+
+    def _backoff_signal(self, success: bool) -> None:
+        if self.in_backoff or self.closing or self.max_backoff <= 0 or self._bg_scope.cancel_called:
+            return  # results during the backoff interval say nothing about now
+        if success:
+            if self.backoff_counter == 0:
+                return
+            self.backoff_counter -= 1
+            if self.testing:
+                self.testing = False
+                log.info("%s: backoff test passed, resuming (counter %d)", self, self.backoff_counter)
+                self._apply_rdy()
+            return
+        self.backoff_counter += 1
+        self.stats["backoffs"] += 1
+        self.in_backoff = True
+        self.testing = False
+        delay = backoff_delay(self.backoff_counter, base=self.backoff_base, cap=self.max_backoff)
+        log.warning("%s: backing off for %.3fs (counter %d)", self, delay, self.backoff_counter)
+        self._apply_rdy()
+        self._bg.start_soon(self._end_backoff_after, delay)
+
+    async def _end_backoff_after(self, delay: float) -> None:
+        await trio.sleep(delay)
+        self.in_backoff = False
+        self.testing = True
+        self._rotation += 1  # test another connection than last time
+        self._apply_rdy()
 
     # --- messages -----------------------------------------------------------------------------
 
-    def _on_message(self, msg: Message) -> None:
-        self._handler_nursery.start_soon(self._handle, msg)
+    def _on_message(self, conn: Connection, decoded: DecodedMessage) -> None:
+        """Called by a connection's reader for every message frame: hand it to the workers."""
+        self.stats["received"] += 1
+        self._unfinished += 1
+        self._inbox_send.send_nowait(Message(self, conn, decoded))
+        self._maybe_update_rdy(conn)
 
-    async def _handle(self, msg: Message) -> None:
-        async with self._handlers:
+    async def _worker(self) -> None:
+        async for msg in self._inbox:
             try:
-                if self.max_attempts and msg.attempts > self.max_attempts:
-                    log.warning("CONSUMER: msg %s attempted %d times, giving up", msg.id.decode(), msg.attempts)
-                    if self.on_give_up is not None:
-                        result = self.on_give_up(msg)
-                        if result is not None:
-                            await result
-                    self.stats["given_up"] += 1
-                    await msg.finish()
-                    return
-                try:
-                    await self.handler(msg)
-                except Exception as exc:
-                    log.warning("CONSUMER: handler failed for msg %s - %r", msg.id.decode(), exc)
-                    if not msg.responded:
-                        await msg.requeue(min(self.requeue_delay_ms * msg.attempts, 60_000))
-                        self.stats["requeued"] += 1
-                    await self._on_failure()
-                    return
-                if not msg.responded:
-                    await msg.finish()
-                self.stats["finished"] += 1
-                await self._on_success()
-            except (ConnectionError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the connection went away; the broker redelivers after msg_timeout
+                await self._process(msg)
+            finally:
+                self._unfinished -= 1
+                if not self._unfinished:
+                    self._unfinished_lot.unpark_all()
 
-    async def _on_failure(self) -> None:
-        self.backoff_level = min(self.backoff_level + 1, 16)
-        if not self.in_backoff:
-            self.in_backoff = True
-            await self._redistribute_rdy()
-            self._backoff_wake.set()
+    async def _process(self, msg: Message) -> None:
+        if self.max_attempts and msg.attempts > self.max_attempts:
+            await self._give_up(msg)
+            return
+        try:
+            await self.handler(msg)
+        except Exception as exc:
+            self.stats["failed"] += 1
+            log.warning("%s: handler failed for %s - %r", self, msg, exc)
+            if msg.has_responded:
+                return
+            if self.max_attempts and msg.attempts >= self.max_attempts:
+                self._backoff_signal(False)
+                await self._give_up(msg)
+            else:
+                await msg.requeue()
+            return
+        if not msg.has_responded:
+            await msg.finish()
 
-    async def _on_success(self) -> None:
-        if self.backoff_level > 0 and not self.in_backoff:
-            self.backoff_level -= 1
-            await self._redistribute_rdy()
+    async def _give_up(self, msg: Message) -> None:
+        log.warning("%s: giving up on %s after %d attempts", self, msg, msg.attempts)
+        if self.on_give_up is not None:
+            try:
+                result = self.on_give_up(msg)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("%s: on_give_up failed for %s; requeued", self, msg)
+                await msg.requeue(backoff=False)
+                return
+        self.stats["given_up"] += 1
+        if not msg.has_responded:
+            msg._responded = True
+            self._respond(msg, lambda conn: conn.fin(msg.id))
+            await msg.conn.drain()
 
-    async def _backoff_loop(self) -> None:
-        while True:
-            await self._backoff_wake.wait()
-            self._backoff_wake = trio.Event()
-            await trio.sleep(backoff_delay(self.backoff_level, base=self.backoff_base, cap=self.max_backoff))
-            self.in_backoff = False
-            await self._redistribute_rdy()
+    def _respond(self, msg: Message, send: Callable[[Connection], None]) -> bool:
+        try:
+            send(msg.conn)
+        except NSQConnectionError:
+            log.info("%s: %s answered after its connection closed; nsqd redelivers it", self, msg)
+            return False
+        return True
+
+    def _finished(self, msg: Message) -> None:
+        if self._respond(msg, lambda conn: conn.fin(msg.id)):
+            self.stats["finished"] += 1
+            self._backoff_signal(True)
+
+    def _requeued(self, msg: Message, delay_ms: int | None, backoff: bool) -> None:
+        if delay_ms is None:
+            delay_ms = requeue_delay_ms(msg.attempts, self.requeue_delay_ms, self.max_requeue_delay_ms)
+        if self._respond(msg, lambda conn: conn.req(msg.id, delay_ms)):
+            self.stats["requeued"] += 1
+        if backoff:
+            self._backoff_signal(False)

@@ -1,13 +1,15 @@
-"""HTTPProducer: publish through a broker's HTTP API, batching into /mpub?binary=true."""
+"""HTTPProducer: publish through nsqd's HTTP API, batching into /mpub?binary=true."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import httpx
 import trio
 
-from shared.client.connection import NSQError
+from shared.client.backoff import backoff_delay
+from shared.client.connection import NSQConnectionError, NSQError, OwnedNursery
 from shared.protocol import encode_mpub_body
 
 log = logging.getLogger("trio_nsq.client")
@@ -16,42 +18,72 @@ log = logging.getLogger("trio_nsq.client")
 class HTTPProducer:
     """`async with HTTPProducer("http://127.0.0.1:4151") as hp: await hp.pub("t", b"x"); await hp.flush()`.
 
-    pub() queues; an owned task posts a batch when `batch_size` messages are queued or `flush_interval`
-    has passed. A refused batch (e.g. MSG_TOO_BIG) is raised from the next pub() or flush(). The queue is
-    bounded by `max_queued`: pub() waits for room.
+    pub() queues the message and returns; a task owned by the producer posts what is queued when a
+    batch is full (`batch_size` messages or `batch_bytes` bytes for a topic) or `flush_interval`
+    seconds after the first message of a batch was queued. A batch of one goes to /pub, larger ones to
+    /mpub?binary=true (so bodies may contain newlines). The queue is bounded by `max_queued` messages:
+    pub() waits for room. dpub() posts at once to /pub?defer=.
+
+    A batch nsqd refuses (NSQError with nsqd's message as code, e.g. MSG_TOO_BIG, and the HTTP status)
+    or that cannot be delivered (NSQConnectionError) is counted in `failed` and the first such error is
+    raised by the next pub() or flush(), and by leaving the `async with` normally. A connection refused
+    is retried `retries` times with backoff (nothing was sent, so nothing can be duplicated).
     """
 
-    def __init__(self, url: str, *, batch_size: int = 200, flush_interval: float = 0.05,
-                 max_queued: int = 10_000, timeout: float = 10.0) -> None:
-        self.url = url.rstrip("/")
+    def __init__(
+        self,
+        url: str,
+        *,
+        batch_size: int = 200,
+        batch_bytes: int = 512 * 1024,
+        flush_interval: float = 0.05,
+        max_queued: int = 10_000,
+        timeout: float = 10.0,
+        retries: int = 3,
+    ) -> None:
+        self.url = (url if "://" in url else f"http://{url}").rstrip("/")
         self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
         self.flush_interval = flush_interval
+        self.max_queued = max_queued
         self.timeout = timeout
-        self._queue: dict[str, list[bytes]] = {}
-        self._queued = 0
-        self._max_queued = max_queued
-        self._wake = trio.Event()
-        self._idle = trio.Event()
-        self._idle.set()
-        self._room = trio.Event()
+        self.retries = retries
+        self.published = 0  # messages nsqd accepted
+        self.failed = 0  # messages in refused or undeliverable batches
+        self.posts = 0  # HTTP requests made
+
+        self._queues: dict[str, list[bytes]] = {}  # waiting for the sender
+        self._unsent = 0
+        self._unsent_bytes = 0
+        self._queued = 0  # queued and not yet answered by nsqd (includes the batch being posted)
+        self._has_data = trio.Event()
+        self._batch_ready = trio.Event()
+        self._room_lot = trio.lowlevel.ParkingLot()
+        self._idle_lot = trio.lowlevel.ParkingLot()
         self._error: Exception | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._tasks = OwnedNursery()
+        self._open = False
 
     async def __aenter__(self) -> HTTPProducer:
         self._client = httpx.AsyncClient(timeout=self.timeout)
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
-        self._nursery.start_soon(self._sender)
+        nursery = await self._tasks.open()
+        nursery.start_soon(self._sender)
+        self._open = True
         return self
 
-    async def __aexit__(self, *exc) -> bool | None:
+    async def __aexit__(self, *exc_info: Any) -> bool:
         try:
-            if exc[0] is None:
+            if exc_info[0] is None:
                 await self.flush()
         finally:
-            self._nursery.cancel_scope.cancel()
-            result = await self._nursery_cm.__aexit__(*exc)
-            await self._client.aclose()
-        return result
+            self._open = False
+            try:
+                suppressed = await self._tasks.close(exc_info)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._client.aclose()
+        return suppressed
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -59,49 +91,101 @@ class HTTPProducer:
             raise error
 
     async def pub(self, topic: str, body: bytes) -> None:
+        """Queue one message (waits while `max_queued` are queued)."""
+        if not self._open:
+            raise RuntimeError("HTTPProducer is not open")
         self._raise_error()
-        while self._queued >= self._max_queued:
-            self._room = trio.Event()
-            await self._room.wait()
-        self._queue.setdefault(topic, []).append(body)
+        while self._queued >= self.max_queued:
+            await self._room_lot.park()
+        queue = self._queues.setdefault(topic, [])
+        queue.append(body)
         self._queued += 1
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        if self._queued >= self.batch_size:
-            self._wake.set()
+        self._unsent += 1
+        self._unsent_bytes += len(body)
+        self._has_data.set()
+        if len(queue) >= self.batch_size or self._unsent_bytes >= self.batch_bytes:
+            self._batch_ready.set()
+        await trio.lowlevel.checkpoint()
+
+    async def mpub(self, topic: str, bodies: list[bytes]) -> None:
+        for body in bodies:
+            await self.pub(topic, body)
+
+    async def dpub(self, topic: str, delay_ms: int, body: bytes) -> None:
+        """Publish one deferred message now (/pub?defer=delay_ms); raises its error."""
+        await self._post_retrying("/pub", {"topic": topic, "defer": str(int(delay_ms))}, body)
+        self.published += 1
 
     async def flush(self) -> None:
-        """Wait until everything queued is posted; raise the first refusal."""
-        self._wake.set()
-        await self._idle.wait()
+        """Post everything queued now and wait for nsqd's answers; raise the first failure."""
+        self._batch_ready.set()
+        while self._queued:
+            await self._idle_lot.park()
+        await trio.lowlevel.checkpoint()
         self._raise_error()
 
     async def _sender(self) -> None:
         while True:
+            await self._has_data.wait()
             with trio.move_on_after(self.flush_interval):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            while self._queue:
-                topic, bodies = next(iter(self._queue.items()))
-                batch, rest = bodies[: self.batch_size], bodies[self.batch_size :]
-                if rest:
-                    self._queue[topic] = rest
-                else:
-                    del self._queue[topic]
-                try:
-                    await self._post(topic, batch)
-                except Exception as exc:  # surfaced to the caller of pub()/flush()
-                    log.error("HTTP PRODUCER: %s", exc)
-                    self._error = self._error or exc
-                self._queued -= len(batch)
-                self._room.set()
-            self._idle.set()
+                await self._batch_ready.wait()
+            queues, self._queues = self._queues, {}
+            self._unsent = self._unsent_bytes = 0
+            self._has_data = trio.Event()
+            self._batch_ready = trio.Event()
+            for topic, bodies in queues.items():
+                for batch in self._batches(bodies):
+                    await self._post_batch(topic, batch)
+                    self._queued -= len(batch)
+                    self._room_lot.unpark_all()
+            if not self._queued:
+                self._idle_lot.unpark_all()
 
-    async def _post(self, topic: str, batch: list[bytes]) -> None:
-        response = await self._client.post(f"{self.url}/mpub", params={"topic": topic, "binary": "true"},
-                                           content=encode_mpub_body(batch))
+    def _batches(self, bodies: list[bytes]) -> list[list[bytes]]:
+        batches: list[list[bytes]] = []
+        batch: list[bytes] = []
+        size = 0
+        for body in bodies:
+            if batch and (len(batch) >= self.batch_size or size + len(body) > self.batch_bytes):
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(body)
+            size += len(body)
+        if batch:
+            batches.append(batch)
+        return batches
+
+    async def _post_batch(self, topic: str, batch: list[bytes]) -> None:
+        try:
+            if len(batch) == 1:
+                await self._post_retrying("/pub", {"topic": topic}, batch[0])
+            else:
+                await self._post_retrying("/mpub", {"topic": topic, "binary": "true"}, encode_mpub_body(batch))
+        except (NSQError, NSQConnectionError) as exc:
+            log.error("HTTP PRODUCER: %d messages for %s failed - %s", len(batch), topic, exc)
+            self.failed += len(batch)
+            self._error = self._error or exc
+        else:
+            self.published += len(batch)
+
+    async def _post_retrying(self, path: str, params: dict[str, str], content: bytes) -> None:
+        attempt = 0
+        while True:
+            try:
+                self.posts += 1
+                response = await self._client.post(f"{self.url}{path}", params=params, content=content)
+            except httpx.ConnectError as exc:  # nothing was sent: safe to try again
+                attempt += 1
+                if attempt > self.retries:
+                    raise NSQConnectionError(f"{self.url}: {exc}", maybe_processed=False) from exc
+                await trio.sleep(backoff_delay(attempt, base=0.1, cap=2.0))
+                continue
+            except httpx.HTTPError as exc:
+                raise NSQConnectionError(f"{self.url}: {exc!r}") from exc
+            break
         if response.status_code != 200:
             try:
                 message = response.json().get("message", response.text)
             except ValueError:
-                message = response.text
-            raise NSQError(f"{message} (HTTP {response.status_code})")
+                message = response.text.strip()
+            raise NSQError(str(message), f"(HTTP {response.status_code} from {path})", status=response.status_code)
