@@ -29,6 +29,7 @@ from shared.protocol import (
     CommandParser,
     encode_frame,
     encode_pub,
+    encode_sub,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,6 +214,30 @@ async def test_connection_matches_pipelined_answers_in_order_and_answers_heartbe
         await wait_for(lambda: b"NOP" in seen)
     assert seen.count(b"PUB") == 500
     assert reads < 250  # the writer task coalesces pipelined commands into few writes
+
+
+async def test_connection_alone_keeps_alive_on_heartbeats_and_delivers_through_its_channel(cluster):
+    broker = cluster.broker()
+    async with Connection(broker.tcp_address, identify={"heartbeat_interval": 1000}) as conn:
+        assert conn.heartbeat_interval == 1000 and conn.features["max_rdy_count"] == conn.max_rdy_count
+        assert await conn.command(encode_sub("solo", "ch")) == b"OK"
+        conn.send_rdy(5)
+        await trio.sleep(2.5)  # nsqd closes a client silent for two heartbeat intervals: NOPs keep it
+        assert not conn.is_closed
+        async with Producer(broker.tcp_address) as producer:
+            await producer.mpub("solo", [b"a", b"b", b"c"])
+        got = []
+        with trio.fail_after(5):
+            async for msg in conn.messages:
+                got.append(msg.body)
+                conn.fin(msg.id)
+                if len(got) == 3:
+                    break
+        await conn.close_gracefully()
+        assert conn.is_closed and conn.in_flight == 0
+    assert sorted(got) == [b"a", b"b", b"c"]
+    stats = await channel_stats(broker, "solo", "ch")
+    assert stats["depth"] == 0 and stats["in_flight_count"] == 0 and stats["clients"] == []
 
 
 # --- Producer -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -154,8 +155,8 @@ class Connection:
     ) -> None:
         self.address = address
         self.identify_data: dict[str, Any] = {
-            "client_id": "trio-nsq",
-            "hostname": "localhost",
+            "client_id": socket.gethostname().split(".")[0],
+            "hostname": socket.gethostname(),
             "feature_negotiation": True,
             "user_agent": USER_AGENT,
             **(identify or {}),
@@ -170,7 +171,8 @@ class Connection:
         self.max_rdy_count = 2500
         self.msg_timeout = 60_000  # ms
         self.max_msg_timeout = 15 * 60_000
-        self.heartbeat_interval = 30_000
+        # nsqd does not answer with the interval: it is the one asked for (-1: none), else nsqd's 30 s
+        self.heartbeat_interval = int(self.identify_data.get("heartbeat_interval") or 30_000)
         self.auth: dict[str, Any] | None = None
 
         # consumer bookkeeping (used by Consumer; harmless for producers)
@@ -250,7 +252,6 @@ class Connection:
         self.max_rdy_count = int(features.get("max_rdy_count", self.max_rdy_count))
         self.msg_timeout = int(features.get("msg_timeout", self.msg_timeout))
         self.max_msg_timeout = int(features.get("max_msg_timeout", self.max_msg_timeout))
-        self.heartbeat_interval = int(features.get("heartbeat_interval", self.heartbeat_interval))
         for wanted in ("tls_v1", "snappy", "deflate"):
             if features.get(wanted):
                 # we never ask for them, so a broker that turns them on is not speaking to us

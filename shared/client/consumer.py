@@ -183,9 +183,13 @@ class Consumer:
 
     async def __aenter__(self) -> Consumer:
         self._nursery = await self._tasks.open()
-        for _ in range(self.concurrency):
-            self._nursery.start_soon(self._worker)
-        await self._nursery.start(self._run_background)
+        try:
+            for _ in range(self.concurrency):
+                self._nursery.start_soon(self._worker)
+            await self._nursery.start(self._run_background)
+        except BaseException as exc:
+            await self._tasks.close((type(exc), exc, exc.__traceback__))
+            raise
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool:
@@ -205,7 +209,11 @@ class Consumer:
                 task_status.started()
 
     async def close(self) -> None:
-        """Close cleanly: CLS everywhere, let every handler finish (FIN), wait for nsqd to close."""
+        """Close cleanly: CLS everywhere, let every handler finish (FIN), wait for nsqd to close.
+
+        Not from inside a handler (close waits for the handlers): let the handler set an event that
+        the owner of the `async with` waits on instead.
+        """
         if self._close_started:
             await self._closed.wait()
             return
@@ -331,7 +339,7 @@ class Consumer:
         n = len(live)
         if n <= self.max_in_flight:
             share, extra = divmod(self.max_in_flight, n)
-            return {conn: share + (1 if i < extra else 0) for i, conn in enumerate(live)}
+            return {conn: min(conn.max_rdy_count, share + (1 if i < extra else 0)) for i, conn in enumerate(live)}
         chosen_idx = {(self._rotation + i) % n for i in range(self.max_in_flight)}
         return {conn: 1 if i in chosen_idx else 0 for i, conn in enumerate(live)}
 
