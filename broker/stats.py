@@ -114,7 +114,8 @@ def _find_ssl_stream(stream: Any) -> Any:
             return None
         if hasattr(stream, "cipher") and hasattr(stream, "version"):
             return stream
-        stream = getattr(stream, "transport_stream", None) or getattr(stream, "stream", None)
+        # shared.streams wrappers (snappy, deflate) keep the stream they wrap as `inner`
+        stream = getattr(stream, "inner", None) or getattr(stream, "transport_stream", None) or getattr(stream, "stream", None)
     return None
 
 

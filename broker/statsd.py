@@ -73,14 +73,15 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
 
 
 def pack(lines: list[str], prefix: str, packet_size: int) -> list[bytes]:
+    # every line ends with "\n", as nsqd's statsd client writes them
     packets: list[bytes] = []
     current = b""
     for line in lines:
-        data = (prefix + line).encode()
-        if current and len(current) + 1 + len(data) > packet_size:
+        data = (prefix + line).encode() + b"\n"
+        if current and len(current) + len(data) > packet_size:
             packets.append(current)
             current = b""
-        current = current + b"\n" + data if current else data
+        current += data
     if current:
         packets.append(current)
     return packets
