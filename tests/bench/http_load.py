@@ -19,15 +19,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
 import socket
 import statistics
 import struct
-import subprocess
-import sys
-import tempfile
 import time
 from urllib.parse import urlsplit
+
+from tests.bench.broker import Broker
 
 MSG_SIZE = 200
 MPUB_BATCH = 100
@@ -177,55 +175,11 @@ def bench_mpub(url: str, duration: float) -> dict:
 # --- a broker of our own ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class SpawnedBroker:
-    def __init__(self, fast_path: bool, extra: list[str]) -> None:
-        self.data = tempfile.mkdtemp(prefix="trio-nsq-http-bench-")
-        self.tcp, self.http = _free_port(), _free_port()
-        env = dict(os.environ, TRIO_NSQ_HTTP_FAST_PATH="1" if fast_path else "0")
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self.log = open(os.path.join(self.data, "broker.log"), "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", f"--tcp-address=127.0.0.1:{self.tcp}",
-             f"--http-address=127.0.0.1:{self.http}", f"--data-path={self.data}", "--log-level=warn",
-             "--mem-queue-size=100000000", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
-        )
-        self.url = f"http://127.0.0.1:{self.http}"
-        deadline = time.monotonic() + 15
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(open(self.log.name).read()[-2000:])
-            try:
-                with socket.create_connection(("127.0.0.1", self.http), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.data, ignore_errors=True)
+def spawn_broker(fast_path: bool, extra: list[str]) -> Broker:
+    env = dict(os.environ, TRIO_NSQ_HTTP_FAST_PATH="1" if fast_path else "0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return Broker("--mem-queue-size=100000000", *extra, env=env)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --url or --spawn")
     modes = ["pub", "mpub"] if args.mode == "both" else [args.mode]
     for mode in modes:
-        broker = SpawnedBroker(bool(args.fast_path), args.broker_flag) if args.spawn else None
+        broker = spawn_broker(bool(args.fast_path), args.broker_flag) if args.spawn else None
         url = broker.url if broker else args.url
         try:
             figures = load(url, mode, connections=args.connections, seconds=args.seconds, size=args.size,

@@ -13,76 +13,17 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import shutil
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.protocol import MAGIC_V2, encode_sub
+from shared.protocol import MAGIC_V2
 from tests.bench import tcp_load
+from tests.bench.broker import Broker
 
 MSG_SIZE = 200
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Broker:
-    def __init__(self, *flags: str) -> None:
-        self.data = tempfile.mkdtemp(prefix="trio-nsq-bench-")
-        self.tcp = ("127.0.0.1", free_port())
-        self.http = ("127.0.0.1", free_port())
-        self.log = open(os.path.join(self.data, "broker.log"), "wb")
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", f"--tcp-address={self.tcp[0]}:{self.tcp[1]}",
-             f"--http-address={self.http[0]}:{self.http[1]}", f"--data-path={self.data}",
-             "--log-level=warn", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        self.startup = self._wait_ready(started)
-
-    def _wait_ready(self, started: float) -> float:
-        deadline = started + 15
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited: {open(self.log.name).read()[-2000:]}")
-            try:
-                socket.create_connection(self.tcp, timeout=0.2).close()
-                return time.perf_counter() - started
-            except OSError:
-                time.sleep(0.005)
-        raise RuntimeError("broker did not start")
-
-    def create_channel(self, topic: str, channel: str) -> None:
-        with socket.create_connection(self.tcp) as sock:
-            sock.sendall(MAGIC_V2 + encode_sub(topic, channel))
-            sock.recv(100)
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.data, ignore_errors=True)
 
 
 def _run_procs(targets: list[tuple[Callable, tuple]]) -> list[tuple]:
