@@ -17,7 +17,7 @@ run: $(STAMP)
 	@mkdir -p data
 	@echo "trio-nsq: nsqlookupd on 127.0.0.1:4160/4161, nsqd on 127.0.0.1:4150/4151 (data in ./data)"
 	@echo "  publish: curl -d 'hello' 'http://127.0.0.1:4151/pub?topic=test'"
-	@echo "  consume: $(BIN)/python -m shared.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
+	@echo "  consume: $(BIN)/python -m shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
 	@echo "  stats:   curl 'http://127.0.0.1:4151/stats?format=json'"
 	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
 	@$(BIN)/python -m lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
