@@ -61,8 +61,9 @@ class ClientV2:
         self.pub_counts: dict[str, int] = {}
 
         self.out = bytearray()
-        # backends that hold this batch's published messages and must fsync before we answer OK
-        self.pending_sync: set = set()
+        # backends that hold this batch's published messages and must fsync before we answer OK, each
+        # with the first command that put there (its error code answers a failed fsync)
+        self.pending_sync: dict = {}
         self._send_lock = trio.StrictFIFOLock()
         self._wake = trio.Event()
         self.identified = trio.Event()

@@ -19,7 +19,12 @@ Differences, on purpose:
   straight to the OS from the event loop, which costs microseconds; every fsync runs in a worker thread,
   so the loop never waits for the disk to flush. A roll does not fsync in put() as Go's writeOne does:
   it wakes the io loop, which syncs at once.
-- sync() is a group commit: every caller waiting at one moment shares one fsync round.
+- sync() is a group commit: every caller waiting at one moment shares one fsync round. A record that a
+  failed round covered is never reported durable afterwards, even if a later fsync succeeds: Linux may
+  drop the dirty pages of a failed write-back and mark them clean, so the later fsync proves nothing about
+  them. A publish waiting for them is answered with an error.
+- The queue reports its health to its owner (`on_health`, nsqd's SetHealth): a failed write or fsync
+  says what failed, the next one that succeeds says healthy again.
 - Opening recovers records written after the last metadata sync (a kill -9): the write file is scanned
   past the recorded write position, then any later files a roll had begun; a torn record at the end is
   cut off. go-diskqueue instead starts a new write file and lets the reader salvage what it can with a
@@ -39,6 +44,7 @@ import random
 import re
 import struct
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -75,8 +81,11 @@ class DiskQueue:
         max_msg_size: int = 1024 * 1024 + 26,
         sync_every: int = 2500,
         sync_timeout: float = 2.0,
+        on_health: Callable[[str | None], None] | None = None,
     ) -> None:
         self.name = name
+        self._on_health = on_health
+        self._failing = False  # the last write or fsync failed (reported through on_health)
         self.data_path = data_path
         self.max_bytes_per_file = max_bytes_per_file
         self.min_msg_size = min_msg_size
@@ -102,6 +111,7 @@ class DiskQueue:
         self._needs_sync = False  # something to persist (go-diskqueue's needSync, or count > 0)
         self._writes = 0  # records put so far; group commit compares against it
         self._synced_writes = 0  # records covered by a successful round
+        self._failed_writes = 0  # records covered by a failed round: never durable as far as we know
         self._unsynced_from: int | None = None  # first data file written since the last round
         self._round: _SyncRound | None = None  # the round in flight
         self._wake = trio.Event()  # wakes run() early: sync_every reached or a file changed
@@ -252,7 +262,11 @@ class DiskQueue:
         except OSError as exc:
             self._close_write_fd()
             log.error("DISKQUEUE(%s): failed to write - %s", self.name, exc)
-            raise BackendError(f"failed to write to disk queue {self.name} - {exc}") from None
+            error = f"failed to write to disk queue {self.name} - {exc}"
+            self._health(error)
+            raise BackendError(error) from None
+        if self._failing:
+            self._health(None)
         self.write_pos += total
         self._depth += 1
         self._writes += 1
@@ -498,6 +512,8 @@ class DiskQueue:
         those still not covered starts the next round for all of them."""
         target = self._writes
         while self._synced_writes < target:
+            if target <= self._failed_writes:
+                raise BackendError(f"failed to sync disk queue {self.name}")
             current = self._round
             if current is not None:
                 await current.done.wait()
@@ -528,6 +544,8 @@ class DiskQueue:
         except OSError as exc:
             current.error = f"failed to sync disk queue {self.name} - {exc}"
             log.error("DISKQUEUE(%s) failed to sync - %s", self.name, exc)
+            self._failed_writes = max(self._failed_writes, current.writes)
+            self._health(current.error)
             raise BackendError(current.error) from None
         finally:
             if not ok:
@@ -538,8 +556,15 @@ class DiskQueue:
                 self._needs_sync = self._needs_sync or needs_sync
             else:
                 self._synced_writes = max(self._synced_writes, current.writes)
+                if self._failing:
+                    self._health(None)
             self._round = None
             current.done.set()
+
+    def _health(self, error: str | None) -> None:
+        self._failing = error is not None
+        if self._on_health is not None:
+            self._on_health(error)
 
     def _fsync_and_persist(self, files: list[str], meta: bytes) -> None:
         """In a worker thread. fsync goes through a descriptor of our own (fsync flushes the file, not the

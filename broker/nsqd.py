@@ -153,6 +153,11 @@ class NSQD:
                 commands.append(register_cmd(topic.name, channel.name))
         return commands
 
+    def set_health(self, error: str | None) -> None:
+        """nsqd's SetHealth: a backend's failed write or fsync makes /ping answer 500 `NOK - <error>` (and
+        /stats say so) until a write succeeds again."""
+        self.health_error = error
+
     def set_lookupd_addresses(self, addresses: list[str]) -> None:
         self.options.nsqlookupd_tcp_addresses = list(addresses)
         self.lookup.set_addresses(self.options.nsqlookupd_tcp_addresses)
@@ -197,6 +202,7 @@ class NSQD:
             max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
             sync_every=opts.sync_every,
             sync_timeout=opts.sync_timeout,
+            on_health=self.set_health,
         )
 
     def get_topic(self, name: str) -> Topic:

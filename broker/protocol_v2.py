@@ -181,7 +181,10 @@ class ProtocolV2:
         """Write the batch's responses (after the group-commit fsync if one is owed) and its error;
         False when the connection must end."""
         if client.pending_sync:
-            error = await self._sync_published(client) or error
+            sync_error = await self._sync_published(client)
+            if sync_error is not None:
+                # not durable: no publish of this batch may be answered OK (the connection ends)
+                responses, error = [], sync_error
         for response in responses:
             client.write_frame(FRAME_TYPE_RESPONSE, response)
         if error is not None:
@@ -192,12 +195,12 @@ class ProtocolV2:
         return error is None or not error.fatal
 
     async def _sync_published(self, client: ClientV2) -> ClientError | None:
-        backends, client.pending_sync = client.pending_sync, set()
-        for backend in backends:
+        backends, client.pending_sync = client.pending_sync, {}
+        for backend, cmd in backends.items():
             try:
                 await backend.sync()
             except BackendError as exc:
-                return FatalClientError("E_PUB_FAILED", f"PUB failed {exc}")
+                return FatalClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc}")
         return None
 
     # --- commands -----------------------------------------------------------------------------
@@ -465,7 +468,7 @@ class ProtocolV2:
         except BackendError as exc:
             raise FatalClientError("E_PUB_FAILED", f"PUB failed {exc}") from None
         if to_backend and self.options.sync_every == 1:
-            client.pending_sync.add(topic.backend)
+            client.pending_sync.setdefault(topic.backend, "PUB")
         client.published(topic_name, 1)
         return OK
 
@@ -480,7 +483,7 @@ class ProtocolV2:
         except BackendError as exc:
             raise FatalClientError("E_MPUB_FAILED", f"MPUB failed {exc}") from None
         if to_backend and self.options.sync_every == 1:
-            client.pending_sync.add(topic.backend)
+            client.pending_sync.setdefault(topic.backend, "MPUB")
         client.published(topic_name, len(msgs))
         return OK
 
@@ -506,7 +509,7 @@ class ProtocolV2:
         except BackendError as exc:
             raise FatalClientError("E_DPUB_FAILED", f"DPUB failed {exc}") from None
         if to_backend and self.options.sync_every == 1:
-            client.pending_sync.add(topic.backend)
+            client.pending_sync.setdefault(topic.backend, "DPUB")
         client.published(topic_name, 1)
         return OK
 

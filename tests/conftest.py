@@ -67,6 +67,7 @@ class Broker:
         while self.http_port == self.tcp_port:
             self.http_port = free_port()
         self.flags = dict(flags)
+        self.env: dict[str, str] = {}  # extra environment for the process (e.g. LD_PRELOAD)
         self.proc: subprocess.Popen | None = None
         self._stderr_file = None
         self._stdout_file = None
@@ -116,6 +117,7 @@ class Broker:
             [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env)
         self.proc = subprocess.Popen(
             self.argv(),
             cwd=str(REPO_ROOT),

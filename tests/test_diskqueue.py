@@ -620,8 +620,42 @@ async def test_sync_with_nothing_new_is_free_and_failures_reach_every_waiter(tmp
     assert dq.fsync_count - before <= 2
     assert "DISKQUEUE(s) failed to sync" in caplog.text
     monkeypatch.setattr(os, "fsync", real_fsync)
-    await dq.sync()  # tried again once the disk is back
-    assert meta(tmp_path, "s").startswith("11\n")
+    with pytest.raises(BackendError):
+        await dq.sync()  # those records' fsync failed: a later success proves nothing about them
+    dq.put(b"c")
+    await dq.sync()  # the disk is back: new records are durable again, and the metadata with them
+    assert meta(tmp_path, "s").startswith("12\n")
+    await dq.close()
+
+
+async def test_a_record_whose_fsync_failed_is_never_reported_durable(tmp_path, monkeypatch):
+    """The io loop's round fails while a publisher has not yet asked for sync(): the publisher's later
+    sync() must fail too, even though the fsync it would start now succeeds (Linux may have dropped the
+    failed pages and marked them clean). Health follows: failing, then healthy after a good write."""
+    health = []
+    dq = DiskQueue("p", str(tmp_path), min_msg_size=1, sync_every=1, on_health=health.append)
+    real_fsync = os.fsync
+
+    def broken(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    dq.put(b"before")
+    await dq.sync()
+    monkeypatch.setattr(os, "fsync", broken)
+    dq.put(b"lost")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(dq.run)  # the io loop syncs at once (sync_every=1) and fails
+        with trio.fail_after(5):
+            while not health:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert health[-1] is not None and "Input/output error" in health[-1]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    with pytest.raises(BackendError):
+        await dq.sync()
+    dq.put(b"after")
+    await dq.sync()
+    assert health[-1] is None
     await dq.close()
 
 
