@@ -27,8 +27,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side run against Go nsqd
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run $(if $(QUICK),--quick,)
+	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.versus --reference $(NSQ_REFERENCE) $(if $(QUICK),--rounds 1 --runfor 3,),)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .hypothesis bench-results.json

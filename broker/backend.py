@@ -6,13 +6,20 @@ never awaits per message; waiting happens once per batch through wait_readable()
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import trio
 
 
 class BackendError(Exception):
-    """A put failed (disk full, I/O error): the publisher gets E_PUB_FAILED, nothing is dropped silently."""
+    """A put failed (disk full, I/O error): the publisher gets E_PUB_FAILED, nothing is dropped silently.
+
+    `stored` says how many records of a put_many() were stored before the failure."""
+
+    def __init__(self, message: str, stored: int = 0) -> None:
+        super().__init__(message)
+        self.stored = stored
 
 
 class BackendQueue(Protocol):
@@ -21,6 +28,9 @@ class BackendQueue(Protocol):
 
     def put(self, data: bytes) -> None:
         """Append one record; raises BackendError if it cannot be stored."""
+
+    def put_many(self, records: Sequence[bytes]) -> None:
+        """Append records in order; raises BackendError (`.stored` of them kept) at the first that fails."""
 
     async def sync(self) -> None:
         """Return once every record put so far is durable (group commit: waiters share one fsync)."""
@@ -53,6 +63,9 @@ class DummyBackendQueue:
         task_status.started()
 
     def put(self, data: bytes) -> None:
+        raise BackendError("memory queue full and no backend queue")
+
+    def put_many(self, records: Sequence[bytes]) -> None:
         raise BackendError("memory queue full and no backend queue")
 
     async def sync(self) -> None:

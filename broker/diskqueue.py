@@ -15,7 +15,8 @@ next one (the write file too if it was the one being read), the depth reset at t
 when anything happened.
 
 Differences, on purpose:
-- put() and read_nowait() are synchronous: the write (one writev per record, unbuffered) and the reads go
+- put() and read_nowait() are synchronous: the write (one writev per record, or per run of records
+  with put_many(), unbuffered) and the reads go
   straight to the OS from the event loop, which costs microseconds; every fsync runs in a worker thread,
   so the loop never waits for the disk to flush. A roll does not fsync in put() as Go's writeOne does:
   it wakes the io loop, which syncs at once.
@@ -44,7 +45,7 @@ import random
 import re
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -55,6 +56,8 @@ log = logging.getLogger("nsqd")
 _LEN = struct.Struct(">i")
 # how often put() checks that its write file still has a name on disk
 LINK_CHECK_INTERVAL = 0.1
+# records per writev: two buffers each, within Linux's IOV_MAX of 1024
+_IOV_RECORDS = 512
 
 
 class _SyncRound:
@@ -234,24 +237,62 @@ class DiskQueue:
 
     def put(self, data: bytes) -> None:
         """Append one record (go-diskqueue's writeOne); raises BackendError if it cannot be stored."""
+        self.put_many((data,))
+
+    def put_many(self, records: Sequence[bytes]) -> None:
+        """Append records in order, one writev per run of records that goes to the same file.
+
+        The same records, files and rolls as one put() each; only the system calls are fewer. Raises
+        BackendError (with `.stored`, how many of the first records were stored) at the first record that
+        cannot be stored: those before it stay, as a row of put() calls would have left them."""
         if self._closed:
             raise BackendError("exiting")
-        length = len(data)
-        if length < self.min_msg_size or length > self.max_msg_size:
-            raise BackendError(f"invalid message write size ({length}) "
-                               f"minMsgSize={self.min_msg_size} maxMsgSize={self.max_msg_size}")
-        total = 4 + length
         if self._write_fd is not None:
             now = time.monotonic()
             if now - self._last_link_check >= LINK_CHECK_INTERVAL:
                 self._check_write_file_linked(now)
-        try:
-            if self.write_pos > 0 and self.write_pos + total > self.max_bytes_per_file:
+        min_size, max_size, max_file = self.min_msg_size, self.max_msg_size, self.max_bytes_per_file
+        pack = _LEN.pack
+        n = len(records)
+        stored = 0
+        while stored < n:
+            length = len(records[stored])
+            if self.write_pos > 0 and self.write_pos + 4 + length > max_file:
                 self._next_write_file()
+            # the run: records that fit in this file (a first record alone may be longer than a file)
+            iov: list[bytes] = []
+            pos = self.write_pos
+            end = stored
+            bad = None
+            while end < n and len(iov) < _IOV_RECORDS * 2:
+                data = records[end]
+                length = len(data)
+                if length < min_size or length > max_size:
+                    bad = (f"invalid message write size ({length}) "
+                           f"minMsgSize={min_size} maxMsgSize={max_size}")
+                    break
+                if pos > self.write_pos or end > stored:
+                    if pos + 4 + length > max_file:
+                        break
+                iov.append(pack(length))
+                iov.append(data)
+                pos += 4 + length
+                end += 1
+            if iov:
+                self._write_run(iov, pos - self.write_pos, end - stored, stored)
+                stored = end
+            if bad is not None:
+                raise BackendError(bad, stored)
+        if self._readers:
+            self._readers.unpark_all()
+
+    def _write_run(self, iov: list[bytes], total: int, count: int, stored: int) -> None:
+        """One writev of `count` records to the write file; on failure none of them counts."""
+        try:
             fd = self._write_fd
             if fd is None:
                 fd = self._open_write_file()
-            written = os.writev(fd, (_LEN.pack(length), data))
+            written = os.writev(fd, iov)
             if written != total:
                 # disk full part way: cut the piece off so the file still ends on a record boundary
                 try:
@@ -264,17 +305,17 @@ class DiskQueue:
             log.error("DISKQUEUE(%s): failed to write - %s", self.name, exc)
             error = f"failed to write to disk queue {self.name} - {exc}"
             self._health(error)
-            raise BackendError(error) from None
+            if stored and self._readers:
+                self._readers.unpark_all()
+            raise BackendError(error, stored) from None
         if self._failing:
             self._health(None)
         self.write_pos += total
-        self._depth += 1
-        self._writes += 1
+        self._depth += count
+        self._writes += count
         if self._unsynced_from is None:
             self._unsynced_from = self.write_file_num
-        self._counted()
-        if self._readers:
-            self._readers.unpark_all()
+        self._counted(count)
 
     def _open_write_file(self) -> int:
         path = self.file_name(self.write_file_num)
@@ -335,9 +376,9 @@ class DiskQueue:
                 pass
             self._write_fd = None
 
-    def _counted(self) -> None:
+    def _counted(self, n: int = 1) -> None:
         self._needs_sync = True
-        self._count += 1
+        self._count += n
         if self._count >= self.sync_every:
             self._wake.set()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -745,3 +745,62 @@ async def test_empty_close_and_delete(tmp_path):
         await nursery.start(dq.run)
         await dq.delete()  # run() ends with it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.diskqueue.000005.dat.bad", "e:ch.diskqueue.000000.dat"]
+
+
+# --- put_many: one writev per run, the same bytes as one put() per record ---------------------------
+
+
+@given(sizes=st.lists(st.integers(1, 90), min_size=1, max_size=300),
+       cuts=st.lists(st.integers(1, 700), max_size=10), max_file=st.integers(20, 400))
+@settings(max_examples=60, deadline=None)
+def test_put_many_writes_the_files_one_put_per_record_writes(sizes, cuts, max_file):
+    records = [bytes([65 + i % 26]) * size for i, size in enumerate(sizes)]
+    with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as many:
+        a = DiskQueue("q", one, min_msg_size=1, max_bytes_per_file=max_file)
+        for r in records:
+            a.put(r)
+        b = DiskQueue("q", many, min_msg_size=1, max_bytes_per_file=max_file)
+        pos = 0
+        for cut in cuts + [len(records)]:
+            b.put_many(records[pos:pos + cut])
+            pos += cut
+        assert (a.write_file_num, a.write_pos, a.depth()) == (b.write_file_num, b.write_pos, b.depth())
+        names = sorted(os.listdir(one))
+        assert names == sorted(os.listdir(many))
+        for name in names:
+            assert Path(one, name).read_bytes() == Path(many, name).read_bytes(), name
+        assert drain(b) == records
+        a._shut()
+        b._shut()
+
+
+def test_put_many_stops_at_a_bad_record_and_keeps_those_before(tmp_path):
+    dq = DiskQueue("b", str(tmp_path), min_msg_size=2, max_msg_size=10)
+    with pytest.raises(BackendError) as info:
+        dq.put_many([b"ok1", b"ok2", b"x", b"never"])
+    assert info.value.stored == 2 and "invalid message write size (1)" in str(info.value)
+    assert dq.depth() == 2 and drain(dq) == [b"ok1", b"ok2"]
+
+
+def test_put_many_on_a_full_disk_keeps_whole_runs_only(tmp_path):
+    """A writev that the disk cuts short is cut back to the run's start: the file ends on a record
+    boundary and `stored` counts the earlier runs only."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        dq = DiskQueue("f", str(mnt), min_msg_size=1, max_bytes_per_file=300_000)
+        records = [b"%06d" % i + b"y" * 994 for i in range(2000)]  # 2 MB of records, 1 MB of disk
+        with pytest.raises(BackendError) as info:
+            dq.put_many(records)
+        stored = info.value.stored
+        assert 0 < stored < len(records)
+        assert dq.depth() == stored
+        files = sorted(mnt.glob("f.diskqueue.*.dat"))
+        assert sum(f.stat().st_size for f in files) == stored * 1004  # whole records only
+        assert drain(dq) == records[:stored]
+        dq._shut()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

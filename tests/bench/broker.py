@@ -23,14 +23,16 @@ def free_port() -> int:
 
 
 class Broker:
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    """`command` is the nsqd to run: trio-nsqd by default, or a Go nsqd binary (same flags)."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         self.data = tempfile.mkdtemp(prefix="trio-nsq-bench-")
         self.tcp = ("127.0.0.1", free_port())
         self.http = ("127.0.0.1", free_port())
         self.log = open(os.path.join(self.data, "broker.log"), "wb")
         started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", f"--tcp-address={self.tcp[0]}:{self.tcp[1]}",
+            [*(command or [sys.executable, "-m", "broker"]), f"--tcp-address={self.tcp[0]}:{self.tcp[1]}",
              f"--http-address={self.http[0]}:{self.http[1]}", f"--data-path={self.data}",
              "--log-level=warn", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, env=env,

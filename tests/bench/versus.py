@@ -1,0 +1,108 @@
+"""Side by side with Go nsqd, measured by NSQ's own tools (issue 14): `make bench NSQ_REFERENCE=<dir>`.
+
+    python -m tests.bench.versus --reference DIR [--rounds N] [--runfor S] [--output FILE]
+
+DIR holds Go's `nsqd`, `bench_writer` and `bench_reader` (nsq 1.3.0). Each round runs every scenario
+against Go nsqd and then against trio-nsqd, each on a fresh data directory with the same flags, so
+both see the same machine state; the figure per side is the median over the rounds, and the ratio is
+trio-nsqd's median over Go's. The shape is NSQ's bench.sh: the topic and channel are created first,
+`bench_writer --size=200 --batch-size=200` publishes for --runfor, then `bench_reader` (RDY 2500, a FIN
+per message) reads the same broker for --runfor. Both tools open one connection per CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import urllib.request
+from typing import Any
+
+from tests.bench.broker import Broker
+
+OPS = re.compile(r"([0-9.]+)ops/s")
+
+# scenario key -> (title, nsqd flags, whether bench_reader runs after the writer)
+SCENARIOS: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "default": ("default flags", (), True),
+    "disk": ("--mem-queue-size=0", ("--mem-queue-size=0",), False),
+    "sync": ("--mem-queue-size=0 --sync-every=1", ("--mem-queue-size=0", "--sync-every=1"), False),
+}
+
+
+def _tool(path: str, *args: str) -> float:
+    """Run one of NSQ's bench tools; its last line is `duration: ... - N ops/s - ...`."""
+    out = subprocess.run([path, *args], capture_output=True, text=True, timeout=600)
+    match = OPS.search(out.stdout + out.stderr)
+    if out.returncode != 0 or not match:
+        raise RuntimeError(f"{os.path.basename(path)} failed: {(out.stdout + out.stderr)[-500:]}")
+    return float(match.group(1))
+
+
+def _post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
+
+
+def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runfor: float) -> dict[str, float]:
+    command = [os.path.join(reference, "nsqd")] if side == "go" else None
+    broker = Broker(*flags, command=command)
+    try:
+        _post(f"{broker.url}/topic/create?topic=bench")
+        _post(f"{broker.url}/channel/create?topic=bench&channel=ch")
+        address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
+        common = (address, "--topic=bench", "--size=200", f"--runfor={runfor}s")
+        figures = {"writer": _tool(os.path.join(reference, "bench_writer"), *common, "--batch-size=200")}
+        if read:
+            figures["reader"] = _tool(os.path.join(reference, "bench_reader"), *common, "--channel=ch")
+        return figures
+    finally:
+        broker.close()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", required=True, help="folder with Go nsqd, bench_writer, bench_reader")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runfor", type=float, default=10.0, help="seconds per tool run")
+    parser.add_argument("--only", nargs="*", default=None, help="scenario keys: " + " ".join(SCENARIOS))
+    parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
+    args = parser.parse_args(argv)
+    keys = args.only or list(SCENARIOS)
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {"go": [], "trio": []} for k in keys}
+    for round_no in range(1, args.rounds + 1):
+        for key in keys:
+            title, flags, read = SCENARIOS[key]
+            for side in ("go", "trio"):  # interleaved: Go, ours, Go, ours, ...
+                figures = run_once(args.reference, side, flags, read, args.runfor)
+                samples[key][side].append(figures)
+                shown = "  ".join(f"{k}={v:,.0f}" for k, v in figures.items())
+                print(f"round {round_no} {title:<36} {side:<5} {shown} msg/s", flush=True)
+    results: dict[str, Any] = {}
+    print(f"\n{'scenario':<44} {'Go nsqd':>12} {'trio-nsqd':>12} {'ratio':>7}   (medians of {args.rounds})")
+    for key in keys:
+        title = SCENARIOS[key][0]
+        for figure in samples[key]["go"][0]:
+            go = statistics.median(s[figure] for s in samples[key]["go"])
+            trio = statistics.median(s[figure] for s in samples[key]["trio"])
+            ratio = trio / go if go else float("inf")
+            name = f"{key}_{figure}"
+            results[name] = {"title": f"bench_{figure}, {title}", "go_msg_s": go, "trio_msg_s": trio,
+                             "ratio": ratio, "samples": samples[key]}
+            print(f"bench_{figure + ', ' + title:<38} {go:>12,.0f} {trio:>12,.0f} {ratio:>7.2f}")
+    report: dict[str, Any] = {}
+    if os.path.exists(args.output):
+        with open(args.output) as fh:
+            report = json.load(fh)
+    report["versus_go_nsqd"] = {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
+                                "runfor_s": args.runfor, "cpus": os.cpu_count(), "results": results}
+    with open(args.output, "w") as fh:
+        json.dump(report, fh, indent=2)
+    print(f"written {args.output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
