@@ -113,16 +113,36 @@ class Channel:
         if self.waiters:
             self._wake_waiters()
 
-    def put_message(self, msg: Message) -> None:
-        """A new message from the topic (counted), deferred if it carries a DPUB delay.
+    def put_messages(self, msgs: list[Message]) -> None:
+        """New messages from the topic pump (counted): deferred ones wait for their DPUB delay, the rest
+        go to the memory queue and what overflows to the backend in one write.
 
-        It never fails: the topic has accepted the message already, so a backend error keeps it here
-        (deferred, retried) instead of losing it."""
-        self.message_count += 1
-        if msg.deferred > 0:
-            self.start_deferred_timeout(msg, msg.deferred)
+        It never fails: the topic has accepted the messages already, so a backend error keeps them here
+        (deferred, retried) instead of losing them."""
+        self.message_count += len(msgs)
+        ready = [msg for msg in msgs if msg.deferred <= 0]
+        if len(ready) < len(msgs):
+            for msg in msgs:
+                if msg.deferred > 0:
+                    self.start_deferred_timeout(msg, msg.deferred)
+        memory = self.memory
+        room = self.mem_queue_size - len(memory)
+        if room < len(ready):
+            room = max(0, room)
+            memory.extend(ready[:room])
+            rest = ready[room:]
+            if self.ephemeral:
+                self.dropped_count += len(rest)
+            else:
+                try:
+                    self.backend.put_many([msg.encode() for msg in rest])
+                except BackendError as exc:
+                    for msg in rest[exc.stored:]:
+                        self._requeue(msg)
         else:
-            self._requeue(msg)
+            memory.extend(ready)
+        if self.waiters:
+            self._wake_waiters()
 
     def _requeue(self, msg: Message) -> None:
         """Put a message in the queue; if neither memory nor backend takes it, keep it deferred and

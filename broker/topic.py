@@ -90,9 +90,9 @@ class Topic:
                 await self._wake.wait()
                 continue
             channels = list(self.channels.values())
-            for msg in msgs:
-                for i, channel in enumerate(channels):
-                    channel.put_message(msg if i == 0 else msg.copy())
+            channels[0].put_messages(msgs)
+            for channel in channels[1:]:
+                channel.put_messages([msg.copy() for msg in msgs])
             await trio.lowlevel.checkpoint()
 
     def _take(self, n: int) -> list[Message]:
@@ -123,42 +123,39 @@ class Topic:
     def put_message(self, msg: Message) -> bool:
         """Queue one message; True if it went to the backend (so a durable ack must await sync()).
         Raises BackendError if neither memory nor backend can take it."""
-        if self.exiting:
-            raise BackendError("exiting")
-        to_backend = self._put(msg)
-        self.message_count += 1
-        self.message_bytes += len(msg.body)
-        self._wake.set()
-        return to_backend
+        return self.put_messages([msg])
 
     def put_messages(self, msgs: list[Message]) -> bool:
-        """Queue messages in order; True if any went to the backend. On BackendError the ones
-        before the failing one stay queued (as nsqd) and are counted."""
+        """Queue messages in order (memory first, the rest in one backend write); True if any went to
+        the backend. On BackendError the ones before the failing one stay queued (as nsqd) and are
+        counted."""
         if self.exiting:
             raise BackendError("exiting")
-        put = self._put
-        to_backend = False
-        done = size = 0
-        try:
-            for msg in msgs:
-                to_backend = put(msg) or to_backend
-                size += len(msg.body)
-                done += 1
-        finally:
-            self.message_count += done
-            self.message_bytes += size
-            if done:
-                self._wake.set()
-        return to_backend
-
-    def _put(self, msg: Message) -> bool:
-        if len(self.memory) < self.mem_queue_size:
-            self.memory.append(msg)
+        memory = self.memory
+        room = self.mem_queue_size - len(memory)
+        if room >= len(msgs):
+            memory.extend(msgs)
+            self._counted(msgs)
             return False
+        room = max(0, room)
+        memory.extend(msgs[:room])
+        rest = msgs[room:]
         if self.ephemeral:
-            return False  # as nsqd's dummy backend: ephemeral overflow is discarded
-        self.backend.put(msg.encode())
+            self._counted(msgs)  # as nsqd's dummy backend: ephemeral overflow is discarded
+            return False
+        try:
+            self.backend.put_many([msg.encode() for msg in rest])
+        except BackendError as exc:
+            self._counted(msgs[:room + exc.stored])
+            raise
+        self._counted(msgs)
         return True
+
+    def _counted(self, msgs: list[Message]) -> None:
+        if msgs:
+            self.message_count += len(msgs)
+            self.message_bytes += sum(len(msg.body) for msg in msgs)
+            self._wake.set()
 
     # --- channels -----------------------------------------------------------------------------
 
