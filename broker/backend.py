@@ -1,6 +1,6 @@
 """BackendQueue: what a Topic or Channel needs from the queue behind its memory queue.
 
-nsqd's BackendQueue interface made Trio-friendly: put and read_nowait are synchronous so the hot path
+nsqd's BackendQueue interface made Trio-friendly: put_many and read_many are synchronous so the hot path
 never awaits per message; waiting happens once per batch through wait_readable().
 """
 
@@ -35,8 +35,8 @@ class BackendQueue(Protocol):
     async def sync(self) -> None:
         """Return once every record put so far is durable (group commit: waiters share one fsync)."""
 
-    def read_nowait(self) -> bytes:
-        """Take the next record; raises trio.WouldBlock when there is none."""
+    def read_many(self, limit: int) -> list[bytes]:
+        """Take up to `limit` records; an empty list when there is none."""
 
     async def wait_readable(self) -> None:
         """Return when depth() > 0 (immediately if it already is)."""
@@ -71,8 +71,8 @@ class DummyBackendQueue:
     async def sync(self) -> None:
         return None
 
-    def read_nowait(self) -> bytes:
-        raise trio.WouldBlock
+    def read_many(self, limit: int) -> list[bytes]:
+        return []
 
     async def wait_readable(self) -> None:
         await trio.sleep_forever()

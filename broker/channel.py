@@ -177,14 +177,10 @@ class Channel:
         return out
 
     def _take_backend(self, out: list[Message], limit: int) -> None:
-        backend = self.backend
-        while len(out) < limit:
+        decode = Message.decode
+        for data in self.backend.read_many(limit - len(out)):
             try:
-                data = backend.read_nowait()
-            except trio.WouldBlock:
-                return
-            try:
-                out.append(Message.decode(data))
+                out.append(decode(data))
             except ValueError as exc:
                 log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
 

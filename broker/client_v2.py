@@ -158,10 +158,11 @@ class ClientV2:
         self.ready_count = count
         self.wake()
 
-    def finished_message(self) -> None:
-        self.finish_count += 1
-        self.in_flight_count -= 1
-        self.wake()
+    def finished_messages(self, n: int) -> None:
+        if n:
+            self.finish_count += n
+            self.in_flight_count -= n
+            self.wake()
 
     def requeued_message(self) -> None:
         self.requeue_count += 1

@@ -15,9 +15,8 @@ next one (the write file too if it was the one being read), the depth reset at t
 when anything happened.
 
 Differences, on purpose:
-- put() and read_nowait() are synchronous: the write (one writev per record, or per run of records
-  with put_many(), unbuffered) and the reads go
-  straight to the OS from the event loop, which costs microseconds; every fsync runs in a worker thread,
+- put_many() and read_many() are synchronous: the write (one writev per run of records, unbuffered)
+  and the reads go straight to the OS from the event loop, which costs microseconds; every fsync runs in a worker thread,
   so the loop never waits for the disk to flush. A roll does not fsync in put() as Go's writeOne does:
   it wakes the io loop, which syncs at once.
 - sync() is a group commit: every caller waiting at one moment shares one fsync round. A record that a
@@ -396,11 +395,19 @@ class DiskQueue:
         return self.read_file_num < self.write_file_num or self.read_pos < self.write_pos
 
     def read_nowait(self) -> bytes:
-        """Take the next record; raises trio.WouldBlock when there is none. Corruption is logged and
-        skipped (the file becomes `.bad`), never raised."""
-        if self._closed:
+        """Take the next record; raises trio.WouldBlock when there is none."""
+        records = self.read_many(1)
+        if not records:
             raise trio.WouldBlock
-        while self._has_unread():  # each read error skips at least one whole file, so this ends
+        return records[0]
+
+    def read_many(self, limit: int) -> list[bytes]:
+        """Take up to `limit` records (fewer when the queue runs out). Corruption is logged and skipped
+        (the file becomes `.bad`), never raised."""
+        out: list[bytes] = []
+        if self._closed:
+            return out
+        while len(out) < limit and self._has_unread():  # each read error skips at least one whole file
             try:
                 data = self._read_one()
             except (OSError, ValueError) as exc:
@@ -415,8 +422,8 @@ class DiskQueue:
                 self._check_tail_corruption()
                 continue
             self._move_forward(4 + len(data))
-            return data
-        raise trio.WouldBlock
+            out.append(data)
+        return out
 
     def _read_one(self) -> bytes | None:
         """The next record, or None if the read file is finished (Go would take its EOF for a read

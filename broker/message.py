@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import MESSAGE_HEADER, decode_message
+from shared.protocol import MESSAGE_HEADER, MIN_VALID_MSG_LENGTH
+
+_unpack_header = MESSAGE_HEADER.unpack_from
 
 
 class Message:
@@ -40,8 +42,12 @@ class Message:
 
     @classmethod
     def decode(cls, data: bytes) -> Message:
-        decoded = decode_message(data)
-        return cls(decoded.id, decoded.body, decoded.timestamp, decoded.attempts)
+        """A record read back from a disk queue (decode_message's checks, without its value object:
+        this runs once per message read from disk)."""
+        if len(data) < MIN_VALID_MSG_LENGTH:
+            raise ValueError(f"invalid message buffer size ({len(data)})")
+        timestamp, attempts = _unpack_header(data)
+        return cls(data[10:26], data[26:], timestamp, attempts)
 
     def __repr__(self) -> str:
         return f"Message(id={self.id!r}, attempts={self.attempts}, size={len(self.body)})"

@@ -90,7 +90,13 @@ class ProtocolV2:
             responses: list[bytes] = []
             error: ClientError | None = None
             try:
-                while (command := parser.next_command()) is not None:
+                while True:
+                    fins = parser.peek_fins()
+                    if fins:
+                        self._finish_run(client, parser, fins)
+                    command = parser.next_command()
+                    if command is None:
+                        break
                     if command.name in _WRITES_ITSELF and responses:
                         # IDENTIFY may upgrade the stream: earlier answers go out first, in order
                         await self._answer(client, responses, None)
@@ -420,8 +426,29 @@ class ProtocolV2:
             client.channel.finish_message(client.id, msg_id)
         except ChannelError as exc:
             raise ClientError("E_FIN_FAILED", f"FIN {msg_id.decode(errors='replace')} failed {exc}") from None
-        client.finished_message()
+        client.finished_messages(1)
         return None
+
+    def _finish_run(self, client: ClientV2, parser: CommandParser, ids: list[bytes]) -> None:
+        """A run of FIN commands at once, each exactly as FIN() would do it (the same checks and
+        errors, in order); the parser consumes those executed, so after an error the rest follow as
+        usual."""
+        if self.nsqd.tls_required and not client.tls:
+            raise FatalClientError("E_INVALID", "cannot FIN in current state (TLS required)")
+        if client.state not in (STATE_SUBSCRIBED, STATE_CLOSING):
+            raise FatalClientError("E_INVALID", "cannot FIN in current state")
+        finish, client_id = client.channel.finish_message, client.id
+        finished = 0
+        for msg_id in ids:
+            try:
+                finish(client_id, msg_id)
+            except ChannelError as exc:
+                parser.skip_fins(finished + 1)  # this one is answered with its error
+                client.finished_messages(finished)
+                raise ClientError("E_FIN_FAILED", f"FIN {msg_id.decode(errors='replace')} failed {exc}") from None
+            finished += 1
+        parser.skip_fins(finished)
+        client.finished_messages(finished)
 
     async def REQ(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(client, cmd, "REQ", 2)

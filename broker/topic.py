@@ -100,16 +100,12 @@ class Topic:
         memory = self.memory
         while memory and len(out) < n:
             out.append(memory.popleft())
-        backend = self.backend
-        while len(out) < n:
-            try:
-                data = backend.read_nowait()
-            except trio.WouldBlock:
-                break
-            try:
-                out.append(Message.decode(data))
-            except ValueError as exc:
-                log.error("TOPIC(%s): failed to decode message - %s", self.name, exc)
+        if len(out) < n:
+            for data in self.backend.read_many(n - len(out)):
+                try:
+                    out.append(Message.decode(data))
+                except ValueError as exc:
+                    log.error("TOPIC(%s): failed to decode message - %s", self.name, exc)
         return out
 
     # --- publishing ---------------------------------------------------------------------------

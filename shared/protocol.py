@@ -272,11 +272,32 @@ class CommandParser:
         self._pending = None
         return Command(name, params, body)
 
+    def peek_fins(self) -> list[bytes]:
+        """The message ids of the complete `FIN <id>` lines at the front of the buffer, not consumed
+        (skip_fins() does that). A consumer sends FINs in runs: one call per read instead of one
+        next_command() each. Stops at anything else, which next_command() then parses as usual."""
+        if self._pending is not None:
+            return []
+        buf, pos, end = self._buf, self._pos, len(self._buf)
+        ids = []
+        while end - pos >= _FIN_LINE and buf[pos + _FIN_LINE - 1] == 10 and buf.startswith(b"FIN ", pos):
+            ids.append(bytes(buf[pos + 4 : pos + _FIN_LINE - 1]))
+            pos += _FIN_LINE
+        return ids
+
+    def skip_fins(self, n: int) -> None:
+        """Consume the first n FIN lines that peek_fins() returned."""
+        self._pos += n * _FIN_LINE
+
     def wanted(self) -> int:
         """How many more bytes the pending command needs (0 when unknown): lets a reader size its receive."""
         if self._pending is None or self._pending[2] is None:
             return 0
         return max(0, self._pending[2] - (len(self._buf) - self._pos))
+
+
+# b"FIN " + a 16-byte message id + b"\n"
+_FIN_LINE = 4 + 16 + 1
 
 
 def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:

@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -616,6 +617,28 @@ def test_in_flight_never_exceeds_rdy(broker):
     bodies = sorted(m.body for m in first + [fourth] + rest)
     assert bodies == sorted(b"m%d" % i for i in range(10))
     assert len({m.id for m in first + [fourth] + rest}) == 10
+
+
+def test_a_run_of_fins_with_a_bad_one_finishes_the_others_in_order(broker):
+    """FINs sent together are executed in order: an unknown id in the middle gets its E_FIN_FAILED
+    (not fatal) and the FINs before and after it still finish their messages."""
+    topic = unique("finrun")
+    publish(broker.tcp_address, topic, *[b"r%d" % i for i in range(6)])
+    with subscribe(broker.tcp_address, topic, "c", rdy=6) as conn:
+        msgs = conn.expect_messages(6)
+        ids = [m.id for m in msgs]
+        conn.send(b"".join(b"FIN " + i + b"\n" for i in ids[:3]) + b"FIN " + b"0" * 16 + b"\n"
+                  + b"".join(b"FIN " + i + b"\n" for i in ids[3:]))
+        error = conn.expect_error()
+        assert error.code == "E_FIN_FAILED" and "0000000000000000 failed ID not in flight" in error.text
+        conn.send(b"".join(b"FIN " + i + b"\n" for i in ids[:1]))
+        error = conn.expect_error()  # all six were finished: a second FIN of one is refused
+        assert error.code == "E_FIN_FAILED" and ids[0].decode() in error.text
+    url = f"http://{broker.http_address}/stats?format=json&topic={topic}"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        stats = json.loads(resp.read())
+    channel = stats["topics"][0]["channels"][0]
+    assert (channel["in_flight_count"], channel["message_count"]) == (0, 6)
 
 
 def test_msg_timeout_redelivers_with_attempts_incremented(broker_factory):

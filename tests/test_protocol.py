@@ -688,3 +688,35 @@ def test_client_errors_carry_code_text_and_fatality():
     assert not err.fatal and err.frame_data() == b"E_FIN_FAILED FIN failed abc: ID not in flight"
     fatal = FatalClientError("E_INVALID", "invalid command X")
     assert fatal.fatal and isinstance(fatal, ClientError) and str(fatal) == "E_INVALID invalid command X"
+
+
+# --- FIN runs: peek_fins / skip_fins ---------------------------------------------------------------
+
+
+def test_peek_fins_sees_a_run_of_complete_fin_lines_and_consumes_nothing():
+    from shared.protocol import CommandParser
+
+    parser = CommandParser(lambda name, params, size: None)
+    ids = [b"%016d" % i for i in range(3)]
+    parser.feed(b"".join(b"FIN " + i + b"\n" for i in ids) + b"RDY 5\nFIN " + ids[0][:8])
+    assert parser.peek_fins() == ids
+    assert parser.peek_fins() == ids  # nothing consumed yet
+    parser.skip_fins(2)
+    assert parser.peek_fins() == ids[2:]
+    parser.skip_fins(1)
+    assert parser.peek_fins() == []  # RDY is next: the general parser takes it
+    cmd = parser.next_command()
+    assert (cmd.name, cmd.params) == (b"RDY", (b"5",))
+    assert parser.peek_fins() == []  # an incomplete FIN waits for more bytes
+    parser.feed(ids[0][8:] + b"\n")
+    assert parser.peek_fins() == [ids[0]]
+
+
+def test_peek_fins_leaves_other_shapes_to_next_command():
+    from shared.protocol import CommandParser
+
+    for line in (b"FIN 123\n", b"FIN " + b"a" * 16 + b"\r\n", b"FINX" + b"a" * 16 + b"\n", b"fin " + b"a" * 16 + b"\n"):
+        parser = CommandParser(lambda name, params, size: None)
+        parser.feed(line)
+        assert parser.peek_fins() == []
+        assert parser.next_command() is not None
