@@ -189,10 +189,10 @@ class Channel:
     def start_in_flight(self, msg: Message, client_id: int, now: float, timeout: float) -> None:
         msg.client_id = client_id
         msg.delivery_ts = now
-        self.in_flight.push(msg, now + timeout)
+        self.in_flight.push(msg, now + timeout, lane=timeout)
 
     def _pop_in_flight(self, client_id: int, msg_id: bytes) -> Message:
-        msg = self.in_flight.items.get(msg_id)
+        msg = self.in_flight.get(msg_id)
         if msg is None:
             raise ChannelError("ID not in flight")
         if msg.client_id != client_id:
@@ -215,7 +215,7 @@ class Channel:
             self.start_deferred_timeout(msg, timeout)
 
     def touch_message(self, client_id: int, msg_id: bytes, timeout: float, max_msg_timeout: float) -> None:
-        msg = self.in_flight.items.get(msg_id)
+        msg = self.in_flight.get(msg_id)
         if msg is None:
             raise ChannelError("ID not in flight")
         if msg.client_id != client_id:
@@ -226,7 +226,7 @@ class Channel:
         self.in_flight.push(msg, deadline)
 
     def start_deferred_timeout(self, msg: Message, timeout: float) -> None:
-        self.deferred.push(msg, trio.current_time() + timeout)
+        self.deferred.push(msg, trio.current_time() + timeout, lane=timeout)
 
     # --- queue scan ---------------------------------------------------------------------------
 

@@ -57,6 +57,8 @@ _LEN = struct.Struct(">i")
 LINK_CHECK_INTERVAL = 0.1
 # records per writev: two buffers each, within Linux's IOV_MAX of 1024
 _IOV_RECORDS = 512
+# the read file's buffer: a reader drains records in batches, so fewer, larger reads
+_READ_BUFFER = 256 * 1024
 
 
 class _SyncRound:
@@ -431,7 +433,7 @@ class DiskQueue:
         fh = self._read_file
         if fh is None:
             path = self.file_name(self.read_file_num)
-            fh = open(path, "rb")
+            fh = open(path, "rb", buffering=_READ_BUFFER)
             try:
                 if self.read_pos > 0:
                     fh.seek(self.read_pos)

@@ -17,7 +17,7 @@ class Message:
     changes on every move so stale heap entries can be told apart cheaply (see pqueue).
     """
 
-    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client_id", "delivery_ts", "pri", "generation")
+    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client_id", "delivery_ts", "pri", "lane", "generation")
 
     def __init__(self, msg_id: bytes, body: bytes, timestamp: int | None = None, attempts: int = 0) -> None:
         self.id = msg_id
@@ -28,6 +28,7 @@ class Message:
         self.client_id = 0
         self.delivery_ts = 0.0
         self.pri = 0.0
+        self.lane: float | None = None  # the in-flight/deferred lane holding its deadline (pqueue)
         self.generation = 0
 
     def copy(self) -> Message:

@@ -1,84 +1,169 @@
-"""Priority queues for in-flight and deferred messages: a dict by id plus a heap by deadline.
+"""Priority queues for in-flight and deferred messages: a dict by id, and deadlines in lanes and a heap.
 
 Go's indexed heap removes an entry in O(log n) on FIN; in Python that bookkeeping costs more than it
-saves. Here FIN only drops the dict entry and the heap entry goes stale (lazy deletion): an entry is
+saves. Here FIN only drops the dict entry and the deadline entry goes stale (lazy deletion): an entry is
 live while its message is still in the dict with the same generation. Stale entries are skipped when
-popped, and the heap is rebuilt from the dict whenever they outnumber the live ones, so memory stays
-within twice the number of messages held.
+popped, and everything is rebuilt from the dict whenever stale entries outnumber the live ones, so
+memory stays within twice the number of messages held.
+
+Lanes make the common case O(1): messages put in flight with the same timeout (every consumer with the
+default msg_timeout) get deadlines `now + timeout` in the order they are pushed, so a FIFO per timeout
+value is already sorted, and consumers FIN roughly in delivery order, so a FIN usually finds its entry
+at the front of its lane and drops it there. A push that would break a lane's order (TOUCH's capped
+deadline, a clock that did not move) and pushes without a lane go to the heap.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 
 from broker.message import Message
 
 _COMPACT_MIN = 1024
+# distinct lane keys kept (one per msg_timeout in use); pushes for further keys use the heap
+MAX_LANES = 16
 
 
 class MessagePQueue:
-    __slots__ = ("items", "_heap", "_seq")
+    __slots__ = ("_items", "_heap", "_lanes", "_entries", "_seq")
 
     def __init__(self) -> None:
-        self.items: dict[bytes, Message] = {}
+        self._items: dict[bytes, Message] = {}
         self._heap: list[tuple[float, int, int, Message]] = []
+        self._lanes: dict[float, deque[tuple[float, int, Message]]] = {}
+        self._entries = 0  # heap and lane entries, live or stale
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._items)
 
     def __contains__(self, msg_id: bytes) -> bool:
-        return msg_id in self.items
+        return msg_id in self._items
 
-    def push(self, msg: Message, pri: float) -> None:
-        """Add (or re-prioritise) msg with deadline `pri` (trio clock seconds)."""
+    def get(self, msg_id: bytes) -> Message | None:
+        return self._items.get(msg_id)
+
+    @property
+    def entry_count(self) -> int:
+        """Deadline entries held, live or stale (bounded by 2 x len() + _COMPACT_MIN)."""
+        return self._entries
+
+    def push(self, msg: Message, pri: float, lane: float | None = None) -> None:
+        """Add (or re-prioritise) msg with deadline `pri` (trio clock seconds). `lane`: the timeout that
+        made the deadline (pri = now + lane), for the in-order FIFO of that timeout."""
         msg.generation += 1
         msg.pri = pri
-        self.items[msg.id] = msg
-        heap = self._heap
-        heapq.heappush(heap, (pri, next(self._seq), msg.generation, msg))
-        if len(heap) > _COMPACT_MIN and len(heap) > 2 * len(self.items):
-            self._compact()
+        msg.lane = None
+        self._items[msg.id] = msg
+        self._entries += 1
+        if lane is not None:
+            fifo = self._lanes.get(lane)
+            if fifo is None and len(self._lanes) < MAX_LANES:
+                fifo = self._lanes[lane] = deque()
+            if fifo is not None and (not fifo or fifo[-1][0] <= pri):
+                fifo.append((pri, msg.generation, msg))
+                msg.lane = lane
+                self._maybe_compact()
+                return
+        heapq.heappush(self._heap, (pri, next(self._seq), msg.generation, msg))
+        self._maybe_compact()
 
     def pop(self, msg_id: bytes) -> Message | None:
-        """Remove by id (FIN, REQ, TOUCH's first half); its heap entry goes stale."""
-        msg = self.items.pop(msg_id, None)
+        """Remove by id (FIN, REQ, TOUCH's first half); its deadline entry goes stale."""
+        msg = self._items.pop(msg_id, None)
         if msg is not None:
             msg.generation += 1
-            if len(self._heap) > _COMPACT_MIN and len(self._heap) > 2 * len(self.items):
-                self._compact()  # FINs leave stale entries (holding bodies): keep them bounded
+            fifo = self._lanes.get(msg.lane) if msg.lane is not None else None
+            if fifo:
+                while fifo and not self._live(fifo[0][1], fifo[0][2]):
+                    fifo.popleft()  # FINs in delivery order: the front goes at once
+                    self._entries -= 1
+            self._maybe_compact()
         return msg
 
     def pop_expired(self, now: float) -> list[Message]:
         """Every message whose deadline is <= now, removed, earliest first."""
-        heap, items, out = self._heap, self.items, []
-        while heap and heap[0][0] <= now:
-            _, _, generation, msg = heapq.heappop(heap)
-            if msg.generation == generation and items.get(msg.id) is msg:
-                del items[msg.id]
-                msg.generation += 1
-                out.append(msg)
+        out: list[Message] = []
+        sources = 0
+        heap = self._heap
+        if heap and heap[0][0] <= now:
+            sources += 1
+            while heap and heap[0][0] <= now:
+                _, _, generation, msg = heapq.heappop(heap)
+                self._entries -= 1
+                if self._live(generation, msg):
+                    self._take(msg, out)
+        for fifo in self._lanes.values():
+            if fifo and fifo[0][0] <= now:
+                sources += 1
+                while fifo and fifo[0][0] <= now:
+                    _, generation, msg = fifo.popleft()
+                    self._entries -= 1
+                    if self._live(generation, msg):
+                        self._take(msg, out)
+        if sources > 1:
+            out.sort(key=_deadline)
         return out
 
     def next_deadline(self) -> float | None:
-        heap, items = self._heap, self.items
+        best = None
+        heap = self._heap
         while heap:
             _, _, generation, msg = heap[0]
-            if msg.generation == generation and items.get(msg.id) is msg:
-                return heap[0][0]
+            if self._live(generation, msg):
+                best = heap[0][0]
+                break
             heapq.heappop(heap)
-        return None
+            self._entries -= 1
+        for fifo in self._lanes.values():
+            while fifo:
+                pri, generation, msg = fifo[0]
+                if self._live(generation, msg):
+                    if best is None or pri < best:
+                        best = pri
+                    break
+                fifo.popleft()
+                self._entries -= 1
+        return best
 
     def drain(self) -> list[Message]:
         """Remove and return everything (shutdown, empty)."""
-        out = list(self.items.values())
+        out = list(self._items.values())
         for msg in out:
             msg.generation += 1
-        self.items.clear()
+        self._items.clear()
         self._heap.clear()
+        self._lanes.clear()
+        self._entries = 0
         return out
 
+    def _live(self, generation: int, msg: Message) -> bool:
+        return msg.generation == generation and self._items.get(msg.id) is msg
+
+    def _take(self, msg: Message, out: list[Message]) -> None:
+        del self._items[msg.id]
+        msg.generation += 1
+        out.append(msg)
+
+    def _maybe_compact(self) -> None:
+        # FINs out of order and TOUCHes leave stale entries (holding bodies): keep them bounded
+        if self._entries > _COMPACT_MIN and self._entries > 2 * len(self._items):
+            self._compact()
+
     def _compact(self) -> None:
-        self._heap = [(m.pri, next(self._seq), m.generation, m) for m in self.items.values()]
+        live = self._live
+        for lane, fifo in list(self._lanes.items()):
+            kept = deque(entry for entry in fifo if live(entry[1], entry[2]))
+            if kept:
+                self._lanes[lane] = kept
+            else:
+                del self._lanes[lane]  # a timeout no longer in use frees its lane
+        self._heap = [entry for entry in self._heap if live(entry[2], entry[3])]
         heapq.heapify(self._heap)
+        self._entries = len(self._heap) + sum(len(fifo) for fifo in self._lanes.values())
+
+
+def _deadline(msg: Message) -> float:
+    return msg.pri

@@ -9,6 +9,7 @@ handler only decides how to send them.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -278,12 +279,11 @@ class CommandParser:
         next_command() each. Stops at anything else, which next_command() then parses as usual."""
         if self._pending is not None:
             return []
-        buf, pos, end = self._buf, self._pos, len(self._buf)
-        ids = []
-        while end - pos >= _FIN_LINE and buf[pos + _FIN_LINE - 1] == 10 and buf.startswith(b"FIN ", pos):
-            ids.append(bytes(buf[pos + 4 : pos + _FIN_LINE - 1]))
-            pos += _FIN_LINE
-        return ids
+        buf, pos = self._buf, self._pos
+        run = _FIN_RUN.match(buf, pos)
+        if run is None:
+            return []
+        return [bytes(buf[p + 4 : p + _FIN_LINE - 1]) for p in range(pos, run.end(), _FIN_LINE)]
 
     def skip_fins(self, n: int) -> None:
         """Consume the first n FIN lines that peek_fins() returned."""
@@ -296,8 +296,10 @@ class CommandParser:
         return max(0, self._pending[2] - (len(self._buf) - self._pos))
 
 
-# b"FIN " + a 16-byte message id + b"\n"
+# b"FIN " + a 16-byte message id + b"\n"; a line that next_command() would read otherwise (a space
+# splitting the id, a "\r" it would strip) is not part of a run
 _FIN_LINE = 4 + 16 + 1
+_FIN_RUN = re.compile(rb"(?:FIN [^\n ]{15}[^\n\r ]\n)+")
 
 
 def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:

@@ -25,7 +25,7 @@ def _ids(msgs: list[Message]) -> list[bytes]:
 
 
 def _heap_bound_holds(q: MessagePQueue) -> bool:
-    return len(q._heap) <= 2 * len(q) + _COMPACT_MIN
+    return q.entry_count <= 2 * len(q) + _COMPACT_MIN
 
 
 def test_pop_expired_returns_due_messages_earliest_first():
@@ -58,7 +58,7 @@ def test_push_records_the_deadline_on_the_message():
     q = MessagePQueue()
     m = _msg(1)
     q.push(m, 12.5)
-    assert m.pri == 12.5 and q.items[m.id] is m
+    assert m.pri == 12.5 and q.get(m.id) is m
 
 
 def test_pop_by_id_makes_the_heap_entry_stale():
@@ -70,7 +70,7 @@ def test_pop_by_id_makes_the_heap_entry_stale():
     assert q.pop(a.id) is a  # FIN
     assert q.pop(a.id) is None  # twice: nothing
     assert q.pop(b"0" * 16) is None  # never there
-    assert len(q._heap) == 3  # lazily: the heap is not searched
+    assert q.entry_count == 3  # lazily: the heap is not searched
     assert a.id not in q and len(q) == 2
     assert q.next_deadline() == 2.0  # the stale head is skipped
     assert _ids(q.pop_expired(10.0)) == [b.id, c.id]
@@ -118,7 +118,7 @@ def test_many_touches_of_one_message_deliver_it_once():
         assert _heap_bound_holds(q)
     assert len(q) == 1
     assert _ids(q.pop_expired(1e9)) == [m.id]
-    assert q.pop_expired(1e9) == [] and len(q._heap) == 0
+    assert q.pop_expired(1e9) == [] and q.entry_count == 0
 
 
 def test_a_message_moved_to_another_queue_is_stale_in_the_first():
@@ -154,7 +154,7 @@ def test_next_deadline_discards_stale_heads():
     for m in msgs[:9]:
         q.pop(m.id)
     assert q.next_deadline() == 9.0
-    assert len(q._heap) == 1
+    assert q.entry_count == 1
 
 
 # --- memory -----------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_heap_is_bounded_after_the_consumer_fins_everything():
     for i in range(100_000):
         q.pop(b"%016x" % i)
     assert len(q) == 0
-    heap_entries = len(q._heap)
+    heap_entries = q.entry_count
     assert heap_entries <= _COMPACT_MIN, f"{heap_entries} heap entries kept for 0 messages held"
 
 
@@ -239,7 +239,7 @@ def _assert_expired(got: list[Message], model: dict[bytes, tuple[float, int]], n
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["push", "push", "pop", "expire", "next", "drain"]),
+            st.sampled_from(["push", "push", "lane", "lane", "pop", "expire", "next", "drain"]),
             st.integers(0, 30),
             st.integers(0, 60),
         ),
@@ -251,11 +251,18 @@ def test_against_a_dict_and_sorted_model(ops):
     msgs = {k: _msg(k) for k in range(31)}
     model: dict[bytes, tuple[float, int]] = {}  # id -> (deadline, push order)
     order = 0
+    clock = 0.0  # lane pushes: deadline = clock + timeout, the clock never going back
     for op, key, t in ops:
         m = msgs[key]
         if op == "push":
             q.push(m, float(t))
             model[m.id] = (float(t), order)
+            order += 1
+        elif op == "lane":
+            clock += t % 3
+            timeout = float((5, 10, 20)[t % 3])
+            q.push(m, clock + timeout, lane=timeout)
+            model[m.id] = (clock + timeout, order)
             order += 1
         elif op == "pop":
             got = q.pop(m.id)
@@ -272,7 +279,7 @@ def test_against_a_dict_and_sorted_model(ops):
             assert sorted(_ids(q.drain())) == sorted(model)
             model.clear()
         assert len(q) == len(model)
-        assert set(q.items) == set(model)
+        assert set(q._items) == set(model)
         for k in msgs.values():
             assert (k.id in q) == (k.id in model)
     _assert_expired(q.pop_expired(1e9), model, 1e9)
@@ -299,6 +306,15 @@ class PQueueMachine(RuleBasedStateMachine):
         for i in range(n):
             self._push(self.msgs[(start + i) % 3000], self.now + (i * 7919) % (spread + 1))
 
+    @rule(start=st.integers(0, 2999), n=st.integers(1, 1500), timeout=st.sampled_from([30, 60]))
+    def deliver_many(self, start, n, timeout):
+        """Put in flight as a consumer's pump does: deadline now + msg_timeout, in that timeout's lane."""
+        for i in range(n):
+            m = self.msgs[(start + i) % 3000]
+            self.q.push(m, self.now + timeout, lane=float(timeout))
+            self.model[m.id] = (self.now + timeout, self.order)
+            self.order += 1
+
     @rule(start=st.integers(0, 2999), n=st.integers(1, 1500), step=st.integers(1, 5))
     def fin_many(self, start, n, step):
         for i in range(0, n, step):
@@ -310,7 +326,7 @@ class PQueueMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def touch(self, data):
         key = data.draw(st.sampled_from(sorted(self.model)))
-        self._push(self.q.items[key], self.now + data.draw(st.integers(0, 200)))
+        self._push(self.q._items[key], self.now + data.draw(st.integers(0, 200)))
 
     @rule(dt=st.integers(0, 50))
     def scan(self, dt):
@@ -321,9 +337,13 @@ class PQueueMachine(RuleBasedStateMachine):
             del self.model[m.id]
 
     @invariant()
+    def entries_stay_bounded(self):
+        assert _heap_bound_holds(self.q)
+
+    @invariant()
     def same_contents(self):
         assert len(self.q) == len(self.model)
-        assert set(self.q.items) == set(self.model)
+        assert set(self.q._items) == set(self.model)
 
     @invariant()
     def next_deadline_is_the_models(self):
@@ -346,3 +366,29 @@ def test_sizes_around_the_compaction_threshold(n):
         assert _heap_bound_holds(q)
     assert _ids(q.pop_expired(1.5)) == []
     assert _ids(q.pop_expired(2.0)) == _ids(msgs)
+
+
+def test_in_order_fins_keep_a_lane_short_without_compaction():
+    """The consumer's common case: one msg_timeout, FINs in delivery order. Each FIN drops its entry
+    at the front of the lane, so the entries follow the messages in flight (here at most 100)."""
+    q = MessagePQueue()
+    msgs = [_msg(i) for i in range(100_000)]
+    now = 0.0
+    for i, m in enumerate(msgs):
+        now += 0.001
+        q.push(m, now + 60.0, lane=60.0)
+        if i >= 100:
+            assert q.pop(msgs[i - 100].id) is msgs[i - 100]
+            assert q.entry_count == 100
+    assert [m.id for m in q.pop_expired(now + 60.0)] == [m.id for m in msgs[-100:]]
+    assert q.entry_count == 0 and len(q) == 0
+
+
+def test_a_push_out_of_lane_order_goes_to_the_heap_and_still_comes_out_in_order():
+    q = MessagePQueue()
+    a, b, c = _msg(1), _msg(2), _msg(3)
+    q.push(a, 70.0, lane=60.0)
+    q.push(b, 65.0, lane=60.0)  # earlier than the lane's last: the heap takes it
+    q.push(c, 61.0)
+    assert q.next_deadline() == 61.0
+    assert _ids(q.pop_expired(100.0)) == [c.id, b.id, a.id]

@@ -715,7 +715,8 @@ def test_peek_fins_sees_a_run_of_complete_fin_lines_and_consumes_nothing():
 def test_peek_fins_leaves_other_shapes_to_next_command():
     from shared.protocol import CommandParser
 
-    for line in (b"FIN 123\n", b"FIN " + b"a" * 16 + b"\r\n", b"FINX" + b"a" * 16 + b"\n", b"fin " + b"a" * 16 + b"\n"):
+    for line in (b"FIN 123\n", b"FIN " + b"a" * 16 + b"\r\n", b"FINX" + b"a" * 16 + b"\n", b"fin " + b"a" * 16 + b"\n",
+                 b"FIN " + b"a" * 15 + b"\r\n", b"FIN aaaa bbbbbbbbbbb\n", b"FIN aaaa\nbbbbbbbbbbb\n"):
         parser = CommandParser(lambda name, params, size: None)
         parser.feed(line)
         assert parser.peek_fins() == []
