@@ -7,9 +7,35 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
 
 log = logging.getLogger(__name__)
+
+
+class _OneLine(logging.Filter):
+    """Hypercorn logs an exception in the app or the protocol with its traceback; a client's bad input
+    must cost one log line, so the exception goes on that line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            if isinstance(exc, BaseExceptionGroup):
+                exc_text = _first_error(exc)
+            else:
+                exc_text = f"{type(exc).__name__}: {exc}"
+            record.msg = f"HTTP: {record.getMessage()} - {exc_text}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_HYPERCORN_ERRORS = logging.getLogger("hypercorn.error")
+_HYPERCORN_ERRORS.addFilter(_OneLine())
 
 
 def split_host_port(address: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
@@ -30,7 +56,7 @@ def hypercorn_config(address: str, *, max_body_size: int | None = None, **extra:
     host, port = split_host_port(address)
     config.bind = [join_host_port(host, port)]
     config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog = _HYPERCORN_ERRORS
     config.graceful_timeout = 1.0
     config.keep_alive_timeout = 75.0
     if max_body_size is not None:
@@ -49,15 +75,59 @@ async def serve_app(
 ) -> None:
     """Serve `app` on `address` until cancelled; reports the bound (host, port) to task_status.
 
-    Port 0 binds a free port, which is how tests run several servers side by side.
+    Port 0 binds a free port, which is how tests run several servers side by side. Hypercorn's
+    `serve()` runs every connection in one nursery, so one connection's exception (hypercorn and h11
+    have raised several on malformed input) would end the server and the process with it. Here our own
+    accept loop hands each connection to hypercorn's per-connection TCPServer inside a guard, as
+    shared/tcp.py does for TCP: a failure costs that connection and one log line.
     """
     config = hypercorn_config(address, **config_extra)
+    wrapped = wrap_app(_http_only(app), config.wsgi_max_body_size, None)
+    context = WorkerContext(None)
+    lifespan_state: dict[str, Any] = {}
+    lifespan = Lifespan(wrapped, config, lifespan_state)
+    sockets = config.create_sockets()
+    listeners: list[trio.abc.Listener] = []
+    ssl_context = config.create_ssl_context()
+    for sock in sockets.secure_sockets:
+        sock.listen(config.backlog)
+        listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
+                                          ssl_context, https_compatible=True))
+    for sock in sockets.insecure_sockets:
+        sock.listen(config.backlog)
+        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+    bound = (sockets.secure_sockets or sockets.insecure_sockets)[0].getsockname()
 
-    async def started_binds(*, task_status=trio.TASK_STATUS_IGNORED):
-        await serve(app, config, task_status=task_status)
+    async def serve_one(stream: trio.abc.Stream) -> None:
+        try:
+            await TCPServer(wrapped, config, context, ConnectionState(lifespan_state.copy()), stream)
+        except* Exception as group:
+            log.error("HTTP: connection failed - %s", _first_error(group))
+        finally:
+            await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(started_binds)
-        bound = binds[0].split("://", 1)[1]
-        host, port = split_host_port(bound)
-        task_status.started((host, port))
+        await nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        await nursery.start(trio.serve_listeners, serve_one, listeners)
+        task_status.started((bound[0], bound[1]))
+
+
+def _http_only(app: Any) -> Any:
+    """nsqd speaks plain HTTP: a WebSocket upgrade is refused (hypercorn answers 403) before the app
+    sees a scope type it was not written for."""
+
+    async def asgi(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1000})
+            return
+        await app(scope, receive, send)
+
+    return asgi
+
+
+def _first_error(group: BaseExceptionGroup) -> str:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,184 @@
+"""Malformed and hostile HTTP against both daemons' HTTP ports: no input ends a process.
+
+Raw sockets send what no client library would: broken chunked bodies (a `-1` size, garbage and huge
+sizes, missing CRLFs), pipelined requests with a bad one among them, Content-Length and
+Transfer-Encoding in conflict, bad request lines, huge headers, HTTP/2 prior-knowledge prefaces and
+h2c upgrades followed by garbage, connections reset in the middle of a body, and seeded random
+mutations of valid requests. Many connections run at once. Afterwards each process is alive, answers
+/ping, the broker still publishes and delivers, and neither log holds a traceback.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import urllib.request
+
+import pytest
+import trio
+
+from conftest import Broker
+from nsq_raw import RawNSQ
+from test_lookupd_process import LookupdProcess
+
+SEED = 20261124
+RANDOM_CASES = 1500  # per daemon, on top of the hand-written ones
+CONCURRENCY = 40
+READ_FOR = 0.3  # seconds each case waits for the server's answer before it closes
+
+
+def _request(method: str, path: str, headers: list[str], body: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n"
+    return head.encode() + body
+
+
+def hand_written(pub_path: str) -> list[tuple[str, bytes]]:
+    chunked = ["Transfer-Encoding: chunked"]
+    cases = [
+        ("chunk size -1", _request("POST", pub_path, chunked, b"-1\r\nabc\r\n0\r\n\r\n")),
+        ("chunk size garbage", _request("POST", pub_path, chunked, b"zz\r\nabc\r\n0\r\n\r\n")),
+        ("chunk size huge", _request("POST", pub_path, chunked, b"ffffffffffffffffffff\r\nabc\r\n")),
+        ("chunk without CRLF", _request("POST", pub_path, chunked, b"3\r\nabcdef0\r\n\r\n")),
+        ("chunk extension junk", _request("POST", pub_path, chunked, b"3;\x00\x01=\"\r\nabc\r\n0\r\n\r\n")),
+        ("chunked then pipelined", _request("POST", pub_path, chunked, b"3\r\nabc\r\n0\r\n\r\n")
+         + _request("GET", "/ping", []) + b"-1\r\n\r\n"),
+        ("pipelined with a bad one", _request("GET", "/ping", []) * 20 + b"GET /\x00 HTTP/1.1\r\n\r\n"
+         + _request("GET", "/ping", []) * 5),
+        ("pipelined bodies", (_request("POST", pub_path, ["Content-Length: 3"], b"abc")
+                              + _request("POST", pub_path, chunked, b"-1\r\n")) * 10),
+        ("length and chunked", _request("POST", pub_path, ["Content-Length: 5"] + chunked, b"3\r\nabc\r\n0\r\n\r\n")),
+        ("two lengths", _request("POST", pub_path, ["Content-Length: 5", "Content-Length: 6"], b"abcdef")),
+        ("negative length", _request("POST", pub_path, ["Content-Length: -5"], b"abc")),
+        ("length not a number", _request("POST", pub_path, ["Content-Length: 1e3"], b"abc")),
+        ("length too short", _request("POST", pub_path, ["Content-Length: 1"], b"abcdef") + b"\r\n\r\n"),
+        ("bare request line", b"GET\r\n\r\n"),
+        ("bad version", b"GET /ping HTTP/9.9\r\n\r\n"),
+        ("http/0.9", b"GET /ping\r\n"),
+        ("binary request line", bytes(range(256)) + b"\r\n\r\n"),
+        ("long target", b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ("huge header", _request("GET", "/ping", ["X-Big: " + "b" * 200_000])),
+        ("many headers", _request("GET", "/ping", [f"X-H{i}: v" for i in range(5000)])),
+        ("header without colon", _request("GET", "/ping", ["nocolon"])),
+        ("obs-fold header", b"GET /ping HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n"),
+        ("http2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x12\x04\x00\x00\x00\x00\x00" + b"\xff" * 40),
+        ("http2 preface only", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+        ("h2c upgrade then garbage", _request("GET", "/ping", [
+            "Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA"])
+         + b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x01\x02" * 100),
+        ("h2c upgrade with body", _request("POST", pub_path, [
+            "Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: !!!", "Content-Length: 3"], b"abc")),
+        ("websocket upgrade", _request("GET", "/ping", [
+            "Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13", "Sec-WebSocket-Key: x"])
+         + b"\x81\xff" + b"\x00" * 20),
+        ("expect 100 then nothing", _request("POST", pub_path, ["Expect: 100-continue", "Content-Length: 100"])),
+        ("absolute form", b"GET http://other/ping HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ("connect method", b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ("percent garbage", _request("GET", "/pub?topic=%ZZ%%&defer=%00", [])),
+        ("utf8 garbage target", "GET /топик?topic=\u0000 HTTP/1.1\r\nHost: x\r\n\r\n".encode("utf-8", "surrogateescape")),
+        ("mpub binary lies", _request("POST", pub_path.replace("/pub", "/mpub") + "&binary=true",
+                                      ["Content-Length: 12"], struct.pack(">ii", 1000, -1) + b"abcd")),
+    ]
+    return cases
+
+
+def mutations(pub_path: str, rng: random.Random, count: int) -> list[tuple[str, bytes]]:
+    seeds = [
+        _request("POST", pub_path, ["Content-Length: 11"], b"hello world"),
+        _request("POST", pub_path, ["Transfer-Encoding: chunked"], b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"),
+        _request("GET", "/stats?format=json", []),
+        _request("POST", pub_path.replace("/pub", "/mpub"), ["Content-Length: 7"], b"a\nb\nccc"),
+        _request("GET", "/ping", ["Connection: keep-alive"]) * 3,
+    ]
+    pieces = [b"\r\n", b"\r\n\r\n", b"-1", b"\x00", b"chunked", b"Content-Length: ", b"HTTP/1.1", b" ",
+              b"ffffffff", b"\xff\xfe", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b":", b"0\r\n\r\n"]
+    out = []
+    for i in range(count):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 6)):
+            op = rng.randrange(5)
+            pos = rng.randrange(len(data) + 1)
+            if op == 0 and data:
+                data[min(pos, len(data) - 1)] = rng.randrange(256)
+            elif op == 1:
+                data[pos:pos] = rng.choice(pieces)
+            elif op == 2:
+                del data[pos : pos + rng.randint(1, 20)]
+            elif op == 3:
+                data[pos:pos] = data[: rng.randint(0, len(data))]
+            else:
+                data = data[:pos]
+        out.append((f"mutation {i}", bytes(data)))
+    return out
+
+
+async def play(port: int, name: str, data: bytes, reset: bool, split: int) -> None:
+    """Send one case on its own connection; read briefly; close (with RST when `reset`)."""
+    sock = trio.socket.socket()
+    try:
+        await sock.connect(("127.0.0.1", port))
+        with trio.move_on_after(READ_FOR * 3):
+            if split and len(data) > split:
+                await sock.send(data[:split])
+                await trio.sleep(0.01)
+                data = data[split:]
+            view = memoryview(data)
+            while view:
+                sent = await sock.send(view)
+                view = view[sent:]
+        with trio.move_on_after(READ_FOR):
+            while await sock.recv(65536):
+                pass
+    except OSError:
+        pass  # the server closing first (or resetting) is an answer too
+    finally:
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+async def fuzz(port: int, cases: list[tuple[str, bytes]], rng: random.Random) -> None:
+    limiter = trio.CapacityLimiter(CONCURRENCY)
+
+    async def one(name: str, data: bytes, reset: bool, split: int) -> None:
+        async with limiter:
+            await play(port, name, data, reset, split)
+
+    async with trio.open_nursery() as nursery:
+        for name, data in cases:
+            nursery.start_soon(one, name, data, rng.random() < 0.3, rng.choice([0, 0, 1, 7, 30, 100]))
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        return resp.status, resp.read()
+
+
+@pytest.fixture
+def lookupd_process(tmp_path):
+    lk = LookupdProcess(tmp_path / "lookupd.log")
+    yield lk
+    lk.stop()
+
+
+async def test_no_malformed_http_ends_either_daemon(broker_factory, lookupd_process):
+    broker = broker_factory()
+    rng = random.Random(SEED)
+    pub_path = "/pub?topic=fuzz"
+    cases = hand_written(pub_path) * 3 + mutations(pub_path, rng, RANDOM_CASES)
+    for port in (broker.http_port, lookupd_process.http_port):
+        await fuzz(port, cases, rng)
+
+    assert broker.is_alive(), broker.stderr_text()[-3000:]
+    assert lookupd_process.proc.poll() is None, lookupd_process.log()[-3000:]
+    assert http_get(broker.http_port, "/ping") == (200, b"OK")
+    assert http_get(lookupd_process.http_port, "/ping") == (200, b"OK")
+    # the broker still publishes and delivers
+    urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{broker.http_port}/pub?topic=after-fuzz", data=b"still here"), timeout=10).read()
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub("after-fuzz", "c")
+        conn.rdy(1)
+        assert conn.expect_message(timeout=10).body == b"still here"
+    for log in (broker.stderr_text(), lookupd_process.log()):
+        assert "Traceback" not in log, log[log.index("Traceback") - 500 : log.index("Traceback") + 3000]
