@@ -253,6 +253,8 @@ class NSQD:
     # --- metadata (nsqd.dat) ------------------------------------------------------------------
 
     def metadata(self) -> dict[str, Any]:
+        """nsqd.dat as Go nsqd writes it: its key order, and null for no topics or no channels (a Go
+        nil slice), so the file is byte for byte what nsqd 1.3.0 writes for the same topics."""
         topics = []
         for topic in self.topics.values():
             if topic.ephemeral:
@@ -260,8 +262,11 @@ class NSQD:
             channels = [
                 {"name": ch.name, "paused": ch.paused} for ch in topic.channels.values() if not ch.ephemeral
             ]
-            topics.append({"channels": channels, "name": topic.name, "paused": topic.paused})
-        return {"topics": topics, "version": VERSION}
+            topics.append({"name": topic.name, "paused": topic.paused, "channels": channels or None})
+        return {"topics": topics or None, "version": VERSION}
+
+    def _metadata_bytes(self) -> bytes:
+        return json.dumps(self.metadata(), separators=(",", ":")).encode()
 
     def persist_metadata(self) -> None:
         """Ask the persist task to write nsqd.dat (coalesced: one write covers a burst of changes)."""
@@ -271,14 +276,14 @@ class NSQD:
         while True:
             await self._persist_wanted.wait()
             self._persist_wanted = trio.Event()
-            data = json.dumps(self.metadata()).encode()
+            data = self._metadata_bytes()
             try:
                 await trio.to_thread.run_sync(self._write_metadata, data)
             except OSError as exc:
                 log.error("failed to persist metadata - %s", exc)
 
     def write_metadata_now(self) -> None:
-        self._write_metadata(json.dumps(self.metadata()).encode())
+        self._write_metadata(self._metadata_bytes())
 
     def _write_metadata(self, data: bytes) -> None:
         path = os.path.join(self.data_path, METADATA_FILE)
@@ -297,10 +302,9 @@ class NSQD:
         except FileNotFoundError:
             return
         try:
-            meta = json.loads(raw)
-            topics = meta.get("topics", [])
-        except (ValueError, AttributeError) as exc:
-            raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from exc
+            topics = _parse_metadata(raw)
+        except ValueError as exc:
+            raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from None
         self._loading = True
         try:
             for t in topics:
@@ -311,7 +315,7 @@ class NSQD:
                 topic = self.get_topic(name)
                 if t.get("paused"):
                     topic.paused = True
-                for c in t.get("channels", []):
+                for c in t.get("channels") or ():
                     cname = c.get("name", "")
                     if not is_valid_channel_name(cname):
                         log.warning("skipping creation of invalid channel %s", cname)
@@ -345,3 +349,22 @@ class NSQD:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _parse_metadata(raw: bytes) -> list[dict[str, Any]]:
+    """The topics of an nsqd.dat; Go writes null for an empty list. Raises ValueError for a file Go's
+    json.Unmarshal into nsqd's struct would refuse (not JSON, or a field of the wrong type)."""
+    meta = json.loads(raw)
+    if not isinstance(meta, dict):
+        raise ValueError("not a JSON object")
+    topics = meta.get("topics") or []
+    if not isinstance(topics, list) or not all(isinstance(t, dict) for t in topics):
+        raise ValueError("'topics' is not a list of objects")
+    for t in topics:
+        channels = t.get("channels") or []
+        if not isinstance(channels, list) or not all(isinstance(c, dict) for c in channels):
+            raise ValueError("'channels' is not a list of objects")
+        for item in [t, *channels]:
+            if not isinstance(item.get("name", ""), str) or not isinstance(item.get("paused", False), bool):
+                raise ValueError("a name that is not a string or a paused that is not a bool")
+    return topics

@@ -389,9 +389,10 @@ def test_topic_create_shows_in_stats_and_nsqd_dat(http, broker):
 
     def on_disk():
         meta = broker.metadata()
-        return meta and next((t for t in meta["topics"] if t["name"] == topic), None)
+        return meta and next((t for t in meta["topics"] or [] if t["name"] == topic), None)
 
-    assert wait_for(on_disk, message="topic in nsqd.dat") == {"name": topic, "paused": False, "channels": []}
+    # as Go nsqd writes it: a topic without channels has "channels":null
+    assert wait_for(on_disk, message="topic in nsqd.dat") == {"name": topic, "paused": False, "channels": None}
     assert http.post("/channel/create", params={"topic": topic, "channel": "c1"}).status_code == 200
     assert wait_for(lambda: (on_disk() or {}).get("channels"), message="channel in nsqd.dat") == [
         {"name": "c1", "paused": False}]
