@@ -49,8 +49,8 @@ class BackendQueue(Protocol):
     async def close(self) -> None:
         """Persist state (metadata, fsync) and release files; the queue can be reopened later."""
 
-    async def delete(self) -> None:
-        """Remove every file of this queue."""
+    def delete(self) -> None:
+        """Remove every file of this queue before returning (closes it too)."""
 
 
 class DummyBackendQueue:
@@ -86,5 +86,5 @@ class DummyBackendQueue:
     async def close(self) -> None:
         return None
 
-    async def delete(self) -> None:
+    def delete(self) -> None:
         return None

@@ -43,6 +43,7 @@ import os
 import random
 import re
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -121,6 +122,9 @@ class DiskQueue:
         self._wake = trio.Event()  # wakes run() early: sync_every reached or a file changed
         self._readers = trio.lowlevel.ParkingLot()
         self._closed = False
+        self._deleted = False
+        # the metadata rename (in an fsync thread) and delete() (in the loop) exclude each other
+        self._files_lock = threading.Lock()
 
         self._meta_loaded = False
         self._retrieve_metadata()
@@ -639,7 +643,11 @@ class DiskQueue:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, path)
+            with self._files_lock:
+                if self._deleted:
+                    os.remove(tmp)  # deleted meanwhile: no metadata may come back
+                    return
+                os.rename(tmp, path)
         except OSError:
             try:
                 os.remove(tmp)
@@ -707,13 +715,15 @@ class DiskQueue:
                 pass  # logged
         self._shut()
 
-    async def delete(self) -> None:
-        """Remove every data file of this queue and its metadata."""
+    def delete(self) -> None:
+        """Remove every data file of this queue and its metadata, now: nsqd removes them before it
+        answers, so a queue of the same name created next starts empty (and its files stay its own).
+        An fsync round still running in its thread finds the queue deleted and writes no metadata."""
         log.info("DISKQUEUE(%s): deleting", self.name)
         self._shut()
-        with trio.CancelScope(shield=True):
-            await self._wait_round()
-            await trio.to_thread.run_sync(self._remove_files)
+        with self._files_lock:
+            self._deleted = True
+            self._remove_files()
 
     def _shut(self) -> None:
         self._closed = True

@@ -163,7 +163,7 @@ class NSQD:
         self.lookup.set_addresses(self.options.nsqlookupd_tcp_addresses)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run fn in the broker's nursery (work that outlives the caller, e.g. deleting files)."""
+        """Run fn in the broker's nursery (work that outlives the caller, e.g. closing a client)."""
         assert self._nursery is not None
         self._nursery.start_soon(fn, *args)
 
@@ -228,12 +228,9 @@ class NSQD:
         topic.exiting = True
         for channel_name in list(topic.channels):
             topic.delete_channel(channel_name)
-        self.spawn(self._delete_topic_backend, topic)
-        self._notify(topic, False)
-
-    async def _delete_topic_backend(self, topic: Topic) -> None:
         topic.cancel()
-        await topic.backend.delete()
+        topic.backend.delete()  # the files are gone before the caller answers, as in nsqd
+        self._notify(topic, False)
 
     def notify_channel(self, channel: Channel, created: bool) -> None:
         self.channels_generation += 1

@@ -181,15 +181,12 @@ class Topic:
         log.info("TOPIC(%s): deleting channel %s", self.name, name)
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)
-        self.nsqd.spawn(self._delete_channel_backend, channel)
+        channel.cancel()
+        channel.backend.delete()  # the files are gone before the caller answers, as in nsqd
         self.nsqd.notify_channel(channel, created=False)
         self._wake.set()
         if not self.channels and self.ephemeral and not self.exiting:
             self.nsqd.delete_topic(self.name)
-
-    async def _delete_channel_backend(self, channel: Channel) -> None:
-        channel.cancel()
-        await channel.backend.delete()
 
     # --- admin --------------------------------------------------------------------------------
 

@@ -743,7 +743,7 @@ async def test_empty_close_and_delete(tmp_path):
     dq.put(b"one more")
     async with trio.open_nursery() as nursery:
         await nursery.start(dq.run)
-        await dq.delete()  # run() ends with it
+        dq.delete()  # run() ends with it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.diskqueue.000005.dat.bad", "e:ch.diskqueue.000000.dat"]
 
 

@@ -202,5 +202,5 @@ async def test_empty_and_delete(tmp_path):
     assert dq.depth() == 0 and drain(dq) == []
     dq.put(b"fresh")
     assert drain(dq) == [b"fresh"]
-    await dq.delete()
+    dq.delete()
     assert not list(tmp_path.iterdir())

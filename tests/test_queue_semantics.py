@@ -1,0 +1,66 @@
+"""Queue semantics where nsqd's behaviour is subtle: deletion, --mem-queue-size=0, ephemeral and
+deferred messages, and channels learnt from lookupd. Real broker (and lookupd) processes."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+from conftest import Broker
+from nsq_raw import Message, RawNSQ
+from shared.protocol import FrameParser, encode_mpub
+from test_durability import _connect, _read_frame
+
+
+def http(broker: Broker, path: str, body: bytes | None = None) -> bytes:
+    request = urllib.request.Request(f"http://{broker.http_address}{path}", data=body,
+                                     method="POST" if body is not None else "GET")
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return resp.read()
+
+
+def topic_stats(broker: Broker, topic: str) -> dict | None:
+    doc = json.loads(http(broker, f"/stats?format=json&topic={topic}"))
+    return next((t for t in doc["topics"] if t["topic_name"] == topic), None)
+
+
+def read_all(broker: Broker, topic: str, channel: str, quiet: float = 0.5) -> list[bytes]:
+    """Every message the channel delivers until it is quiet for `quiet` seconds, FIN'd."""
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub(topic, channel)
+        conn.rdy(2500)
+        bodies = []
+        while True:
+            msgs = [f for f in conn.frames_for(quiet) if isinstance(f, Message)]
+            if not msgs:
+                return bodies
+            for msg in msgs:
+                bodies.append(msg.body)
+                conn.fin(msg.id)
+
+
+def test_delete_then_publish_keeps_exactly_the_new_messages(broker_factory):
+    """Each round: 2,000 messages go to disk (in 200 files), the topic (with a channel) is deleted, and new messages are
+    published the moment the delete has answered. Old files must be gone by then: the new topic may not
+    read the old metadata (old messages back) nor lose its files to the old deletion."""
+    broker = broker_factory(mem_queue_size=10, max_bytes_per_file=400)
+    topic = "deleted"
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        for round_no in range(15):
+            old = [b"old-%d-%d" % (round_no, i) for i in range(2000)]
+            pub.sendall(encode_mpub(topic, old))
+            assert _read_frame(pub, parser) == (0, b"OK")
+            http(broker, f"/channel/create?topic={topic}&channel=c", b"")
+            http(broker, f"/topic/delete?topic={topic}", b"")
+            new = [b"new-%d-%d" % (round_no, i) for i in range(30)]
+            pub.sendall(encode_mpub(topic, new))
+            assert _read_frame(pub, parser) == (0, b"OK")
+            if round_no < 14:
+                http(broker, f"/topic/delete?topic={topic}", b"")
+    assert topic_stats(broker, topic)["depth"] == 30
+    broker.stop()
+    broker.start()
+    assert topic_stats(broker, topic)["depth"] == 30
+    assert sorted(read_all(broker, topic, "c")) == sorted(new)
