@@ -224,7 +224,7 @@ class DiskQueueMachine(RuleBasedStateMachine):
         old = self.dq
         self.generation += 1
         self.dir = crash_copy(self.dir, self.root / str(self.generation))
-        trio.run(old.delete)  # the old process's files are gone with it; only the copy lives on
+        old.delete()  # the old process's files are gone with it; only the copy lives on
         self.dq = self._open()
 
     @precondition(lambda self: not self.read_since_persist)

@@ -115,7 +115,7 @@ class DiskQueueModel(RuleBasedStateMachine):
         assert self.dq.depth() == len(self.model)
 
     def teardown(self):
-        trio.run(self.dq.delete)
+        self.dq.delete()
 
 
 TestDiskQueueModel = DiskQueueModel.TestCase
