@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import os
 import struct
 from collections import deque
@@ -116,6 +118,7 @@ class DiskQueueModel(RuleBasedStateMachine):
 
     def teardown(self):
         self.dq.delete()
+        shutil.rmtree(self.dir, ignore_errors=True)  # the directory too: tests leave nothing in /tmp
 
 
 TestDiskQueueModel = DiskQueueModel.TestCase
