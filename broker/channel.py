@@ -38,6 +38,9 @@ class Consumer(Protocol):
 
     def wake(self) -> None: ...
 
+    def ready_room(self) -> int:
+        """How many more messages the consumer may have in flight now (RDY − in flight)."""
+
     def timed_out_message(self) -> None: ...
 
     def empty(self) -> None: ...
@@ -101,9 +104,19 @@ class Channel:
             return 1 << 30
         return max(0, self.mem_queue_size - len(self.memory))
 
+    def _memory_room(self) -> int:
+        """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
+        --mem-queue-size: a send to it also succeeds when a consumer's pump is waiting to receive. nsqd
+        tries that hand-off only where there is no backend (an ephemeral channel), and with
+        --mem-queue-size=0 it is the only way in: here a waiting consumer takes up to its RDY room."""
+        room = self.mem_queue_size - len(self.memory)
+        if self.ephemeral and self.waiters:
+            room = max(room, sum(client.ready_room() for client in self.waiters) - len(self.memory))
+        return room
+
     def put(self, msg: Message) -> None:
         """Into the memory queue, or the backend when it is full; raises BackendError if neither takes it."""
-        if len(self.memory) < self.mem_queue_size:
+        if self._memory_room() > 0:
             self.memory.append(msg)
         elif self.ephemeral:
             self.dropped_count += 1
@@ -126,7 +139,7 @@ class Channel:
                 if msg.deferred > 0:
                     self.start_deferred_timeout(msg, msg.deferred)
         memory = self.memory
-        room = self.mem_queue_size - len(memory)
+        room = self._memory_room()
         if room < len(ready):
             room = max(0, room)
             memory.extend(ready[:room])

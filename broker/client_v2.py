@@ -154,6 +154,9 @@ class ClientV2:
                     channel.waiters.discard(self)
         self._wake = trio.Event()
 
+    def ready_room(self) -> int:
+        return self.ready_count - self.in_flight_count
+
     def set_ready_count(self, count: int) -> None:
         self.ready_count = count
         self.wake()

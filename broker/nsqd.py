@@ -105,7 +105,7 @@ class NSQD:
             topic.exiting = True
             for channel in list(topic.channels.values()):
                 channel.exiting = True
-                if not channel.ephemeral and not topic.ephemeral:
+                if not channel.ephemeral:  # a durable channel of an ephemeral topic has a disk queue too
                     self._flush_to_backend(str(channel), channel.backend, channel.drain_for_shutdown())
                 await channel.backend.close()
             if not topic.ephemeral:
@@ -117,15 +117,11 @@ class NSQD:
     def _flush_to_backend(self, what: str, backend: BackendQueue, msgs: list) -> None:
         if not msgs:
             return
-        lost = 0
-        for msg in msgs:
-            try:
-                backend.put(msg.encode())
-            except BackendError as exc:
-                lost += 1
-                last = exc
-        if lost:
-            log.error("%s: failed to flush %d of %d messages to backend - %s", what, lost, len(msgs), last)
+        try:
+            backend.put_many([msg.encode() for msg in msgs])
+        except BackendError as exc:
+            log.error("%s: failed to flush %d of %d messages to backend - %s",
+                      what, len(msgs) - exc.stored, len(msgs), exc)
         else:
             log.info("%s: flushed %d messages to backend", what, len(msgs))
 
@@ -187,11 +183,15 @@ class NSQD:
     # --- topics -------------------------------------------------------------------------------
 
     def make_backend(self, topic_name: str, channel_name: str | None = None) -> BackendQueue:
-        """Ephemeral topics and channels never touch disk."""
-        name = topic_name if channel_name is None else f"{topic_name}:{channel_name}"
-        if is_ephemeral(topic_name) or (channel_name is not None and is_ephemeral(channel_name)):
+        """Ephemeral topics and channels never touch disk; a durable channel has a disk queue even on
+        an ephemeral topic (`t#ephemeral:c`), as in nsqd."""
+        if channel_name is None:
+            if is_ephemeral(topic_name):
+                return DummyBackendQueue()
+            return self._make_disk_backend(topic_name)
+        if is_ephemeral(channel_name):
             return DummyBackendQueue()
-        return self._make_disk_backend(name)
+        return self._make_disk_backend(f"{topic_name}:{channel_name}")
 
     def _make_disk_backend(self, name: str) -> BackendQueue:
         opts = self.options

@@ -42,6 +42,7 @@ class Topic:
         self.message_bytes = 0
 
         self.waiting_for_room = False
+        self._receiving = False  # the pump waits for messages and has room for them
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
@@ -87,7 +88,11 @@ class Topic:
             msgs = self._take(batch) if batch else []
             if not msgs:
                 self._wake = trio.Event()
-                await self._wake.wait()
+                self._receiving = batch > 0  # it would take a message at once (see _memory_room)
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._receiving = False
                 continue
             channels = list(self.channels.values())
             channels[0].put_messages(msgs)
@@ -127,8 +132,10 @@ class Topic:
         counted."""
         if self.exiting:
             raise BackendError("exiting")
+        if not msgs:
+            return False
         memory = self.memory
-        room = self.mem_queue_size - len(memory)
+        room = self._memory_room(msgs[0].deferred > 0)
         if room >= len(msgs):
             memory.extend(msgs)
             self._counted(msgs)
@@ -146,6 +153,17 @@ class Topic:
             raise
         self._counted(msgs)
         return True
+
+    def _memory_room(self, deferred: bool) -> int:
+        """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
+        --mem-queue-size: a send to it also succeeds when the pump is waiting to receive. nsqd tries
+        that hand-off only for what the backend cannot hold as it is (an ephemeral topic's messages,
+        which have no backend, and deferred ones, whose delay a disk record does not keep); with
+        --mem-queue-size=0 it is the only way into memory."""
+        room = self.mem_queue_size - len(self.memory)
+        if self._receiving and (self.ephemeral or deferred):
+            room = max(room, PUMP_BATCH - len(self.memory))
+        return room
 
     def _counted(self, msgs: list[Message]) -> None:
         if msgs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 import urllib.request
 
 from conftest import Broker
@@ -21,7 +22,7 @@ def http(broker: Broker, path: str, body: bytes | None = None) -> bytes:
 
 
 def topic_stats(broker: Broker, topic: str) -> dict | None:
-    doc = json.loads(http(broker, f"/stats?format=json&topic={topic}"))
+    doc = json.loads(http(broker, f"/stats?format=json&topic={urllib.parse.quote(topic)}"))
     return next((t for t in doc["topics"] if t["topic_name"] == topic), None)
 
 
@@ -64,3 +65,57 @@ def test_delete_then_publish_keeps_exactly_the_new_messages(broker_factory):
     broker.start()
     assert topic_stats(broker, topic)["depth"] == 30
     assert sorted(read_all(broker, topic, "c")) == sorted(new)
+
+
+def test_ephemeral_channel_with_mem_queue_size_0_gets_messages_handed_off(broker_factory):
+    """nsq_tail's case: an #ephemeral channel on a durable broker run with --mem-queue-size=0. nsqd's
+    memory queue is a Go channel of size 0, so a message reaches a consumer that waits for it."""
+    broker = broker_factory(mem_queue_size=0)
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub("tailed", "tail#ephemeral")
+        conn.rdy(100)
+        bodies = [b"tail-%d" % i for i in range(50)]
+        for body in bodies:
+            http(broker, "/pub?topic=tailed", body)
+        got = []
+        for _ in bodies:
+            msg = conn.expect_message(timeout=5)
+            got.append(msg.body)
+            conn.fin(msg.id)
+    assert sorted(got) == sorted(bodies)
+
+
+def test_deferred_publish_with_mem_queue_size_0_keeps_its_delay(broker_factory):
+    broker = broker_factory(mem_queue_size=0)
+    http(broker, "/topic/create?topic=later", b"")
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub("later", "c")
+        conn.rdy(10)
+        published = time.monotonic()
+        http(broker, "/pub?topic=later&defer=1500", b"deferred")
+        conn.dpub("later", 1500, b"dpub")
+        conn.expect_no_frame(1.0)  # a record on disk would carry no delay: delivered at once
+        got = {conn.expect_message(timeout=5).body for _ in range(2)}
+        assert got == {b"deferred", b"dpub"}
+        assert time.monotonic() - published >= 1.4
+
+
+def test_durable_channel_of_an_ephemeral_topic_overflows_to_its_own_disk_queue(broker_factory):
+    """nsqd gives such a channel a disk queue named `t#ephemeral:c`: its overflow is kept, so the topic
+    (which has no backend) never has to drop what the channel cannot hold in memory."""
+    broker = broker_factory(mem_queue_size=10)
+    topic = "fleeting#ephemeral"
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub(topic, "kept")  # a durable channel: it stays after this consumer leaves
+        conn.rdy(0)
+        bodies = [b"e-%d" % i for i in range(300)]
+        conn.mpub(topic, bodies)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = topic_stats(broker, topic)
+        if stats and stats["channels"] and stats["channels"][0]["depth"] == 300:
+            break
+        time.sleep(0.05)
+    assert stats["channels"][0]["depth"] == 300, stats
+    assert (broker.data_path / f"{topic}:kept.diskqueue.000000.dat").exists()
+    assert sorted(read_all(broker, topic, "kept")) == sorted(bodies)
