@@ -13,6 +13,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING
 
+import httpx
 import trio
 
 from shared.http import split_host_port
@@ -209,6 +210,27 @@ class LookupManager:
             if address:
                 out.append(f"{address}:{peer.info.get('http_port')}")
         return out
+
+    async def topic_channels(self, topic: str) -> list[str]:
+        """The channels every lookupd knows for `topic` (nsqd's GetLookupdTopicChannels), for a topic
+        created here; a lookupd that fails is logged and skipped."""
+        addresses = self.http_addresses()
+        if not addresses:
+            if self.peers:
+                log.error("no available nsqlookupd to query for channels to pre-create for topic %s", topic)
+            return []
+        opts = self.nsqd.options
+        timeout = httpx.Timeout(opts.http_client_request_timeout, connect=opts.http_client_connect_timeout)
+        names: dict[str, None] = {}
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            for address in addresses:
+                try:
+                    resp = await client.get(f"http://{address}/channels", params={"topic": topic})
+                    resp.raise_for_status()
+                    names.update(dict.fromkeys(resp.json().get("channels") or []))
+                except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                    log.warning("failed to query nsqlookupd for channels to pre-create for topic %s - %s", topic, exc)
+        return [name for name in names if isinstance(name, str)]
 
     def _on_change(self, kind: str, obj: Topic | Channel, created: bool) -> None:
         if kind == "channel":

@@ -212,6 +212,8 @@ class NSQD:
         topic = Topic(self, name, self.make_backend(name))
         self.topics[name] = topic
         log.info("TOPIC(%s): created", name)
+        if not self._loading:
+            topic.channels_from_lookupd = self.lookup.topic_channels
         if self._nursery is not None:
             self._nursery.start_soon(topic.run)
         self._notify(topic, True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -13,7 +14,7 @@ from broker.channel import Channel
 from broker.guid import GUIDFactory
 from broker.message import Message
 from broker.quantile import Quantile, aggregate
-from shared.names import is_ephemeral
+from shared.names import is_ephemeral, is_valid_channel_name
 
 if TYPE_CHECKING:
     from broker.nsqd import NSQD
@@ -37,6 +38,8 @@ class Topic:
         self.paused = False
         self.exiting = False
         self.guid = GUIDFactory(nsqd.options.node_id)
+        # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
+        self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None
 
         self.message_count = 0
         self.message_bytes = 0
@@ -61,9 +64,15 @@ class Topic:
                 await nursery.start(self.backend.run)
                 for channel in self.channels.values():
                     nursery.start_soon(channel.run)
-                nursery.start_soon(self.message_pump)
                 self._started.set()
                 task_status.started()
+                if self.channels_from_lookupd is not None:
+                    # as nsqd's GetTopic: the channels consumers have elsewhere exist before the pump
+                    # starts, so they get every message published here (publishers are not held up)
+                    for name in await self.channels_from_lookupd(self.name):
+                        if not is_ephemeral(name) and is_valid_channel_name(name):
+                            self.get_channel(name)
+                nursery.start_soon(self.message_pump)
 
     def cancel(self) -> None:
         if self._scope is not None:

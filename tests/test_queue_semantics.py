@@ -119,3 +119,37 @@ def test_durable_channel_of_an_ephemeral_topic_overflows_to_its_own_disk_queue(b
     assert stats["channels"][0]["depth"] == 300, stats
     assert (broker.data_path / f"{topic}:kept.diskqueue.000000.dat").exists()
     assert sorted(read_all(broker, topic, "kept")) == sorted(bodies)
+
+
+def test_a_new_topic_gets_the_channels_lookupd_knows(broker_factory, tmp_path):
+    """Consumers subscribed through lookupd on broker A; the topic's first message lands on broker B.
+    As nsqd does, B asks its lookupds for the topic's channels when it creates the topic, so the
+    message is kept for those consumers' channel."""
+    from test_lookupd_process import LookupdProcess
+
+    lookupd = LookupdProcess(tmp_path / "lookupd.log", broadcast_address="127.0.0.1")
+    try:
+        flags = {"lookupd_tcp_address": f"127.0.0.1:{lookupd.tcp_port}", "broadcast_address": "127.0.0.1"}
+        a = broker_factory(**flags)
+        b = broker_factory(**flags)
+        with RawNSQ(a.tcp_address) as conn:
+            conn.sub("spread", "remote")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                channels = lookupd.http.get("/channels", params={"topic": "spread"}).json()["channels"]
+                ports = {p["tcp_port"] for p in lookupd.http.get("/nodes").json()["producers"]}
+                if channels == ["remote"] and b.tcp_port in ports:
+                    break
+                time.sleep(0.05)
+            assert channels == ["remote"] and b.tcp_port in ports
+            for i in range(5):
+                http(b, "/pub?topic=spread", b"m%d" % i)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                stats = topic_stats(b, "spread")
+                if stats["channels"] and stats["channels"][0]["depth"] == 5:
+                    break
+                time.sleep(0.05)
+            assert [(c["channel_name"], c["depth"]) for c in stats["channels"]] == [("remote", 5)]
+    finally:
+        lookupd.stop()
