@@ -6,10 +6,10 @@ import gc
 import logging
 
 from broker.nsqd import NSQD
-from broker.options import parse_options
+from broker.options import DEPRECATED, parse_command_line
 from shared.logs import setup_logging
 from shared.service import run_service
-from shared.version import VERSION
+from shared.version import version_line
 
 log = logging.getLogger("nsqd")
 
@@ -25,9 +25,12 @@ GC_THRESHOLD = 100_000
 
 
 def main(argv: list[str] | None = None) -> None:
-    options = parse_options(argv)
+    options, deprecated = parse_command_line(argv)
     setup_logging(options.log_prefix, options.log_level)
-    log.info("trio-nsqd v%s (nsqd %s compatible)", VERSION, VERSION)
+    log.info("%s", version_line("nsqd"))
+    log.info("ID: %d", options.node_id)
+    for name in deprecated:
+        log.warning("-%s is deprecated and %s", name, DEPRECATED[name])
     _tune_gc()
     run_service(lambda: NSQD(options), log)
 

@@ -786,7 +786,7 @@ class Front:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
-            if not self.tls and self.api.nsqd.tls_required:
+            if not self.tls and self.api.nsqd.tls_required_http:
                 await self._tls_required(receive, send)
                 return
             if scope["method"] == "POST":

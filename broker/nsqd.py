@@ -23,11 +23,12 @@ from broker.options import Options
 from broker.protocol_v2 import ProtocolV2
 from broker.queue_scan import queue_scan_loop
 from broker.statsd import statsd_loop
-from broker.tls import build_server_context, tls_required
+from broker.tls import build_server_context, tls_required, tls_required_http
 from broker.topic import Topic
-from shared.http import join_host_port, split_host_port
+from shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
 from shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
 from shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, MIN_VALID_MSG_LENGTH, encode_frame
+from shared.service import error_text
 from shared.tcp import serve_connection
 from shared.version import VERSION
 
@@ -53,12 +54,18 @@ class NSQD:
         self._nursery: trio.Nursery | None = None
         self._persist_wanted = trio.Event()
         self._lock_fd: int | None = None
+        self._unix_paths: list[str] = []
         self._loading = False
         # lookup_loop subscribes here to hear of topics/channels coming and going
         self.notify_hooks: list[Callable[[str, Topic | Channel, bool], None]] = []
         self.lookup = LookupManager(self)
+        try:
+            options.check()
+        except ValueError as exc:
+            raise RuntimeError(f"failed to instantiate nsqd - {exc}") from None
         self.tls_context = build_server_context(options)
         self.tls_required = tls_required(options)
+        self.tls_required_http = tls_required_http(options)
         self.auth_enabled = bool(options.auth_http_addresses)
 
     # --- life ---------------------------------------------------------------------------------
@@ -73,15 +80,12 @@ class NSQD:
                 self._nursery = nursery
                 for topic in self.topics.values():
                     nursery.start_soon(topic.run)
-                # HTTP first: once TCP accepts connections, the whole broker is up
+                # HTTP first: once TCP accepts connections, the whole broker is up (logged in nsqd's order)
                 await self._start_http(nursery)
-                host, port = split_host_port(self.options.tcp_address)
-                listeners = await nursery.start(
-                    functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None)
-                )
-                sockname = listeners[0].socket.getsockname()
-                self.tcp_address = (sockname[0], sockname[1])
-                log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
+                await self._start_tcp(nursery)
+                log.info("TCP: listening on %s", address_text(*self.tcp_address))
+                if self.http_address is not None:
+                    log.info("HTTP: listening on %s", address_text(*self.http_address))
                 await nursery.start(self.lookup.run)
                 nursery.start_soon(queue_scan_loop, self)
                 nursery.start_soon(self._persist_loop)
@@ -91,6 +95,11 @@ class NSQD:
         finally:
             with trio.CancelScope(shield=True):
                 await self._exit()
+            for path in self._unix_paths:  # as Go's unix listener does on close
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             self._unlock_data_path()
 
     async def _exit(self) -> None:
@@ -126,10 +135,36 @@ class NSQD:
             log.info("%s: flushed %d messages to backend", what, len(msgs))
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
+        """HTTP (and HTTPS) unless --http-address is empty, which turns it off as in nsqd."""
         from broker.http_api import serve_http  # imported here: http_api imports this module
 
-        self.http_address = await nursery.start(serve_http, self)
-        log.info("HTTP: listening on %s", join_host_port(*self.http_address))
+        if not self.options.http_address:
+            return
+        try:
+            self.http_address = await nursery.start(serve_http, self)
+            if is_unix_address(self.options.http_address):
+                self._unix_paths.append(self.options.http_address)
+        except* OSError as group:
+            raise RuntimeError(f"listen ({self.options.http_address}) failed - {error_text(group)}") from None
+
+    async def _start_tcp(self, nursery: trio.Nursery) -> None:
+        """The TCP listener: host:port, or a path for a unix socket (as nsqd takes --tcp-address)."""
+        address = self.options.tcp_address
+        try:
+            if is_unix_address(address):
+                listeners = [await open_unix_listener(address)]
+                nursery.start_soon(trio.serve_listeners, self._handle_tcp, listeners)
+                self.tcp_address = (address, 0)
+                self._unix_paths.append(address)
+                return
+            host, port = split_host_port(address)
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None)
+            )
+        except* OSError as group:  # trio.serve_tcp raises it inside a group
+            raise RuntimeError(f"listen ({address}) failed - {error_text(group)}") from None
+        sockname = listeners[0].socket.getsockname()
+        self.tcp_address = (sockname[0], sockname[1])
 
     @property
     def broadcast_tcp_port(self) -> int:
@@ -367,3 +402,4 @@ def _parse_metadata(raw: bytes) -> list[dict[str, Any]]:
             if not isinstance(item.get("name", ""), str) or not isinstance(item.get("paused", False), bool):
                 raise ValueError("a name that is not a string or a paused that is not a bool")
     return topics
+

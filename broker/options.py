@@ -19,7 +19,7 @@ def _default_node_id() -> int:
 @attrs.define
 class Options:
     node_id: int = option(_default_node_id(), "unique part for message IDs, (int) in range [0,1024)", flag="--node-id", cfg="id")
-    log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal")
+    log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal", kind="log_level")
     log_prefix: str = option("[nsqd] ", "log message prefix")
 
     tcp_address: str = option("0.0.0.0:4150", "<addr>:<port> to listen on for TCP clients")
@@ -63,7 +63,7 @@ class Options:
     tls_key: str = option("", "path to key file")
     tls_root_ca_file: str = option("", "path to certificate authority file")
     tls_client_auth_policy: str = option("", "client certificate auth policy ('require' or 'require-verify')")
-    tls_required: bool = option(False, "require TLS for client connections (true, false)")
+    tls_required: str = option("false", "require TLS for client connections (true, false, tcp-https)", kind="tls_required")
     tls_min_version: str = option("tls1.2", "minimum SSL/TLS version acceptable ('tls1.2' or 'tls1.3')")
 
     snappy: bool = option(True, "enable snappy feature negotiation (client compression)")
@@ -101,5 +101,25 @@ class Options:
         return self.client_timeout / 2
 
 
+    def check(self) -> None:
+        """What nsqd's New() refuses at start, with its messages; raises ValueError."""
+        if not 1 <= self.max_deflate_level <= 9:
+            raise ValueError("--max-deflate-level must be [1,9]")
+        if not 0 <= self.node_id < 1024:
+            raise ValueError("--node-id must be [0,1024)")
+        for value in self.e2e_processing_latency_percentiles:
+            if not 0 < value <= 1:
+                raise ValueError(f"invalid E2E processing latency percentile: {value:g}")
+
+
+# flags nsqd 1.3.0 still accepts and ignores (booleans there too)
+DEPRECATED = {"verbose": "has no effect, use --log-level", "worker-id": "use --node-id"}
+
+
+def parse_command_line(argv: list[str] | None = None) -> tuple[Options, list[str]]:
+    """The options and the deprecated flags given (for main to warn about once logging is set up)."""
+    return load_options(Options, argv, "nsqd", DEPRECATED)
+
+
 def parse_options(argv: list[str] | None = None) -> Options:
-    return load_options(Options, argv, "trio-nsqd", "trio-nsq broker (nsqd)")
+    return parse_command_line(argv)[0]

@@ -29,8 +29,8 @@ class TLSConfigError(RuntimeError):
 def build_server_context(options: Options) -> ssl.SSLContext | None:
     """None when TLS is not configured (no --tls-cert/--tls-key)."""
     if not options.tls_cert and not options.tls_key:
-        if options.tls_required or options.tls_client_auth_policy:
-            raise TLSConfigError("cannot require TLS client connections without --tls-cert and --tls-key")
+        if options.tls_required != "false" or options.tls_client_auth_policy:
+            raise TLSConfigError("cannot require TLS client connections without TLS key and cert")
         return None
     if not (options.tls_cert and options.tls_key):
         raise TLSConfigError("--tls-cert and --tls-key must be given together")
@@ -60,5 +60,10 @@ def build_server_context(options: Options) -> ssl.SSLContext | None:
 
 
 def tls_required(options: Options) -> bool:
-    # nsqd: a client auth policy implies TLS is required
-    return bool(options.tls_required or options.tls_client_auth_policy)
+    """TLS required of TCP clients: --tls-required=true or tcp-https; a client auth policy implies it."""
+    return options.tls_required != "false" or bool(options.tls_client_auth_policy)
+
+
+def tls_required_http(options: Options) -> bool:
+    """TLS required of HTTP clients too: all but --tls-required=tcp-https (nsqd's TLSRequiredExceptHTTP)."""
+    return tls_required(options) and options.tls_required != "tcp-https"

@@ -5,18 +5,20 @@ from __future__ import annotations
 import logging
 
 from lookupd.nsqlookupd import NSQLookupd
-from lookupd.options import parse_options
+from lookupd.options import DEPRECATED, parse_command_line
 from shared.logs import setup_logging
 from shared.service import run_service
-from shared.version import VERSION
+from shared.version import version_line
 
 log = logging.getLogger("nsqlookupd")
 
 
 def main(argv: list[str] | None = None) -> None:
-    options = parse_options(argv)
+    options, deprecated = parse_command_line(argv)
     setup_logging(options.log_prefix, options.log_level)
-    log.info("trio-nsqlookupd v%s (nsqlookupd %s compatible)", VERSION, VERSION)
+    log.info("%s", version_line("nsqlookupd"))
+    for name in deprecated:
+        log.warning("-%s is deprecated and %s", name, DEPRECATED[name])
     run_service(lambda: NSQLookupd(options), log)
 
 

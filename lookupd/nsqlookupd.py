@@ -14,6 +14,7 @@ from lookupd.options import Options
 from lookupd.protocol_v1 import ClientV1, LookupProtocolV1, frame
 from lookupd.registration_db import RegistrationDB
 from shared.http import join_host_port, serve_app, split_host_port
+from shared.service import error_text
 from shared.tcp import serve_connection
 
 log = logging.getLogger("nsqlookupd")
@@ -41,15 +42,21 @@ class NSQLookupd:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            host, port = split_host_port(self.options.tcp_address)
-            listeners = await nursery.start(
-                functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None))
+            address = self.options.tcp_address
+            try:
+                host, port = split_host_port(address)
+                listeners = await nursery.start(
+                    functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None))
+                address = self.options.http_address
+                self.http_address = await nursery.start(
+                    functools.partial(serve_app, create_app(self), address))
+            except* (OSError, ValueError) as group:  # trio.serve_tcp raises inside a group
+                raise RuntimeError(f"listen ({address}) failed - {error_text(group)}") from None
             sockname = listeners[0].socket.getsockname()
             self.tcp_address = (sockname[0], sockname[1])
-            log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
-            self.http_address = await nursery.start(
-                functools.partial(serve_app, create_app(self), self.options.http_address))
+            # in nsqlookupd's order
             log.info("HTTP: listening on %s", join_host_port(*self.http_address))
+            log.info("TCP: listening on %s", join_host_port(*self.tcp_address))
             task_status.started()
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:

@@ -6,11 +6,7 @@ import socket
 
 import attrs
 
-from shared.logs import parse_level
-from shared.options import build_parser, load_options, option
-
-PROG = "trio-nsqlookupd"
-DESCRIPTION = "trio-nsq directory service (nsqlookupd)"
+from shared.options import load_options, option
 
 
 @attrs.define
@@ -21,7 +17,7 @@ class Options:
     or plain seconds.
     """
 
-    log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal")
+    log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal", kind="log_level")
     log_prefix: str = option("[nsqlookupd] ", "log message prefix")
     tcp_address: str = option("0.0.0.0:4160", "<addr>:<port> to listen on for TCP clients")
     http_address: str = option("0.0.0.0:4161", "<addr>:<port> to listen on for HTTP clients")
@@ -32,12 +28,15 @@ class Options:
                                        kind="duration")
 
 
+# flags nsqlookupd 1.3.0 still accepts and ignores
+DEPRECATED = {"verbose": "has no effect, use --log-level"}
+
+
+def parse_command_line(argv: list[str] | None = None) -> tuple[Options, list[str]]:
+    """Defaults, then the --config TOML file, then the command line (flags win); and the deprecated
+    flags given. A bad value exits 2 with a usage message, as Go's flag package does."""
+    return load_options(Options, argv, "nsqlookupd", DEPRECATED)
+
+
 def parse_options(argv: list[str] | None = None) -> Options:
-    """Defaults, then the --config TOML file, then the command line (flags win). A bad value exits 2
-    with a usage message, as Go's flag package does."""
-    options = load_options(Options, argv, PROG, DESCRIPTION)
-    try:
-        parse_level(options.log_level)
-    except ValueError as exc:
-        build_parser(Options, PROG, DESCRIPTION).error(f"--log-level: {exc}")
-    return options
+    return parse_command_line(argv)[0]

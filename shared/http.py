@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import trio
@@ -47,14 +48,40 @@ def split_host_port(address: str, default_host: str = "0.0.0.0") -> tuple[str, i
     return host, int(port)
 
 
+def is_unix_address(address: str) -> bool:
+    """nsqd's TypeOfAddr: what is not host:port is a path for a unix socket."""
+    host, sep, port = address.rpartition(":")
+    return not (sep and port.isdigit())
+
+
+def address_text(host: str, port: int) -> str:
+    """A bound address as nsqd logs it: host:port, or the unix socket's path."""
+    return host if is_unix_address(host) and port == 0 and host.startswith(("/", ".")) else join_host_port(host, port)
+
+
+async def open_unix_listener(path: str) -> trio.SocketListener:
+    """A listening unix socket at `path` (which must not exist, as with Go's net.Listen)."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(path)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def hypercorn_config(address: str, *, max_body_size: int | None = None, **extra: Any) -> Config:
     config = Config()
-    host, port = split_host_port(address)
-    config.bind = [join_host_port(host, port)]
+    if is_unix_address(address):
+        config.bind = [f"unix:{address}"]
+    else:
+        host, port = split_host_port(address)
+        config.bind = [join_host_port(host, port)]
     config.accesslog = None
     config.errorlog = _HYPERCORN_ERRORS
     config.graceful_timeout = 1.0
@@ -97,6 +124,8 @@ async def serve_app(
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
     bound = (sockets.secure_sockets or sockets.insecure_sockets)[0].getsockname()
+    if isinstance(bound, str):  # a unix socket
+        bound = (bound, 0)
 
     async def serve_one(stream: trio.abc.Stream) -> None:
         try:

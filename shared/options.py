@@ -7,7 +7,6 @@ underscored) fills in whatever the command line did not set.
 
 from __future__ import annotations
 
-import argparse
 import re
 import tomllib
 from typing import Any
@@ -65,6 +64,10 @@ def _flag_name(field: attrs.Attribute) -> str:
 def _converter(field: attrs.Attribute):
     if field.metadata.get("kind") == "duration":
         return parse_duration
+    if field.metadata.get("kind") == "tls_required":
+        return parse_tls_required
+    if field.metadata.get("kind") == "log_level":
+        return _log_level
     if field.metadata.get("kind") == "float":
         return float
     if field.metadata.get("kind") == "floats":
@@ -95,57 +98,181 @@ def _flatten(values: list) -> list:
     return out
 
 
+_TRUE = ("1", "t", "T", "TRUE", "true", "True")
+_FALSE = ("0", "f", "F", "FALSE", "false", "False")
+
+
 def _parse_bool(value: Any) -> bool:
+    """Go's strconv.ParseBool (a flag's and the config's booleans)."""
     if isinstance(value, bool):
         return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
+    text = str(value)
+    if text in _TRUE:
         return True
-    if text in ("0", "false", "no", "off"):
+    if text in _FALSE:
         return False
     raise ValueError(f"invalid boolean {value!r}")
 
 
-def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", help="path to a TOML config file (same keys as the flags, underscored)")
-    parser.add_argument("--version", action="store_true", help="print version string and exit")
-    for field in attrs.fields(cls):
-        convert = _converter(field)
-        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": field.metadata["help"].replace("%", "%%")}
+def parse_tls_required(value: Any) -> str:
+    """nsqd's --tls-required: a boolean, or `tcp-https` (TLS for TCP clients, plain HTTP allowed)."""
+    text = str(value).lower()
+    if text == "tcp-https":
+        return text
+    return "true" if _parse_bool(value if isinstance(value, bool) else text) else "false"
+
+
+def _log_level(value: Any) -> str:
+    from shared.logs import parse_level
+
+    parse_level(str(value))  # raises ValueError for a level nsqd does not know
+    return str(value)
+
+
+class FlagError(Exception):
+    """A command line Go's flag package would refuse; the message is Go's."""
+
+
+def _is_bool_flag(field: attrs.Attribute | None) -> bool:
+    # Go's IsBoolFlag: `-flag` alone means true, and the next argument is never its value
+    return field is None or isinstance(field.default, bool) or field.metadata.get("kind") == "tls_required"
+
+
+def parse_flags(
+    cls: type, argv: list[str], deprecated: dict[str, str] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """Go's flag package over the option fields of `cls`: `-flag=value`, `-flag value`, `--flag=value`,
+    `--flag value`; a boolean as `-flag` or `-flag=false` (never taking the next argument); parsing stops
+    at the first argument that is not a flag, or after `--`. Returns (values by field name, the
+    deprecated flags given). Raises FlagError with Go's message; `-h`/`-help` raise HelpRequested."""
+    fields = {_flag_name(f)[2:]: f for f in attrs.fields(cls)}
+    deprecated = deprecated or {}
+    values: dict[str, Any] = {}
+    used: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if len(arg) < 2 or arg[0] != "-":
+            break
+        if arg == "--":
+            break
+        name = arg[2:] if arg.startswith("--") else arg[1:]
+        if not name or name[0] in "-=":
+            raise FlagError(f"bad flag syntax: {arg}")
+        name, has_value, value = name.partition("=")
+        i += 1
+        if name in ("h", "help"):
+            raise HelpRequested()
+        if name in ("config", "version"):
+            field = None
+        elif name in deprecated:
+            field = None
+            used.append(name)
+        else:
+            field = fields.get(name)
+            if field is None:
+                raise FlagError(f"flag provided but not defined: -{name}")
+        if not has_value:
+            if _is_bool_flag(field) and name != "config":
+                value = "true"
+            elif i < len(argv):
+                value, i = argv[i], i + 1
+            else:
+                raise FlagError(f"flag needs an argument: -{name}")
+        if field is None:
+            if name == "config":
+                values["config"] = value
+            else:
+                try:
+                    values[name.replace("-", "_")] = _parse_bool(value)
+                except ValueError:
+                    raise FlagError(f"invalid boolean value {value!r} for -{name}: parse error") from None
+            continue
+        try:
+            converted = _converter(field)(value)
+        except ValueError as exc:
+            if isinstance(field.default, bool):
+                raise FlagError(f"invalid boolean value {value!r} for -{name}: parse error") from None
+            raise FlagError(f"invalid value {value!r} for flag -{name}: {exc}") from None
         if field.metadata.get("repeat"):
-            kwargs["action"] = "append"
-        elif isinstance(field.default, bool):
-            kwargs["nargs"] = "?"
-            kwargs["const"] = True
-        kwargs["type"] = convert
-        parser.add_argument(_flag_name(field), **kwargs)
-    return parser
+            values.setdefault(field.name, []).append(converted)
+        else:
+            values[field.name] = converted
+    return values, used
 
 
-def load_options(cls: type, argv: list[str] | None, prog: str, description: str) -> Any:
-    """Flags win over the config file, which wins over the defaults."""
-    parser = build_parser(cls, prog, description)
-    args = vars(parser.parse_args(argv))
+class HelpRequested(Exception):
+    """-h or -help: print the usage and exit 0, as Go's flag package does."""
+
+
+def usage(cls: type, daemon: str) -> str:
+    """The flag list in the shape Go's flag.PrintDefaults prints it."""
+    lines = [f"Usage of {daemon}:", "  -config string", "    \tpath to config file"]
+    for field in sorted(attrs.fields(cls), key=_flag_name):
+        kind = field.metadata.get("kind")
+        if field.metadata.get("repeat"):
+            type_name = "value"
+        elif _is_bool_flag(field):
+            type_name = ""
+        elif kind == "duration":
+            type_name = "duration"
+        elif isinstance(field.default, int):
+            type_name = "int"
+        else:
+            type_name = "string"
+        lines.append(f"  -{_flag_name(field)[2:]} {type_name}".rstrip())
+        default = field.default
+        shown = "" if isinstance(default, attrs.Factory) or default in ("", False, 0, 0.0) else f" (default {default!r})"  # type: ignore[arg-type]
+        lines.append(f"    \t{field.metadata['help']}{shown}")
+    lines.append("  -version")
+    lines.append("    \tprint version string")
+    return "\n".join(lines) + "\n"
+
+
+def load_options(
+    cls: type, argv: list[str] | None, daemon: str, deprecated: dict[str, str] | None = None
+) -> tuple[Any, list[str]]:
+    """Flags win over the config file, which wins over the defaults. A command line Go's flag package
+    refuses prints Go's message and the usage to stderr and exits 2; -h exits 0; --version prints the
+    version line and exits 0. Returns (options, the deprecated flags given, for the caller to log)."""
+    import sys
+
+    from shared.version import version_line
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, used = parse_flags(cls, argv, deprecated)
+    except HelpRequested:
+        sys.stderr.write(usage(cls, daemon))
+        raise SystemExit(0) from None
+    except FlagError as exc:
+        sys.stderr.write(f"{exc}\n{usage(cls, daemon)}")
+        raise SystemExit(2) from None
     if args.pop("version", False):
-        from shared.version import VERSION
-
-        print(f"{prog} v{VERSION}")  # the one print: a CLI answering --version
+        print(version_line(daemon))  # the one print: a CLI answering --version
         raise SystemExit(0)
+    for name in deprecated or {}:
+        args.pop(name.replace("-", "_"), None)
     values: dict[str, Any] = {}
     config_path = args.pop("config", None)
     if config_path:
-        with open(config_path, "rb") as fh:
-            values.update(config_values(cls, tomllib.load(fh), parser))
+        try:
+            with open(config_path, "rb") as fh:
+                raw = tomllib.load(fh)
+            values.update(config_values(cls, raw))
+        except (OSError, tomllib.TOMLDecodeError, ValueError) as exc:
+            sys.stderr.write(f"failed to load config file {config_path} - {exc}\n")
+            raise SystemExit(1) from None
     values.update(args)
     for field in attrs.fields(cls):
         if field.metadata.get("kind") == "floats" and field.name in values:
             # as nsqd: every value given, in descending order
             values[field.name] = sorted(_flatten(values[field.name]), reverse=True)
-    return cls(**values)
+    return cls(**values), used
 
 
-def config_values(cls: type, raw: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
+def config_values(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """The option values of a parsed TOML config (go-options' rules); ValueError names a bad key."""
     fields = {f.metadata.get("cfg") or f.name: f for f in attrs.fields(cls)}
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -161,5 +288,5 @@ def config_values(cls: type, raw: dict[str, Any], parser: argparse.ArgumentParse
             else:
                 values[field.name] = convert(value)
         except ValueError as exc:
-            parser.error(f"config key {key!r}: {exc}")
+            raise ValueError(f"config key {key!r}: {exc}") from None
     return values

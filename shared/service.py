@@ -27,6 +27,19 @@ def run_service(make_server: Callable[[], object], log: logging.Logger) -> None:
         server = make_server()
         trio.run(run_until_signalled, server.run, log)
     except* (RuntimeError, OSError) as group:
-        for exc in group.exceptions:
+        for exc in _leaves(group):
             log.critical("%s", exc)
         sys.exit(1)
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def error_text(group: BaseExceptionGroup) -> str:
+    """The first leaf exception's text, without Python's "[Errno 98]" (as Go words a listen failure)."""
+    exc: BaseException = _leaves(group)[0]
+    return getattr(exc, "strerror", None) or str(exc)

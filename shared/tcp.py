@@ -23,9 +23,10 @@ async def serve_connection(
     """Read the 4-byte magic; hand a good one's connection to `handler(stream, remote)`."""
     try:
         peer = stream.socket.getpeername()
-        remote = join_host_port(peer[0], peer[1])
     except OSError:
         return
+    # a unix socket's peer has no address (Go logs its empty name as "@")
+    remote = join_host_port(peer[0], peer[1]) if isinstance(peer, tuple) else (peer or "@")
     log.info("TCP: new client(%s)", remote)
     try:
         received = b""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import socket
 import zlib
 from pathlib import Path
@@ -146,7 +147,7 @@ NSQD_DEFAULTS = {
     "tls_key": "",
     "tls_client_auth_policy": "",
     "tls_root_ca_file": "",
-    "tls_required": False,
+    "tls_required": "false",
     "deflate": True,
     "max_deflate_level": 6,
     "snappy": True,
@@ -193,7 +194,7 @@ def test_flags_use_nsqds_names_and_units():
     assert o.node_id == 42 and o.tcp_address == "127.0.0.1:0" and o.http_address == "127.0.0.1:0"
     assert o.nsqlookupd_tcp_addresses == ["a:4160", "b:4160"]
     assert (o.mem_queue_size, o.msg_timeout, o.max_req_timeout, o.sync_timeout, o.max_msg_size) == (0, 90.0, 7200.0, 0.25, 10)
-    assert (o.snappy, o.deflate, o.tls_required, o.statsd_mem_stats) == (False, False, True, False)
+    assert (o.snappy, o.deflate, o.tls_required, o.statsd_mem_stats) == (False, False, "true", False)
     assert o.auth_http_addresses == ["auth:4181"]
     assert o.e2e_processing_latency_percentiles == [0.99, 0.5]
 
@@ -246,7 +247,7 @@ def test_config_overrides_defaults(tmp_path):
     assert (o.tcp_address, o.http_address) == ("127.0.0.1:5150", "127.0.0.1:5151")
     assert o.nsqlookupd_tcp_addresses == ["10.0.0.1:4160", "10.0.0.2:4160"]
     assert (o.mem_queue_size, o.msg_timeout, o.max_msg_timeout, o.sync_every, o.sync_timeout) == (5, 30.0, 300.0, 10, 0.5)
-    assert (o.max_msg_size, o.max_rdy_count, o.snappy, o.tls_required) == (2048, 100, False, False)
+    assert (o.max_msg_size, o.max_rdy_count, o.snappy, o.tls_required) == (2048, 100, False, "false")
     assert o.e2e_processing_latency_percentiles == [1.0, 0.99, 0.95]
     assert o.statsd_prefix == "nsq.%s.x"
     # what the file does not name keeps nsqd's default
@@ -421,3 +422,55 @@ def test_config_integer_duration_is_milliseconds_as_in_nsqd(tmp_path, key, toml_
 def test_options_fields_carry_help_for_every_flag():
     for field in attrs.fields(Options):
         assert field.metadata.get("help"), field.name
+
+
+# --- Go's flag syntax ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["-mem-queue-size=5"], ["-mem-queue-size", "5"], ["--mem-queue-size=5"], ["--mem-queue-size", "5"],
+])
+def test_every_form_of_go_flag_syntax(argv):
+    assert parse_options(argv).mem_queue_size == 5
+
+
+def test_booleans_as_go_takes_them():
+    assert parse_options(["-snappy=false"]).snappy is False
+    assert parse_options(["-snappy=0", "-deflate=F"]).deflate is False
+    assert parse_options(["-snappy=false", "-snappy"]).snappy is True
+    # a boolean never takes the next argument: "false" is the first non-flag, where parsing stops
+    o = parse_options(["-snappy", "false", "-mem-queue-size=5"])
+    assert o.snappy is True and o.mem_queue_size == 10000
+
+
+def test_parsing_stops_at_the_first_non_flag_or_double_dash():
+    assert parse_options(["-mem-queue-size=1", "extra", "-mem-queue-size=2"]).mem_queue_size == 1
+    assert parse_options(["-mem-queue-size=1", "--", "-mem-queue-size=2"]).mem_queue_size == 1
+
+
+def test_a_value_may_start_with_a_dash_and_the_last_flag_wins():
+    assert parse_options(["-log-prefix", "-x-", "-node-id=1", "-node-id=2"]).log_prefix == "-x-"
+    assert parse_options(["-node-id=1", "-node-id=2"]).node_id == 2
+
+
+def test_tls_required_takes_nsqds_values():
+    for given, value in (([], "false"), (["-tls-required"], "true"), (["-tls-required=true"], "true"),
+                         (["-tls-required=false"], "false"), (["-tls-required=tcp-https"], "tcp-https"),
+                         (["-tls-required=TCP-HTTPS"], "tcp-https")):
+        assert parse_options(given).tls_required == value, given
+
+
+def test_deprecated_flags_are_accepted_and_reported():
+    from broker.options import parse_command_line
+
+    options, used = parse_command_line(["-verbose", "--worker-id=true", "-mem-queue-size=3"])
+    assert used == ["verbose", "worker-id"] and options.mem_queue_size == 3
+
+
+def test_nsqds_start_checks():
+    for argv, message in ((["-node-id=1024"], "--node-id must be [0,1024)"),
+                          (["-max-deflate-level=0"], "--max-deflate-level must be [1,9]"),
+                          (["-e2e-processing-latency-percentile=0"], "invalid E2E processing latency percentile: 0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_options(argv).check()
+    parse_options(["-node-id=1023", "-max-deflate-level=9", "-e2e-processing-latency-percentile=1.0"]).check()
