@@ -11,6 +11,7 @@ mutations of valid requests. Many connections run at once. Afterwards each proce
 from __future__ import annotations
 
 import random
+import re
 import socket
 import struct
 import urllib.request
@@ -112,8 +113,13 @@ def mutations(pub_path: str, rng: random.Random, count: int) -> list[tuple[str, 
     return out
 
 
+SERVER_ERRORS: list[tuple[str, bytes, bytes]] = []
+
+
 async def play(port: int, name: str, data: bytes, reset: bool, split: int) -> None:
-    """Send one case on its own connection; read briefly; close (with RST when `reset`)."""
+    """Send one case on its own connection; read briefly; close (with RST when `reset`). A 500 answer
+    (an unhandled error of ours, not the client's fault) is recorded."""
+    answer = b""
     sock = trio.socket.socket()
     try:
         await sock.connect(("127.0.0.1", port))
@@ -127,8 +133,14 @@ async def play(port: int, name: str, data: bytes, reset: bool, split: int) -> No
                 sent = await sock.send(view)
                 view = view[sent:]
         with trio.move_on_after(READ_FOR):
-            while await sock.recv(65536):
-                pass
+            answer = b""
+            while chunk := await sock.recv(65536):
+                answer += chunk
+                if len(answer) > 65536:
+                    break
+        for status in re.findall(rb"HTTP/1\.[01] (\d{3})", answer[:65536]):
+            if status == b"500":  # 501/505 are protocol answers (Go's net/http gives them too)
+                SERVER_ERRORS.append((name, data[:200], answer[:300]))
     except OSError:
         pass  # the server closing first (or resetting) is an answer too
     finally:
@@ -180,5 +192,7 @@ async def test_no_malformed_http_ends_either_daemon(broker_factory, lookupd_proc
         conn.sub("after-fuzz", "c")
         conn.rdy(1)
         assert conn.expect_message(timeout=10).body == b"still here"
+    # bad input is the client's error: never a 500 from an unhandled error of ours
+    assert not SERVER_ERRORS, SERVER_ERRORS[:5]
     for log in (broker.stderr_text(), lookupd_process.log()):
         assert "Traceback" not in log, log[log.index("Traceback") - 500 : log.index("Traceback") + 3000]

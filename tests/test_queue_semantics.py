@@ -108,6 +108,11 @@ def test_durable_channel_of_an_ephemeral_topic_overflows_to_its_own_disk_queue(b
     with RawNSQ(broker.tcp_address) as conn:
         conn.sub(topic, "kept")  # a durable channel: it stays after this consumer leaves
         conn.rdy(0)
+        # As in nsqd, what gets past the topic's 10-message memory queue is what its pump is there to
+        # receive: publish once the pump, woken by the new channel, waits again (a stats round trip).
+        deadline = time.monotonic() + 5
+        while not (topic_stats(broker, topic) or {}).get("channels") and time.monotonic() < deadline:
+            time.sleep(0.02)
         bodies = [b"e-%d" % i for i in range(300)]
         conn.mpub(topic, bodies)
     deadline = time.monotonic() + 5
