@@ -29,6 +29,7 @@ from quart_trio import QuartTrio
 from lookupd.registration_db import Registration, filter_active, filter_registrations, keys, subkeys
 from shared.http import join_host_port
 from shared.names import is_valid_channel_name, is_valid_topic_name
+from shared.options import format_duration
 from shared.version import VERSION
 
 if TYPE_CHECKING:
@@ -408,15 +409,6 @@ def _redirect(method: str, location: str, status: int) -> Response:
     return response
 
 
-def _go_duration(seconds: float) -> str:
-    """time.Duration.String() for the access log ("1.234ms", "56.7µs")."""
-    ns = int(seconds * 1e9)
-    for unit, scale in (("s", 10**9), ("ms", 10**6), ("µs", 10**3)):
-        if ns >= scale:
-            return f"{ns / scale:.6f}".rstrip("0").rstrip(".") + unit
-    return f"{ns}ns"
-
-
 def create_app(lookupd: NSQLookupd) -> QuartTrio:
     app = QuartTrio(__name__)
 
@@ -473,4 +465,4 @@ def _log_request(status: int, method: str, query: bytes, elapsed: float) -> None
     if query:
         uri += "?" + query.decode("latin-1")
     client = scope.get("client") or ("", 0)
-    log.info("%d %s %s (%s) %s", status, method, uri, join_host_port(client[0], client[1]), _go_duration(elapsed))
+    log.info("%d %s %s (%s) %s", status, method, uri, join_host_port(client[0], client[1]), format_duration(elapsed))

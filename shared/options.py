@@ -7,6 +7,7 @@ underscored) fills in whatever the command line did not set.
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from typing import Any
@@ -41,9 +42,34 @@ def parse_duration(value: str | int | float) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    if seconds and seconds < 1:
-        return f"{round(seconds * 1000)}ms"
-    return f"{seconds:g}s"
+    """Go's time.Duration.String(): "1h0m0s", "1m30s", "2s", "250ms", "1.5µs"."""
+    ns = round(seconds * 1e9)
+    sign, ns = ("-" if ns < 0 else ""), abs(ns)
+
+    def fraction(value: int, scale: int) -> str:
+        whole, rest = divmod(value, scale)
+        digits = str(rest).rjust(len(str(scale)) - 1, "0").rstrip("0") if rest else ""
+        return f"{whole}.{digits}" if digits else str(whole)
+
+    if ns == 0:
+        return "0s"
+    if ns < 10**9:
+        for unit, scale in (("ms", 10**6), ("µs", 10**3), ("ns", 1)):
+            if ns >= scale:
+                return sign + fraction(ns, scale) + unit
+    hours, rest = divmod(ns, 3600 * 10**9)
+    minutes, rest = divmod(rest, 60 * 10**9)
+    text = fraction(rest, 10**9) + "s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    if hours:
+        text = f"{hours}h{text}"
+    return sign + text
+
+
+def _go_quote(value: object) -> str:
+    """Go's %q for the flag messages and usage defaults."""
+    return json.dumps(str(value), ensure_ascii=False)
 
 
 def option(
@@ -186,14 +212,16 @@ def parse_flags(
                 try:
                     values[name.replace("-", "_")] = _parse_bool(value)
                 except ValueError:
-                    raise FlagError(f"invalid boolean value {value!r} for -{name}: parse error") from None
+                    raise FlagError(f"invalid boolean value {_go_quote(value)} for -{name}: parse error") from None
             continue
         try:
             converted = _converter(field)(value)
         except ValueError as exc:
             if isinstance(field.default, bool):
-                raise FlagError(f"invalid boolean value {value!r} for -{name}: parse error") from None
-            raise FlagError(f"invalid value {value!r} for flag -{name}: {exc}") from None
+                raise FlagError(f"invalid boolean value {_go_quote(value)} for -{name}: parse error") from None
+            # Go's flag package says "parse error" for its own kinds; a flag.Value says what it found
+            reason = exc if field.metadata.get("kind") in ("log_level", "tls_required") else "parse error"
+            raise FlagError(f"invalid value {_go_quote(value)} for flag -{name}: {reason}") from None
         if field.metadata.get("repeat"):
             values.setdefault(field.name, []).append(converted)
         else:
@@ -207,10 +235,11 @@ class HelpRequested(Exception):
 
 def usage(cls: type, daemon: str) -> str:
     """The flag list in the shape Go's flag.PrintDefaults prints it."""
-    lines = [f"Usage of {daemon}:", "  -config string", "    \tpath to config file"]
-    for field in sorted(attrs.fields(cls), key=_flag_name):
+    entries = [("config", "  -config string", "    \tpath to config file"),
+               ("version", "  -version", "    \tprint version string")]
+    for field in attrs.fields(cls):
         kind = field.metadata.get("kind")
-        if field.metadata.get("repeat"):
+        if field.metadata.get("repeat") or kind in ("log_level", "tls_required"):
             type_name = "value"
         elif _is_bool_flag(field):
             type_name = ""
@@ -220,12 +249,22 @@ def usage(cls: type, daemon: str) -> str:
             type_name = "int"
         else:
             type_name = "string"
-        lines.append(f"  -{_flag_name(field)[2:]} {type_name}".rstrip())
+        name = _flag_name(field)[2:]
         default = field.default
-        shown = "" if isinstance(default, attrs.Factory) or default in ("", False, 0, 0.0) else f" (default {default!r})"  # type: ignore[arg-type]
-        lines.append(f"    \t{field.metadata['help']}{shown}")
-    lines.append("  -version")
-    lines.append("    \tprint version string")
+        if isinstance(default, attrs.Factory) or default in ("", False, 0, 0.0):  # type: ignore[arg-type]
+            shown = ""
+        elif kind == "duration":
+            shown = f" (default {format_duration(default)})"
+        elif type_name == "string":
+            shown = f" (default {_go_quote(default)})"
+        elif kind == "log_level":
+            shown = f" (default {str(default).upper()})"
+        else:
+            shown = f" (default {default})"
+        entries.append((name, f"  -{name} {type_name}".rstrip(), f"    \t{field.metadata['help']}{shown}"))
+    lines = [f"Usage of {daemon}:"]
+    for _, head, text in sorted(entries):
+        lines += [head, text]
     return "\n".join(lines) + "\n"
 
 

@@ -101,11 +101,12 @@ def test_nsqlookupd_takes_go_flags_and_logs_in_its_order():
 
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "flag provided but not defined: -bogus"),
-    (["-mem-queue-size=lots"], "invalid value 'lots' for flag -mem-queue-size"),
-    (["-snappy=maybe"], "invalid boolean value 'maybe' for -snappy: parse error"),
-    (["-worker-id=5"], "invalid boolean value '5' for -worker-id: parse error"),
+    (["-mem-queue-size=lots"], 'invalid value "lots" for flag -mem-queue-size: parse error'),
+    (["-msg-timeout=soon"], 'invalid value "soon" for flag -msg-timeout: parse error'),
+    (["-snappy=maybe"], 'invalid boolean value "maybe" for -snappy: parse error'),
+    (["-worker-id=5"], 'invalid boolean value "5" for -worker-id: parse error'),
     (["-tcp-address"], "flag needs an argument: -tcp-address"),
-    (["-log-level=loud"], "invalid value 'loud' for flag -log-level"),
+    (["-log-level=loud"], 'invalid value "loud" for flag -log-level: invalid log level'),
 ])
 def test_a_command_line_go_refuses_exits_2_with_gos_message(argv, message):
     done = run("broker", *argv)
@@ -117,6 +118,11 @@ def test_a_command_line_go_refuses_exits_2_with_gos_message(argv, message):
 def test_help_exits_0_with_the_flag_list():
     done = run("broker", "-h")
     assert done.returncode == 0 and "Usage of nsqd:" in done.stderr and "  -mem-queue-size int" in done.stderr
+    # defaults shown as Go's flag.PrintDefaults shows them: durations as time.Duration, strings quoted
+    assert "auto-requeing a message (default 1m0s)" in done.stderr
+    assert "(default 1h0m0s)" in done.stderr and "fsync (default 2s)" in done.stderr
+    heads = [line.split()[0] for line in done.stderr.splitlines() if line.startswith("  -")]
+    assert heads == sorted(heads) and "-config" in heads and "-version" in heads
 
 
 def fatal_start(tmp_path: Path, *argv: str) -> str:

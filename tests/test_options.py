@@ -89,7 +89,8 @@ def test_parse_duration_sums_its_parts(parts):
 def test_format_duration_reads_back():
     for seconds in (0.0, 0.025, 0.25, 1.0, 2.0, 60.0, 900.0, 3600.0):
         assert parse_duration(format_duration(seconds)) == pytest.approx(seconds)
-    assert format_duration(0.25) == "250ms" and format_duration(60.0) == "60s"
+    assert format_duration(0.25) == "250ms" and format_duration(60.0) == "1m0s"
+    assert format_duration(3661.5) == "1h1m1.5s" and format_duration(0.0015) == "1.5ms"
 
 
 # --- defaults ---------------------------------------------------------------------------------------
