@@ -120,7 +120,9 @@ def _in_thread(runner: Any, options: dict[str, Any]) -> Iterator[Running]:
     def target() -> None:
         try:
             trio.run(main)
-        except BaseException as exc:  # handed to the caller's thread
+        except BaseException as exc:  # handed to the caller's thread, unwrapped from Trio's groups
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]
             errors.append(exc)
             if started.empty():
                 started.put(exc)
@@ -134,7 +136,7 @@ def _in_thread(runner: Any, options: dict[str, Any]) -> Iterator[Running]:
     try:
         yield first
     finally:
-        trio.from_thread.run_sync(stop[0].set, trio_token=tokens[0])
+        tokens[0].run_sync_soon(stop[0].set)  # works from any thread, a Trio one included
         thread.join()
         if errors:
             raise errors[0]
