@@ -14,7 +14,7 @@ from typing import Any
 
 _EXPORTS = {
     **dict.fromkeys(["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError",
-                     "Producer"], "shared.client"),
+                     "Producer", "tls_context"], "shared.client"),
     **dict.fromkeys(["Running", "nsqd_in_thread", "nsqlookupd_in_thread", "run_nsqd", "run_nsqlookupd"],
                     "shared.embed"),
 }
