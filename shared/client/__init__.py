@@ -8,9 +8,9 @@
 Logs go to the "trio_nsq.client" logger.
 """
 
-from shared.client.connection import Connection, NSQConnectionError, NSQError
+from shared.client.connection import Connection, NSQConnectionError, NSQError, tls_context
 from shared.client.consumer import Consumer, Message
 from shared.client.http_producer import HTTPProducer
 from shared.client.producer import Producer
 
-__all__ = ["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError", "Producer"]
+__all__ = ["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError", "Producer", "tls_context"]

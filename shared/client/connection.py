@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ from shared.protocol import (
     encode_req,
     encode_touch,
 )
+from shared.streams import DeflateStream, SnappyStream
 from shared.version import USER_AGENT
 
 log = logging.getLogger("trio_nsq.client")
@@ -132,6 +134,23 @@ class _Pending:
 MessageCallback = Callable[["Connection", DecodedMessage], None]
 
 
+def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
+                verify: bool = True) -> ssl.SSLContext:
+    """An SSLContext for ``Connection(tls=...)`` (and Producer/Consumer's ``tls=``).
+
+    ``ca_file`` verifies nsqd's certificate (default: the system's CAs); ``cert_file``/``key_file``
+    present a client certificate (nsqd's --tls-client-auth-policy); ``verify=False`` accepts any
+    certificate and host name (nsqd's tls_insecure_skip_verify in go-nsq). Raises ``OSError`` or
+    ``ssl.SSLError`` when a file cannot be read."""
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 class Connection:
     """One V2 connection. Use as `async with Connection(address, ...) as conn:`.
 
@@ -152,13 +171,22 @@ class Connection:
         connect_timeout: float = 5.0,
         max_pending: int = 10_000,
         write_buffer_size: int = 4 * 1024 * 1024,
+        tls: ssl.SSLContext | None = None,
+        snappy: bool = False,
+        deflate: bool = False,
+        deflate_level: int = 6,
     ) -> None:
         self.address = address
+        self.tls_context = tls
         self.identify_data: dict[str, Any] = {
             "client_id": socket.gethostname().split(".")[0],
             "hostname": socket.gethostname(),
             "feature_negotiation": True,
             "user_agent": USER_AGENT,
+            "tls_v1": tls is not None,
+            "snappy": snappy,
+            "deflate": deflate,
+            "deflate_level": deflate_level,
             **(identify or {}),
         }
         self.auth_secret = auth_secret.encode() if isinstance(auth_secret, str) else auth_secret
@@ -185,7 +213,7 @@ class Connection:
 
         self.closed = trio.Event()
         self.close_reason: BaseException | None = None
-        self._stream: trio.SocketStream | None = None
+        self._stream: trio.abc.Stream | None = None
         self._parser = FrameParser(MAX_FRAME_SIZE)
         self._pending: deque[_Pending] = deque()
         self._pending_slots = trio.Semaphore(max_pending)
@@ -238,6 +266,19 @@ class Connection:
             raise NSQError.from_frame(data)
         if data != b"OK":
             self._apply_features(json.loads(data))
+        # as nsqd does it: TLS on the same stream, then compression on top; each answers OK
+        if self.features.get("tls_v1"):
+            host = split_host_port(self.address, default_host="127.0.0.1")[0]
+            stream = trio.SSLStream(self._stream, self.tls_context, server_hostname=host)
+            await stream.do_handshake()
+            self._stream = stream
+            await self._expect_ok()
+        if self.features.get("snappy"):
+            self._stream = SnappyStream(self._stream)
+            await self._expect_ok()
+        elif self.features.get("deflate"):
+            self._stream = DeflateStream(self._stream, int(self.features.get("deflate_level") or 6))
+            await self._expect_ok()
         if self.features.get("auth_required"):
             if self.auth_secret is None:
                 raise NSQError("E_AUTH_REQUIRED", f"{self.address} requires AUTH and no secret was given")
@@ -253,9 +294,15 @@ class Connection:
         self.msg_timeout = int(features.get("msg_timeout", self.msg_timeout))
         self.max_msg_timeout = int(features.get("max_msg_timeout", self.max_msg_timeout))
         for wanted in ("tls_v1", "snappy", "deflate"):
-            if features.get(wanted):
-                # we never ask for them, so a broker that turns them on is not speaking to us
-                raise NSQError("E_INVALID", f"{self.address} negotiated {wanted}, which this client does not speak")
+            if features.get(wanted) and not self.identify_data.get(wanted):
+                raise NSQError("E_INVALID", f"{self.address} negotiated {wanted}, which was not asked for")
+
+    async def _expect_ok(self) -> None:
+        kind, data = await self._read_frame()
+        if kind == FRAME_TYPE_ERROR:
+            raise NSQError.from_frame(data)
+        if data != b"OK":
+            raise NSQError("E_INVALID", f"{self.address} answered {data[:100]!r} to an upgrade")
 
     async def _read_frame(self) -> tuple[int, bytes]:
         while True:
@@ -448,7 +495,9 @@ class Connection:
                     log.warning("%s: CLS answered %r", self, answer)
             await self.wait_idle()
             await self.flush()
-            if not self.closed.is_set():
+            # half-close only on a plain socket: TLS and the compressed streams cannot (nsqd then
+            # ends the connection itself once CLS has drained, or the socket close ends it)
+            if not self.closed.is_set() and isinstance(self._stream, trio.SocketStream):
                 try:
                     await self._stream.send_eof()
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):

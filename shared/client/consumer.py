@@ -37,6 +37,7 @@ import inspect
 import logging
 import math
 import random
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -130,6 +131,9 @@ class Consumer:
         concurrency: int | None = None,
         identify: dict[str, Any] | None = None,
         auth_secret: bytes | str | None = None,
+        tls: ssl.SSLContext | None = None,
+        snappy: bool = False,
+        deflate: bool = False,
     ) -> None:
         if not nsqd_tcp_addresses and not lookupd_http_addresses:
             raise ValueError("give nsqd_tcp_addresses or lookupd_http_addresses")
@@ -153,6 +157,8 @@ class Consumer:
         self.connect_timeout = connect_timeout
         self.identify = identify or {}
         self.auth_secret = auth_secret
+        # TLS/compression for every connection (see shared.client.connection.tls_context)
+        self.upgrades: dict[str, Any] = {"tls": tls, "snappy": snappy, "deflate": deflate}
 
         self.connections: dict[str, Connection] = {}  # subscribed connections by address
         self.backoff_counter = 0
@@ -260,7 +266,7 @@ class Consumer:
         failures = 0
         while not self.closing:
             try:
-                async with Connection(address, identify=self.identify, auth_secret=self.auth_secret,
+                async with Connection(address, identify=self.identify, auth_secret=self.auth_secret, **self.upgrades,
                                       on_message=self._on_message, connect_timeout=self.connect_timeout) as conn:
                     await conn.command(encode_sub(self.topic, self.channel))
                     if self.closing:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +40,9 @@ class Producer:
         max_reconnect_delay: float = 5.0,
         identify: dict[str, Any] | None = None,
         auth_secret: bytes | str | None = None,
+        tls: ssl.SSLContext | None = None,
+        snappy: bool = False,
+        deflate: bool = False,
     ) -> None:
         self.address = address
         self.reconnect_timeout = reconnect_timeout
@@ -46,6 +50,8 @@ class Producer:
         self.max_reconnect_delay = max_reconnect_delay
         self.identify = identify or {}
         self.auth_secret = auth_secret
+        # TLS/compression for every connection (see shared.client.connection.tls_context)
+        self.upgrades: dict[str, Any] = {"tls": tls, "snappy": snappy, "deflate": deflate}
         self.conn: Connection | None = None
         self.connects = 0  # how many connections were made (1 + reconnects)
         self.last_error: BaseException | None = None
@@ -64,7 +70,7 @@ class Producer:
         failures = 0
         while True:
             try:
-                async with Connection(self.address, identify=self.identify, auth_secret=self.auth_secret,
+                async with Connection(self.address, identify=self.identify, auth_secret=self.auth_secret, **self.upgrades,
                                       connect_timeout=self.connect_timeout) as conn:
                     self.conn = conn
                     self.connects += 1
