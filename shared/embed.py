@@ -66,8 +66,9 @@ async def run_nsqd(*, task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_I
 
     ``nursery.start`` returns a :class:`Running` once both TCP and HTTP listeners are bound.
     Cancelling the nursery runs nsqd's clean exit: metadata and every queued, in-flight and
-    deferred message go to ``data_path``. Raises ``TypeError`` for an unknown option name and
-    ``OSError`` when a listener cannot bind or the data path is locked by another nsqd."""
+    deferred message go to ``data_path``. Raises ``TypeError`` for an unknown option name,
+    ``RuntimeError`` for a value nsqd refuses at start (``node_id=2000``), and ``OSError`` when a
+    listener cannot bind or the data path is locked by another nsqd."""
     from broker.nsqd import NSQD
     from broker.options import Options
 

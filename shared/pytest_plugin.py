@@ -17,8 +17,7 @@ asks for one of these fixtures.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
+import re
 import subprocess
 import sys
 import time
@@ -78,33 +77,31 @@ class NSQServer:
         return f"<{type(self).__name__} tcp={self.tcp_address} http={self.http_address}>"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_LISTENING = re.compile(r"(TCP|HTTP): listening on (\S+)")
 
 
 @contextlib.contextmanager
 def _subprocess(module: str, base: Path, data: bool) -> Iterator[NSQServer]:
-    tcp, http = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
-    argv = [sys.executable, "-m", module, f"--tcp-address={tcp}", f"--http-address={http}"]
+    """Start on port 0 and read the bound addresses from the start-up lines, as nsqd prints them: no
+    port can be taken by someone else between choosing it and binding it."""
+    argv = [sys.executable, "-m", module, "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
     if data:
-        argv += [f"--data-path={base}", f"--https-address=127.0.0.1:{_free_port()}",
-                 "--broadcast-address=127.0.0.1"]
-    with open(base / f"{module}.log", "ab") as log:
+        argv += [f"--data-path={base}", "--https-address=127.0.0.1:0", "--broadcast-address=127.0.0.1"]
+    log_path = base / f"{module}.log"
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
+            found = dict(_LISTENING.findall(log_path.read_text(errors="replace")))
+            if "TCP" in found and "HTTP" in found:
+                tcp, http = found["TCP"], found["HTTP"]
+                break
             if proc.poll() is not None:
-                pytest.fail(f"{module} exited with {proc.returncode}: {(base / f'{module}.log').read_text()}")
-            try:
-                with socket.create_connection(("127.0.0.1", int(tcp.rsplit(":", 1)[1])), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{module} did not listen on {tcp} in {START_TIMEOUT}s")
-                time.sleep(0.05)
+                pytest.fail(f"{module} exited with {proc.returncode}: {log_path.read_text(errors='replace')}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{module} did not start listening in {START_TIMEOUT}s")
+            time.sleep(0.05)
         yield NSQServer(tcp, http, str(base) if data else "")
     finally:
         proc.terminate()  # SIGTERM: nsqd's clean exit
