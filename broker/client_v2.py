@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from broker.client_state import ClientState
 from shared.protocol import FRAME_HEADER, IdentifyData
 from shared.streams import DeflateStream, PrefixedStream, SnappyStream
 
@@ -17,12 +18,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nsqd")
 
-STATE_INIT = 0
-STATE_DISCONNECTED = 1
-STATE_CONNECTED = 2
-STATE_SUBSCRIBED = 3
-STATE_CLOSING = 4
-
 
 class ClientV2:
     def __init__(self, client_id: int, stream: trio.abc.Stream, remote_address: str, nsqd: NSQD) -> None:
@@ -31,7 +26,7 @@ class ClientV2:
         self.stream = stream
         self.remote_address = remote_address
         self.nsqd = nsqd
-        self.state = STATE_INIT
+        self.state = ClientState.INIT
         self.connect_time = time.time()
 
         self.client_id = remote_address.rsplit(":", 1)[0]
@@ -186,7 +181,7 @@ class ClientV2:
     def start_close(self) -> None:
         # nsqd: RDY 0 and state closing; the client closes once its in-flight messages are done
         self.ready_count = 0
-        self.state = STATE_CLOSING
+        self.state = ClientState.CLOSING
         self.wake()
 
     async def close(self) -> None:

@@ -19,12 +19,8 @@ from broker.auth import AuthError, query_any_authd
 from broker.backend import BackendError
 from broker.channel import ChannelError
 from broker.message import Message
-from broker.client_v2 import (
-    STATE_CLOSING,
-    STATE_INIT,
-    STATE_SUBSCRIBED,
-    ClientV2,
-)
+from broker.client_state import ClientState, check_command
+from broker.client_v2 import ClientV2
 from shared.streams import CompressionError
 from shared.names import is_valid_channel_name, is_valid_topic_name
 from shared.protocol import (
@@ -147,7 +143,7 @@ class ProtocolV2:
         while True:
             channel = client.channel
             msgs = None
-            if channel is not None and not channel.paused and client.state == STATE_SUBSCRIBED:
+            if channel is not None and not channel.paused and client.state == ClientState.SUBSCRIBED:
                 want = client.ready_count - client.in_flight_count
                 if want > 0:
                     msgs = channel.take(want)
@@ -216,12 +212,10 @@ class ProtocolV2:
         (size None), then the declared size before the body is buffered."""
         opts = self.options
         cmd = name.decode()
-        if size is None and name != b"IDENTIFY" and self.nsqd.tls_required and not client.tls:
-            raise FatalClientError("E_INVALID", f"cannot {cmd} in current state (TLS required)")
+        if size is None:
+            check_command(name, len(params), client.state, self._tls_ok(client))
         if name == b"PUB" or name == b"DPUB":
             if size is None:
-                if len(params) < (1 if name == b"PUB" else 2):
-                    raise FatalClientError("E_INVALID", f"{cmd} insufficient number of parameters")
                 if not is_valid_topic_name(params[0]):
                     raise FatalClientError("E_BAD_TOPIC", f"{cmd} topic name {_quote(params[0])} is not valid")
                 if name == b"DPUB":
@@ -232,8 +226,6 @@ class ProtocolV2:
                 raise FatalClientError("E_BAD_MESSAGE", f"{cmd} message too big {size} > {opts.max_msg_size}")
         elif name == b"MPUB":
             if size is None:
-                if len(params) < 1:
-                    raise FatalClientError("E_INVALID", "MPUB insufficient number of parameters")
                 if not is_valid_topic_name(params[0]):
                     # sic: nsqd repeats the code inside the description
                     raise FatalClientError("E_BAD_TOPIC", f"E_BAD_TOPIC MPUB topic name {_quote(params[0])} is not valid")
@@ -241,29 +233,21 @@ class ProtocolV2:
                 raise FatalClientError("E_BAD_BODY", f"MPUB invalid body size {size}")
             elif size > opts.max_body_size:
                 raise FatalClientError("E_BAD_BODY", f"MPUB body too big {size} > {opts.max_body_size}")
-        else:  # IDENTIFY, AUTH
-            if size is None:
-                if client.state != STATE_INIT:
-                    raise FatalClientError("E_INVALID", f"cannot {cmd} in current state")
-                if name == b"AUTH" and len(params) != 0:
-                    raise FatalClientError("E_INVALID", "AUTH invalid number of parameters")
-            elif size > opts.max_body_size:
+        elif size is not None:  # IDENTIFY, AUTH
+            if size > opts.max_body_size:
                 raise FatalClientError("E_BAD_BODY", f"{cmd} body too big {size} > {opts.max_body_size}")
             elif size <= 0:
                 raise FatalClientError("E_BAD_BODY", f"{cmd} invalid body size {size}")
 
+    def _tls_ok(self, client: ClientV2) -> bool:
+        return client.tls or not self.nsqd.tls_required
+
     async def exec(self, client: ClientV2, cmd: Command) -> bytes | None:
-        name = cmd.name
-        if name != b"IDENTIFY" and self.nsqd.tls_required and not client.tls:
-            raise FatalClientError("E_INVALID", f"cannot {name.decode(errors='replace')} in current state (TLS required)")
-        handler = _HANDLERS.get(name)
-        if handler is None:
-            raise FatalClientError("E_INVALID", f"invalid command {name.decode(errors='replace')}")
-        return await handler(self, client, cmd)
+        if cmd.body is None:  # a body command was checked by the parser before its body was read
+            check_command(cmd.name, len(cmd.params), client.state, self._tls_ok(client))
+        return await _HANDLERS[cmd.name](self, client, cmd)
 
     async def IDENTIFY(self, client: ClientV2, cmd: Command) -> bytes | None:
-        if client.state != STATE_INIT:
-            raise FatalClientError("E_INVALID", "cannot IDENTIFY in current state")
         data = IdentifyData.from_json(cmd.body or b"")
         try:
             client.identify(data)
@@ -322,8 +306,6 @@ class ProtocolV2:
         return None
 
     async def AUTH(self, client: ClientV2, cmd: Command) -> bytes | None:
-        if client.state != STATE_INIT:
-            raise FatalClientError("E_INVALID", "cannot AUTH in current state")
         if client.auth_state is not None and client.auth_state.authorizations:
             raise FatalClientError("E_INVALID", "AUTH already set")
         if not self.nsqd.auth_enabled:
@@ -370,8 +352,6 @@ class ProtocolV2:
             raise FatalClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_quote(topic.encode())} {_quote(channel.encode())}")
 
     async def SUB(self, client: ClientV2, cmd: Command) -> bytes | None:
-        if client.state != STATE_INIT:
-            raise FatalClientError("E_INVALID", "cannot SUB in current state")
         if client.heartbeat_interval <= 0:
             raise FatalClientError("E_INVALID", "cannot SUB with heartbeats disabled")
         if len(cmd.params) < 2:
@@ -388,17 +368,15 @@ class ProtocolV2:
             channel.add_client(client, self.options.max_channel_consumers)
         except ChannelError as exc:
             raise FatalClientError("E_SUB_FAILED", f"SUB failed {exc}") from None
-        client.state = STATE_SUBSCRIBED
+        client.state = ClientState.SUBSCRIBED
         client.channel = channel
         client.wake()
         return OK
 
     async def RDY(self, client: ClientV2, cmd: Command) -> bytes | None:
-        if client.state == STATE_CLOSING:
+        if client.state == ClientState.CLOSING:
             log.info("PROTOCOL(V2): [%s] ignoring RDY after CLS in state ClientStateV2Closing", client)
             return None
-        if client.state != STATE_SUBSCRIBED:
-            raise FatalClientError("E_INVALID", "cannot RDY in current state")
         count = 1
         if cmd.params:
             try:
@@ -410,18 +388,15 @@ class ProtocolV2:
         client.set_ready_count(count)
         return None
 
-    def _message_id(self, client: ClientV2, cmd: Command, name: str, nparams: int) -> bytes:
-        if client.state not in (STATE_SUBSCRIBED, STATE_CLOSING):
-            raise FatalClientError("E_INVALID", f"cannot {name} in current state")
-        if len(cmd.params) < nparams:
-            raise FatalClientError("E_INVALID", f"{name} insufficient number of params")
+    @staticmethod
+    def _message_id(cmd: Command) -> bytes:
         msg_id = cmd.params[0]
         if len(msg_id) != MSG_ID_LENGTH:
             raise FatalClientError("E_INVALID", "invalid message ID")
         return msg_id
 
     async def FIN(self, client: ClientV2, cmd: Command) -> bytes | None:
-        msg_id = self._message_id(client, cmd, "FIN", 1)
+        msg_id = self._message_id(cmd)
         try:
             client.channel.finish_message(client.id, msg_id)
         except ChannelError as exc:
@@ -433,10 +408,7 @@ class ProtocolV2:
         """A run of FIN commands at once, each exactly as FIN() would do it (the same checks and
         errors, in order); the parser consumes those executed, so after an error the rest follow as
         usual."""
-        if self.nsqd.tls_required and not client.tls:
-            raise FatalClientError("E_INVALID", "cannot FIN in current state (TLS required)")
-        if client.state not in (STATE_SUBSCRIBED, STATE_CLOSING):
-            raise FatalClientError("E_INVALID", "cannot FIN in current state")
+        check_command(b"FIN", 1, client.state, self._tls_ok(client))
         finish, client_id = client.channel.finish_message, client.id
         finished = 0
         for msg_id in ids:
@@ -451,7 +423,7 @@ class ProtocolV2:
         client.finished_messages(finished)
 
     async def REQ(self, client: ClientV2, cmd: Command) -> bytes | None:
-        msg_id = self._message_id(client, cmd, "REQ", 2)
+        msg_id = self._message_id(cmd)
         try:
             timeout_ms = _parse_signed(cmd.params[1])
         except ValueError:
@@ -470,7 +442,7 @@ class ProtocolV2:
         return None
 
     async def TOUCH(self, client: ClientV2, cmd: Command) -> bytes | None:
-        msg_id = self._message_id(client, cmd, "TOUCH", 1)
+        msg_id = self._message_id(cmd)
         try:
             client.channel.touch_message(client.id, msg_id, client.msg_timeout, self.options.max_msg_timeout)
         except ChannelError as exc:
@@ -478,8 +450,6 @@ class ProtocolV2:
         return None
 
     async def CLS(self, client: ClientV2, cmd: Command) -> bytes | None:
-        if client.state != STATE_SUBSCRIBED:
-            raise FatalClientError("E_INVALID", "cannot CLS in current state")
         client.start_close()
         return CLOSE_WAIT
 

@@ -53,7 +53,7 @@ def client_stats(client: ClientV2, topic_filter: str = "") -> dict[str, Any]:
         "hostname": client.hostname,
         "version": "V2",
         "remote_address": client.remote_address,
-        "state": client.state,
+        "state": int(client.state),
         "ready_count": client.ready_count,
         "in_flight_count": client.in_flight_count,
         "message_count": client.message_count,
