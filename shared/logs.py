@@ -41,5 +41,7 @@ def setup_logging(prefix: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(parse_level(level))
-    # hypercorn's own access/info chatter stays out of NSQ-style logs unless debugging
-    logging.getLogger("hypercorn").setLevel(max(logging.WARNING, root.level))
+    # the libraries' own info chatter (hypercorn's access lines, httpx's "HTTP Request: ..." per lookupd
+    # or auth query) stays out of NSQ-style logs; our code logs what nsqd logs about those requests
+    for name in ("hypercorn", "httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))

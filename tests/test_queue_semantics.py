@@ -156,5 +156,7 @@ def test_a_new_topic_gets_the_channels_lookupd_knows(broker_factory, tmp_path):
                     break
                 time.sleep(0.05)
             assert [(c["channel_name"], c["depth"]) for c in stats["channels"]] == [("remote", 5)]
+        # the lookupd query is nsqd's business, not a library's: no httpx "HTTP Request: ..." lines
+        assert "HTTP Request:" not in b.stderr_text()
     finally:
         lookupd.stop()
