@@ -13,6 +13,8 @@ from shared.protocol import FRAME_HEADER, IdentifyData
 from shared.streams import DeflateStream, PrefixedStream, SnappyStream
 
 if TYPE_CHECKING:
+    from broker.auth import AuthState
+    from shared.protocol import CommandParser
     from broker.channel import Channel
     from broker.nsqd import NSQD
 
@@ -36,9 +38,10 @@ class ClientV2:
         self.snappy = False
         self.deflate = False
         self.deflate_level = 0
-        self.parser = None  # the io_loop's CommandParser, for upgrades that take its buffered bytes
+        # the io_loop's CommandParser, for upgrades that take its buffered bytes
+        self.parser: CommandParser | None = None
         self.auth_secret = ""
-        self.auth_state = None  # broker.auth.AuthState once AUTH succeeded
+        self.auth_state: AuthState | None = None  # once AUTH succeeded
         self._tls_common_name = ""
 
         self.heartbeat_interval = opts.heartbeat_interval

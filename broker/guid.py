@@ -51,7 +51,7 @@ class GUIDFactory:
         seq = self._sequence
         last = self._last_ts
         node = self._node_bits
-        out = []
+        out: list[bytes] = []
         append = out.append
         for _ in range(n):
             if ts <= last:

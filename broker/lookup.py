@@ -11,7 +11,7 @@ import json
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import httpx
 import trio
@@ -121,11 +121,12 @@ class LookupPeer:
             while True:
                 if self._resync:
                     raise LookupdError("notification backlog overflowed, re-registering")
-                command = await self._next_command(stream, next_ping)
-                if command is None:
+                notification = await self._next_command(stream, next_ping)
+                if notification is None:
                     command = b"PING\n"
                     next_ping = trio.current_time() + PING_INTERVAL
                 else:
+                    command = notification
                     log.info("LOOKUPD(%s): %s", self.address, command.decode().strip())
                 await self._command(stream, command)
 
@@ -234,7 +235,7 @@ class LookupManager:
 
     def _on_change(self, kind: str, obj: Topic | Channel, created: bool) -> None:
         if kind == "channel":
-            topic, channel = obj.topic_name, obj.name
+            topic, channel = cast("Channel", obj).topic_name, obj.name
         else:
             topic, channel = obj.name, ""
         command = register_cmd(topic, channel) if created else unregister_cmd(topic, channel)

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from broker.auth import AuthError, query_any_authd
+from broker.auth import AuthError, AuthState, query_any_authd
 from broker.backend import BackendError
 from broker.channel import ChannelError
 from broker.message import Message
 from broker.client_state import ClientState, check_command
 from broker.client_v2 import ClientV2
+from broker.channel import Channel
 from shared.streams import CompressionError
 from shared.names import is_valid_channel_name, is_valid_topic_name
 from shared.protocol import (
@@ -154,6 +155,7 @@ class ProtocolV2:
                     continue
                 await client.wait(channel if msgs is not None else None)
                 continue
+            assert channel is not None  # msgs came from it
             now = trio.current_time()
             timeout = client.msg_timeout
             sample_rate = client.sample_rate
@@ -288,22 +290,33 @@ class ProtocolV2:
         try:
             if tls:
                 log.info("PROTOCOL(V2): [%s] upgrading connection to TLS", client)
-                await client.upgrade_tls(self.nsqd.tls_context, client.parser.take_buffered())
+                await client.upgrade_tls(self.nsqd.tls_context, self._buffered(client))
                 client.write_frame(FRAME_TYPE_RESPONSE, OK)
                 await client.flush()
             if snappy:
                 log.info("PROTOCOL(V2): [%s] upgrading connection to snappy", client)
-                client.upgrade_snappy(client.parser.take_buffered())
+                client.upgrade_snappy(self._buffered(client))
                 client.write_frame(FRAME_TYPE_RESPONSE, OK)
                 await client.flush()
             if deflate:
                 log.info("PROTOCOL(V2): [%s] upgrading connection to deflate (level %d)", client, deflate_level)
-                client.upgrade_deflate(deflate_level, client.parser.take_buffered())
+                client.upgrade_deflate(deflate_level, self._buffered(client))
                 client.write_frame(FRAME_TYPE_RESPONSE, OK)
                 await client.flush()
         except (ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError, ValueError) as exc:
             raise FatalClientError("E_IDENTIFY_FAILED", f"IDENTIFY failed {exc}") from None
         return None
+
+    @staticmethod
+    def _buffered(client: ClientV2) -> bytes:
+        """What the client sent after IDENTIFY: it belongs to the upgraded stream."""
+        return client.parser.take_buffered() if client.parser is not None else b""
+
+    @staticmethod
+    def _channel(client: ClientV2) -> Channel:
+        channel = client.channel
+        assert channel is not None, "check_command lets only subscribed clients FIN, REQ or TOUCH"
+        return channel
 
     async def AUTH(self, client: ClientV2, cmd: Command) -> bytes | None:
         if client.auth_state is not None and client.auth_state.authorizations:
@@ -312,11 +325,10 @@ class ProtocolV2:
             raise FatalClientError("E_AUTH_DISABLED", "AUTH disabled")
         client.auth_secret = (cmd.body or b"").decode(errors="replace")
         try:
-            await self._query_authd(client)
+            state = await self._query_authd(client)
         except AuthError as exc:
             log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
             raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
-        state = client.auth_state
         if not state.authorizations:
             raise FatalClientError("E_UNAUTHORIZED", "AUTH no authorizations found")
         response = {"identity": state.identity, "identity_url": state.identity_url,
@@ -325,13 +337,14 @@ class ProtocolV2:
         await client.flush()
         return None
 
-    async def _query_authd(self, client: ClientV2) -> None:
+    async def _query_authd(self, client: ClientV2) -> AuthState:
         opts = self.options
-        client.auth_state = await query_any_authd(
+        client.auth_state = state = await query_any_authd(
             opts.auth_http_addresses, client.remote_address.rsplit(":", 1)[0].strip("[]"), client.tls,
             client.tls_common_name(), client.auth_secret, method=opts.auth_http_request_method,
             connect_timeout=opts.http_client_connect_timeout, request_timeout=opts.http_client_request_timeout,
         )
+        return state
 
     async def check_auth(self, client: ClientV2, cmd: str, topic: str, channel: str = "") -> None:
         """nsqd's CheckAuth: with auth enabled, a client must AUTH first and be allowed this topic/channel;
@@ -343,11 +356,10 @@ class ProtocolV2:
             raise FatalClientError("E_AUTH_FIRST", f"AUTH required before {cmd}")
         if state.is_expired():
             try:
-                await self._query_authd(client)
+                state = await self._query_authd(client)
             except AuthError as exc:
                 log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
                 raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
-            state = client.auth_state
         if not state.is_allowed(topic, channel):
             raise FatalClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_quote(topic.encode())} {_quote(channel.encode())}")
 
@@ -398,7 +410,7 @@ class ProtocolV2:
     async def FIN(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(cmd)
         try:
-            client.channel.finish_message(client.id, msg_id)
+            self._channel(client).finish_message(client.id, msg_id)
         except ChannelError as exc:
             raise ClientError("E_FIN_FAILED", f"FIN {msg_id.decode(errors='replace')} failed {exc}") from None
         client.finished_messages(1)
@@ -409,7 +421,7 @@ class ProtocolV2:
         errors, in order); the parser consumes those executed, so after an error the rest follow as
         usual."""
         check_command(b"FIN", 1, client.state, self._tls_ok(client))
-        finish, client_id = client.channel.finish_message, client.id
+        finish, client_id = self._channel(client).finish_message, client.id
         finished = 0
         for msg_id in ids:
             try:
@@ -435,7 +447,7 @@ class ProtocolV2:
             log.info("PROTOCOL(V2): [%s] REQ timeout %dms out of range 0-%dms. Setting to %dms",
                      client, timeout_ms, max_req * 1000, clamped * 1000)
         try:
-            client.channel.requeue_message(client.id, msg_id, clamped)
+            self._channel(client).requeue_message(client.id, msg_id, clamped)
         except ChannelError as exc:
             raise ClientError("E_REQ_FAILED", f"REQ {msg_id.decode(errors='replace')} failed {exc}") from None
         client.requeued_message()
@@ -444,7 +456,7 @@ class ProtocolV2:
     async def TOUCH(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(cmd)
         try:
-            client.channel.touch_message(client.id, msg_id, client.msg_timeout, self.options.max_msg_timeout)
+            self._channel(client).touch_message(client.id, msg_id, client.msg_timeout, self.options.max_msg_timeout)
         except ChannelError as exc:
             raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {exc}") from None
         return None
@@ -461,7 +473,7 @@ class ProtocolV2:
         await self.check_auth(client, "PUB", topic_name)
         topic = self.nsqd.get_topic(topic_name)
         try:
-            to_backend = topic.put_message(topic.new_message(cmd.body))
+            to_backend = topic.put_message(topic.new_message(cmd.body or b""))
         except BackendError as exc:
             raise FatalClientError("E_PUB_FAILED", f"PUB failed {exc}") from None
         if to_backend and self.options.sync_every == 1:
@@ -472,7 +484,7 @@ class ProtocolV2:
     async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
         await self.check_auth(client, "MPUB", topic_name)
-        bodies = parse_mpub_body(cmd.body, self.options.max_msg_size, self.options.max_body_size)
+        bodies = parse_mpub_body(cmd.body or b"", self.options.max_msg_size, self.options.max_body_size)
         topic = self.nsqd.get_topic(topic_name)
         msgs = list(map(Message, topic.guid.new_ids(len(bodies)), bodies))
         try:
@@ -499,7 +511,7 @@ class ProtocolV2:
         delay = self._dpub_timeout(cmd.params[1])
         await self.check_auth(client, "DPUB", topic_name)
         topic = self.nsqd.get_topic(topic_name)
-        msg = topic.new_message(cmd.body)
+        msg = topic.new_message(cmd.body or b"")
         msg.deferred = delay
         try:
             to_backend = topic.put_message(msg)

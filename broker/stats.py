@@ -75,7 +75,7 @@ def client_stats(client: ClientV2, topic_filter: str = "") -> dict[str, Any]:
         "output_buffer_size": client.output_buffer_size,
         "output_buffer_timeout": int(client.output_buffer_timeout * 1000),
     }
-    if authed:
+    if auth is not None and authed:
         stats["authed"] = True
         if auth.identity:
             stats["auth_identity"] = auth.identity

@@ -93,7 +93,7 @@ class V1Parser:
     # IDENTIFY whose line is read: (command, body size or None while the size is not read yet)
     _pending: tuple[Command, int | None] | None = attrs.field(default=None, init=False)
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         self._buf += data
 
     def buffered(self) -> int:
@@ -233,8 +233,8 @@ class LookupProtocolV1:
                     await stream.send_all(bytes(out))
                 data = await stream.receive_some(65536)
                 if not data:
-                    if (err := parser.eof_error()) is not None:
-                        await self._fail(stream, client, bytearray(), err)
+                    if (eof_err := parser.eof_error()) is not None:
+                        await self._fail(stream, client, bytearray(), eof_err)
                     return
                 parser.feed(data)
         finally:

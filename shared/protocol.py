@@ -80,7 +80,7 @@ class FrameParser:
         self._buf = bytearray()
         self._max = max_frame_size
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         self._buf += data
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
@@ -220,7 +220,7 @@ class CommandParser:
         # a command whose line is parsed and whose body is awaited: (name, params, size)
         self._pending: tuple[bytes, tuple[bytes, ...], int | None] | None = None
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         if self._pos:
             del self._buf[: self._pos]
             self._pos = 0

@@ -50,7 +50,7 @@ class _WrappedStream(trio.abc.Stream):
         if self._pending:
             data, self._pending = self._pending, b""
             return data
-        return await self.inner.receive_some(max_bytes)
+        return bytes(await self.inner.receive_some(max_bytes))
 
 
 class PrefixedStream(_WrappedStream):
