@@ -83,11 +83,11 @@ def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(tmp_pa
         _create_channel(broker, "h", "ch")
         assert http_get(broker, "/ping") == (200, b"OK")
         filler = mnt / "filler"
-        with open(filler, "wb") as fh:  # leave the broker a few KB
+        # unbuffered: a buffered file would raise ENOSPC again when it closes
+        with open(filler, "wb", buffering=0) as fh:  # leave the broker a few KB
             try:
                 while True:
                     fh.write(b"\0" * 65536)
-                    fh.flush()
             except OSError:
                 pass
         with _connect(broker) as pub:
