@@ -9,6 +9,8 @@ import time
 import httpx
 
 from conftest import Broker
+from test_durability import _connect, _create_channel, _read_frame
+from shared.protocol import FrameParser, encode_pub
 
 
 def _url(broker: Broker, path: str) -> str:
@@ -183,3 +185,30 @@ def test_topic_delete_forgets_keys(broker_factory):
     assert _pub(broker, "t", b"b", "k2").status_code == 200
     assert _pub(broker, "t", b"a", "k").status_code == 200
     assert _topic(broker, "t")["depth"] == 2
+
+
+def test_kill_9_makes_no_copy(broker_factory):
+    """--mem-queue-size=0 --sync-every=1 with a channel: once the last published message has moved to
+    the channel, kill -9 and restart must leave the channel with exactly what was published (the topic
+    queue's read position was persisted with the move, as go-diskqueue's sync every reads+writes)."""
+    broker = broker_factory(mem_queue_size=0, sync_every=1)
+    _create_channel(broker, "t", "c")
+    published = 0
+    for run in range(12):
+        with _connect(broker) as sock:
+            parser = FrameParser()
+            for i in range(5):
+                sock.sendall(encode_pub("t", b"r%d-%d" % (run, i)))
+                assert _read_frame(sock, parser) == (0, b"OK")
+        published += 5
+
+        def moved():
+            t = _topic(broker, "t")
+            return t["depth"] == 0 and t["channels"][0]["depth"] == published
+
+        _wait(moved, "the messages to reach the channel")
+        broker.kill()
+        broker.start()
+        _wait(lambda: _topic(broker, "t")["depth"] == 0, "the topic to drain after the restart")
+        t = _topic(broker, "t")
+        assert t["channels"][0]["depth"] == published, f"run {run}: a message came back twice"
