@@ -64,7 +64,9 @@ class IdempotencyKeys:
         self._round: trio.Event | None = None
         self._load()
 
-    def __len__(self) -> int:
+    def held(self) -> int:
+        """How many keys the topic holds now (for /stats)."""
+        self._expire(time.time())
         return len(self.keys)
 
     # --- the check -----------------------------------------------------------------------------
@@ -127,9 +129,11 @@ class IdempotencyKeys:
         lines = raw.split(b"\n")
         lines.pop()  # after the last newline: empty, or a line torn by a crash
         loaded: OrderedDict[str, float] = OrderedDict()
+        entries = 0
         for line in lines:
             if line.startswith(b"#"):
                 continue
+            entries += 1
             try:
                 expiry_text, key = line.decode("ascii").split(" ", 1)
                 expiry = float(expiry_text)
@@ -143,8 +147,8 @@ class IdempotencyKeys:
         ordered = sorted(loaded.items(), key=lambda item: item[1])[-self.max_keys:]
         self.keys = OrderedDict(ordered)
         self._durable = set(self.keys)
-        self._journal_lines = len(lines)
-        if self._journal_lines > len(self.keys):
+        self._journal_lines = entries
+        if entries > len(self.keys):  # expired, forgotten or bad lines: compact
             self._rewrite()
         log.info("TOPIC(%s): loaded %d idempotency keys", self.topic_name, len(self.keys))
 

@@ -161,7 +161,7 @@ def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
         "message_bytes": topic.message_bytes,
         "paused": topic.paused,
         "e2e_processing_latency": topic_e2e(topic),
-        "idempotency_keys": len(topic.idempotency),
+        "idempotency_keys": topic.idempotency.held(),
     }
 
 

@@ -136,6 +136,7 @@ def test_window_expiry(broker_factory):
     assert _pub(broker, "t", b"a", "k").status_code == 200
     assert _topic(broker, "t")["message_count"] == 1
     time.sleep(1.2)
+    assert _topic(broker, "t")["idempotency_keys"] == 0  # expired keys are not counted
     assert _pub(broker, "t", b"a", "k").status_code == 200
     assert _topic(broker, "t")["message_count"] == 2
 
