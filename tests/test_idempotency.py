@@ -3,6 +3,7 @@ publishes nothing, also across kill -9 and restart; and kill -9 makes no copy of
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
@@ -213,3 +214,38 @@ def test_kill_9_makes_no_copy(broker_factory):
         _wait(lambda: _topic(broker, "t")["depth"] == 0, "the topic to drain after the restart")
         t = _topic(broker, "t")
         assert t["channels"][0]["depth"] == published, f"run {run}: a message came back twice"
+
+
+def test_failed_publish_leaves_its_key_free(tmp_path):
+    """A publish the disk refused is not remembered: its retry, once there is room, publishes."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    broker = Broker(mnt, mem_queue_size=0, sync_every=1)
+    try:
+        ballast = mnt / "ballast"
+        ballast.write_bytes(b"\0" * 512 * 1024)
+        broker.start()
+        accepted = 0
+        for i in range(400):
+            body = b"\n".join(b"f%04d-%03d" % (i, j) + b"x" * 200 for j in range(50))
+            r = _pub(broker, "t", body, f"k{i}", multi=True)
+            if r.status_code != 200:
+                break
+            accepted += 1
+        assert r.status_code in (500, 503), r.text
+        failed_key = f"k{accepted}"
+        t = _topic(broker, "t")
+        assert t["idempotency_keys"] == accepted
+        depth = t["depth"]
+        ballast.unlink()
+        assert _pub(broker, "t", body, failed_key, multi=True).status_code == 200
+        assert _topic(broker, "t")["depth"] == depth + 50
+        assert _pub(broker, "t", body, failed_key, multi=True).status_code == 200
+        assert _pub(broker, "t", body, "k0", multi=True).status_code == 200
+        t = _topic(broker, "t")
+        assert (t["depth"], t["idempotency_keys"]) == (depth + 50, accepted + 1)
+        assert broker.is_alive() and "Traceback" not in broker.stderr_text()
+    finally:
+        broker.kill()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
