@@ -125,6 +125,8 @@ def test_memory_messages_key_not_kept_across_kill_9(broker_factory):
     the retry publishes (at least once), never a key without its message."""
     broker = broker_factory(sync_every=1)
     assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["depth"] == 1  # held while the broker runs
     broker.kill()
     broker.start()
     assert _pub(broker, "t", b"a", "k").status_code == 200
