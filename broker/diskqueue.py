@@ -114,6 +114,9 @@ class DiskQueue:
         self.fsync_count = 0  # fsync rounds started (data files, metadata, directory)
         self._count = 0  # reads + writes since the last round (go-diskqueue's count)
         self._needs_sync = False  # something to persist (go-diskqueue's needSync, or count > 0)
+        # a round is due now (sync_every reached or a file changed): state, not just the wake event,
+        # so a wake that arrives while run() waits out someone else's round is not lost
+        self._sync_due = False
         self._writes = 0  # records put so far; group commit compares against it
         self._synced_writes = 0  # records covered by a successful round
         self._failed_writes = 0  # records covered by a failed round: never durable as far as we know
@@ -385,11 +388,13 @@ class DiskQueue:
         self._needs_sync = True
         self._count += n
         if self._count >= self.sync_every:
+            self._sync_due = True
             self._wake.set()
 
     def _file_changed(self) -> None:
         """go-diskqueue syncs whenever the read or write file changes."""
         self._needs_sync = True
+        self._sync_due = True
         self._wake.set()
 
     # --- reading ------------------------------------------------------------------------------
@@ -590,6 +595,7 @@ class DiskQueue:
         count, needs_sync = self._count, self._needs_sync
         self._count = 0
         self._needs_sync = False
+        self._sync_due = False
         self.fsync_count += 1
         ok = False
         try:
@@ -608,6 +614,7 @@ class DiskQueue:
                     self._unsynced_from = first if self._unsynced_from is None else min(first, self._unsynced_from)
                 self._count += count
                 self._needs_sync = self._needs_sync or needs_sync
+                # not due again at once: a failing disk is retried every sync_timeout, not in a loop
             else:
                 self._synced_writes = max(self._synced_writes, current.writes)
                 if self._failing:
@@ -666,7 +673,7 @@ class DiskQueue:
         sync_timeout seconds when anything happened; ends when the queue is closed or deleted."""
         task_status.started()
         while not self._closed:
-            if not self._wake.is_set():
+            if not self._wake.is_set() and not self._sync_due:
                 with trio.move_on_after(self.sync_timeout):
                     await self._wake.wait()
             self._wake = trio.Event()
