@@ -157,6 +157,19 @@ class NSQDataSource(DataSource):
     def name(cls) -> str:
         return "nsq"
 
+    def schema(self) -> StructType:
+        from shared.spark.source import SCHEMA
+
+        return SCHEMA
+
+    def simpleStreamReader(self, schema: StructType):
+        """`spark.readStream.format("nsq")`: see shared/spark/source.py for why the simple (driver-side)
+        reader."""
+        from shared.spark.options import read_settings
+        from shared.spark.source import NSQStreamReader
+
+        return NSQStreamReader(read_settings(dict(self.options)))
+
     def writer(self, schema: StructType, overwrite: bool) -> NSQWriter:
         if overwrite:
             raise ValueError("nsq: save mode 'overwrite' is not supported (a topic cannot be overwritten): "
