@@ -237,7 +237,9 @@ def broker(broker_factory) -> Broker:
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory):
-    """One local[2] SparkSession for the run, on loopback, UI off, its JVM (and so its Python workers)
+    """One local[2,2] SparkSession for the run (2 cores; a failed task is run again once, as
+    spark.task.maxFailures=2 would on a cluster: local mode reads it from the master URL), on loopback,
+    UI off, its JVM (and so its Python workers)
     started outside the repo and without the repo on PYTHONPATH: the workers import `shared.spark` from
     the installed package.
 
@@ -268,7 +270,7 @@ def spark(tmp_path_factory):
     os.chdir(workdir)
     try:
         session = (
-            SparkSession.builder.master("local[2]").appName("trio-nsq-tests")
+            SparkSession.builder.master("local[2,2]").appName("trio-nsq-tests")
             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
             .getOrCreate()

@@ -25,7 +25,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from pyspark.sql.types import StructType
 
 from shared.spark.options import WriteSettings, write_settings
-from shared.spark.publisher import Batcher, MPubClient
+from shared.spark.publisher import Batcher, MPubClient, at_least_once_once
 
 try:
     from pyspark.sql.datasource import DataSourceStreamArrowWriter
@@ -61,14 +61,20 @@ def publish_partition(settings: WriteSettings, record_batches: Iterator, key_pre
     addresses = list(settings.addresses[n:] + settings.addresses[:n])
     converter = RowConverter(topic=settings.topic, has_value=settings.has_value, key_field=settings.key_field,
                              key_prefix=f"{key_prefix}/{partition}")
+    # Batcher cuts by count and bytes only, so the same rows in the same order make the same batches on
+    # every attempt: batch number n of this partition keys the same messages each time
     batcher = Batcher(settings.batch_size, settings.max_body_size)
+    request_key = f"{key_prefix}/{partition}/" if settings.idempotent else None
+    sent = 0
     topics: dict[str, int] = {}
     with MPubClient(addresses, max_body_size=settings.max_body_size, max_retries=settings.max_retries,
                     retry_backoff=settings.retry_backoff, retry_backoff_max=settings.retry_backoff_max,
                     timeout=settings.timeout) as client:
 
         def send(topic: str, bodies: list[bytes]) -> None:
-            client.publish(topic, bodies)
+            nonlocal sent
+            client.publish(topic, bodies, None if request_key is None else f"{request_key}{sent}")
+            sent += 1
             topics[topic] = topics.get(topic, 0) + len(bodies)
 
         add = batcher.add
@@ -174,7 +180,7 @@ class NSQDataSource(DataSource):
         if overwrite:
             raise ValueError("nsq: save mode 'overwrite' is not supported (a topic cannot be overwritten): "
                              "use .mode('append')")
-        return NSQWriter(write_settings(dict(self.options), schema))
+        return NSQWriter(_checked(write_settings(dict(self.options), schema)))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> NSQStreamWriter:
         if overwrite:
@@ -183,4 +189,11 @@ class NSQDataSource(DataSource):
         if DataSourceStreamArrowWriter is None:
             raise ValueError("nsq: writeStream needs pyspark >= 4.1 (DataSourceStreamArrowWriter); batch writes "
                              "work on 4.0")
-        return NSQStreamWriter(write_settings(dict(self.options), schema))
+        return NSQStreamWriter(_checked(write_settings(dict(self.options), schema)))
+
+
+def _checked(settings: WriteSettings) -> WriteSettings:
+    if not settings.idempotent:
+        _commit_log()
+        at_least_once_once("option idempotent=false")
+    return settings

@@ -26,6 +26,8 @@ OPTIONS = {
     "retry_backoff": ("0.5", "seconds before the first retry; doubles on each retry"),
     "retry_backoff_max": ("5", "longest wait between two retries, in seconds"),
     "timeout": ("30", "seconds to wait for a broker to answer one request"),
+    "idempotent": ("true", "key every /mpub request (Idempotency-Key) so that Spark running the same work again "
+                           "publishes it once, on brokers that support it; false: at least once"),
     "key_field": (None, "JSON rows only: add this field, holding an idempotency key"),
 }
 # set by Spark itself, not by the user of this data source
@@ -48,6 +50,7 @@ class WriteSettings:
     retry_backoff: float
     retry_backoff_max: float
     timeout: float
+    idempotent: bool = True
 
 
 def _number(options: dict[str, str], name: str, kind: type, minimum: float) -> int | float:
@@ -134,7 +137,13 @@ def write_settings(options: dict[str, str], schema: StructType) -> WriteSettings
         raise ValueError("nsq: no broker: set .option('nsqd_http_address', 'host:4151[,host2:4151]') or "
                          ".option('lookupd_http_address', 'host:4161')")
 
+    idempotent = options.get("idempotent", "true").strip().lower()
+    if idempotent not in ("true", "false"):
+        raise ValueError(f"nsq: option idempotent={options['idempotent']!r} must be true or false; "
+                         f"{OPTIONS['idempotent'][1]}")
+
     return WriteSettings(
+        idempotent=idempotent == "true",
         topic=topic,
         has_value=has_value,
         key_field=key_field,
