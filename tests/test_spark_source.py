@@ -115,13 +115,14 @@ def test_a_query_failing_before_its_commit_leaves_the_messages_to_the_next_run(s
             seen_in_flight.append((n, channel_stats(source_nsqd, "src-fail", "spark")["in_flight_count"]))
             raise RuntimeError("the sink fails before the batch commits")
 
-    stream = read_stream(spark, source_nsqd, "src-fail", "spark")
+    # a short msg_timeout: nsqd gives the messages of a closed connection back when it has passed
+    stream = read_stream(spark, source_nsqd, "src-fail", "spark", msg_timeout=2000)
     query = stream.writeStream.foreachBatch(fail).option("checkpointLocation", checkpoint) \
         .trigger(processingTime="200 milliseconds").start()
     with pytest.raises(Exception, match="before the batch commits"):
         query.awaitTermination(120)
     assert seen_in_flight and seen_in_flight[0][0] == seen_in_flight[0][1] > 0  # held, not FIN'd
-    # the query's Python process is gone with its connections: nsqd has every message back
+    # the query's Python process is gone with its connections: their messages time out back to the queue
     eventually(lambda: channel_stats(source_nsqd, "src-fail", "spark")["depth"] == 2000, "requeued")
 
     got = []

@@ -14,8 +14,8 @@ Offsets are `{"batch": n}`: a count of micro-batches, not positions in NSQ (a ch
   batch start+1 and returns them as one Arrow record batch; nothing arrived: the offset stays.
 - the messages stay in flight on the broker meanwhile: a task TOUCHes them every msg_timeout / 2.
 - `commit(end)` FINs every message of the batches up to `end`, each on its own connection.
-- the process ends (query stopped or crashed): the connections close and nsqd puts every message they
-  held back in the queue at once. On restart from a checkpoint, Spark replays a batch that was planned
+- the process ends (query stopped or crashed): the connections close and, once their msg_timeout has
+  passed since the last TOUCH, nsqd gives the messages they held to another consumer. On restart from a checkpoint, Spark replays a batch that was planned
   but not committed through `readBetweenOffsets`: its messages are no longer ours (nsqd has them back
   and delivers them again, to this query or to another consumer of the channel), so that batch is
   replayed empty and its messages arrive in later batches, with `attempts` one higher.
@@ -69,7 +69,7 @@ class _Held:
 class ConsumerThread:
     """A Trio run on a daemon thread holding one Consumer. Spark's thread talks to it through
     trio.from_thread; the thread dies with the process (the Python worker Spark started for the
-    source), which closes the sockets: nsqd then requeues what was not FIN'd."""
+    source), which closes the sockets: what was not FIN'd times out on nsqd and is delivered again."""
 
     def __init__(self, settings: ReadSettings) -> None:
         self.settings = settings
@@ -156,8 +156,8 @@ class ConsumerThread:
     def take(self, batch: int) -> list:
         n = min(len(self.arrived), self.settings.max_messages_per_batch)
         held = [self.arrived.popleft() for _ in range(n)]
-        if held:
-            self.batches[batch] = held
+        if held:  # (a read planned twice for one batch adds to it)
+            self.batches.setdefault(batch, []).extend(held)
         return [h.message for h in held]
 
     def holding(self, batch: int) -> bool:
@@ -222,8 +222,9 @@ class NSQStreamReader(SimpleDataSourceStreamReader):
     def readBetweenOffsets(self, start: dict, end: dict) -> Iterator:
         # a batch planned by an earlier run of the query and not committed: its messages went back to
         # nsqd when that run's connections closed, and come again in later batches
-        log.warning("nsq source: batches %s..%s of an earlier run are replayed empty; nsqd delivers their "
-                    "messages again", start.get("batch"), end.get("batch"))
+        if start != end:
+            log.warning("nsq source: batches %s..%s of an earlier run are replayed empty; nsqd delivers their "
+                        "messages again", start.get("batch"), end.get("batch"))
         return iter(())
 
     def commit(self, end: dict) -> None:
