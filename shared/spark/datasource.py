@@ -15,6 +15,7 @@ How Spark runs it, and why the code is shaped so:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import uuid
@@ -144,7 +145,12 @@ class NSQStreamWriter(DataSourceStreamArrowWriter or DataSourceStreamWriter):
         context = TaskContext.get()
         query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
         batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
-        return publish_partition(self.settings, iterator, f"{query_id}/{batch_id}")
+        settings = self.settings
+        if settings.idempotent and (query_id is None or batch_id is None):
+            # without them, keys would repeat from one micro-batch to the next: send none
+            at_least_once_once("the task has no sql.streaming.queryId / streaming.sql.batchId to key requests by")
+            settings = dataclasses.replace(settings, idempotent=False)
+        return publish_partition(settings, iterator, f"{query_id}/{batch_id}")
 
     def commit(self, messages: list, batchId: int) -> None:
         _commit_log().info("nsq: micro-batch %d published %s", batchId, summarize(messages))
