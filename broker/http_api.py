@@ -43,6 +43,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from broker.backend import BackendError
+from broker.idempotency import valid_key
 from broker.message import Message
 from broker.stats import GC_PAUSES, go_duration, health, prometheus_text, stats_document, stats_text
 from broker.topic import Topic
@@ -149,6 +150,7 @@ class ApiRequest:
     read: Callable[[int], Awaitable[bytes | None]]
     remote: str = ""
     server_port: int = 0
+    idempotency_key: str | None = None  # the Idempotency-Key header, as sent (checked by /pub, /mpub)
 
     @property
     def uri(self) -> str:
@@ -334,11 +336,13 @@ class Api:
             "max_deflate_level": opts.max_deflate_level,
             "topology_zone": "",
             "topology_region": "",
+            "idempotent_publish": True,  # /pub and /mpub honour Idempotency-Key (Go nsqd lacks the field)
         })
 
     # --- publishing -------------------------------------------------------------------------
 
     async def pub(self, req: ApiRequest) -> Reply:
+        key = self._idempotency_key(req)
         max_msg_size = self.options.max_msg_size
         if req.content_length is not None and req.content_length > max_msg_size:
             raise HTTPError(413, "MSG_TOO_BIG")
@@ -360,16 +364,14 @@ class Api:
             deferred = ms / 1000
         msg = topic.new_message(body)
         msg.deferred = deferred
-        try:
-            to_backend = topic.put_message(msg)
-        except BackendError as exc:
-            log.error("TOPIC(%s): HTTP pub failed - %s", topic.name, exc)
-            raise HTTPError(503, "EXITING") from None
-        if to_backend:
-            await self._sync(topic)
+        if key is not None:
+            await topic.idempotency.publish_once(key, lambda: self._publish(topic, [msg], "pub"))
+            return OK
+        await self._publish(topic, [msg], "pub")
         return OK
 
     async def mpub(self, req: ApiRequest) -> Reply:
+        key = self._idempotency_key(req)
         opts = self.options
         if req.content_length is not None and req.content_length > opts.max_body_size:
             raise HTTPError(413, "BODY_TOO_BIG")
@@ -393,14 +395,33 @@ class Api:
                 raise HTTPError(413, "MSG_TOO_BIG")
         new_id = topic.guid.new_id
         msgs = [Message(new_id(), b) for b in bodies]
+        if key is not None:
+            await topic.idempotency.publish_once(key, lambda: self._publish(topic, msgs, "mpub"))
+            return OK
+        await self._publish(topic, msgs, "mpub")
+        return OK
+
+    @staticmethod
+    def _idempotency_key(req: ApiRequest) -> str | None:
+        key = req.idempotency_key
+        if key is not None and not valid_key(key):
+            log.error("invalid Idempotency-Key header (%d bytes) on %s", len(key), req.path)
+            raise HTTPError(400, "INVALID_IDEMPOTENCY_KEY")
+        return key
+
+    async def _publish(self, topic: Topic, msgs: list[Message], what: str) -> bool:
+        """Queue the messages (and wait for their fsync with --sync-every=1); True if every one of
+        them is on disk now, fsynced (so an Idempotency-Key covering them may be journalled)."""
+        in_memory = len(topic.memory)
         try:
             to_backend = topic.put_messages(msgs)
         except BackendError as exc:
-            log.error("TOPIC(%s): HTTP mpub failed - %s", topic.name, exc)
+            log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
             raise HTTPError(503, "EXITING") from None
+        all_on_disk = to_backend and len(topic.memory) == in_memory
         if to_backend:
             await self._sync(topic)
-        return OK
+        return all_on_disk and self.options.sync_every == 1
 
     async def _sync(self, topic: Topic) -> None:
         """With --sync-every=1 a publish is answered only once it is on disk, over HTTP as over TCP
@@ -636,6 +657,7 @@ def _quart_request() -> ApiRequest:
         read=read,
         remote=join_host_port(client[0], client[1]) if client[0] else "",
         server_port=server[1] or 0,
+        idempotency_key=request.headers.get("Idempotency-Key"),
     )
 
 
@@ -830,7 +852,8 @@ class Front:
         content_length = _content_length(scope)
         client = scope.get("client") or ("", 0)
         req = ApiRequest("POST", scope["path"], scope["query_string"], content_length, body.read,
-                         f"{client[0]}:{client[1]}", (scope.get("server") or ("", 0))[1] or 0)
+                         f"{client[0]}:{client[1]}", (scope.get("server") or ("", 0))[1] or 0,
+                         _header(scope, b"idempotency-key"))
         try:
             reply = await self.api.call(name, req)
             # answered before the body was in (a limit): read and drop the rest first, since
@@ -849,6 +872,13 @@ class Front:
         except ClientGone:
             return
         await send_reply(send, Reply(403, payload, JSON_TYPE))
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _content_length(scope: dict) -> int | None:
@@ -971,6 +1001,7 @@ def _schemas() -> dict:
         **{k: _INTEGER for k in ("depth", "backend_depth", "message_count", "message_bytes")},
         "paused": _BOOL,
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
+        "idempotency_keys": {**_INTEGER, "description": "Idempotency-Keys the topic holds"},
     }}
     memory = {"type": "object", "properties": {k: _INTEGER for k in (
         "heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes", "gc_pause_usec_100",
@@ -989,6 +1020,7 @@ def _schemas() -> dict:
         "max_output_buffer_timeout": {**_INTEGER, "description": "nanoseconds"},
         "max_deflate_level": {"type": "integer"},
         "topology_zone": {"type": "string"}, "topology_region": {"type": "string"},
+        "idempotent_publish": {"type": "boolean"},
     }}
     error = {"type": "object", "required": ["message"], "properties": {"message": {"type": "string"}}}
     return {"Error": error, "Info": info, "Stats": stats, "TopicStats": topic, "ChannelStats": channel,
@@ -1024,7 +1056,7 @@ def openapi_spec() -> dict:
         "/pub": {"post": op(
             "Publish one message", {
                 "200": _TEXT_OK,
-                "400": _err("MSG_EMPTY", "MISSING_ARG_TOPIC", "INVALID_TOPIC", "INVALID_DEFER", bad_query),
+                "400": _err("MSG_EMPTY", "MISSING_ARG_TOPIC", "INVALID_TOPIC", "INVALID_DEFER", "INVALID_IDEMPOTENCY_KEY", bad_query),
                 "413": _err("MSG_TOO_BIG"),
                 "500": _err("INTERNAL_ERROR"),
                 "503": _err("EXITING")},
@@ -1035,7 +1067,7 @@ def openapi_spec() -> dict:
         "/mpub": {"post": op(
             "Publish several messages", {
                 "200": _TEXT_OK,
-                "400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", bad_query),
+                "400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", "INVALID_IDEMPOTENCY_KEY", bad_query),
                 "413": _err("BODY_TOO_BIG", "MSG_TOO_BIG", "BAD_BODY", "BAD_MESSAGE"),
                 "500": _err("INTERNAL_ERROR"),
                 "503": _err("EXITING")},

@@ -122,6 +122,7 @@ class NSQD:
                 topic.memory.clear()
                 self._flush_to_backend(str(topic), topic.backend, msgs)
             await topic.backend.close()
+            topic.idempotency.close()  # after the messages: a key is never kept for messages lost
 
     def _flush_to_backend(self, what: str, backend: BackendQueue, msgs: list) -> None:
         if not msgs:
@@ -267,6 +268,7 @@ class NSQD:
             topic.delete_channel(channel_name)
         topic.cancel()
         topic.backend.delete()  # the files are gone before the caller answers, as in nsqd
+        topic.idempotency.delete()
         self._notify(topic, False)
 
     def notify_channel(self, channel: Channel, created: bool) -> None:

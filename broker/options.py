@@ -91,6 +91,15 @@ class Options:
     topology_region: str = option("", "the region this nsqd is in (reported in IDENTIFY)")
     topology_zone: str = option("", "the availability zone this nsqd is in (reported in IDENTIFY)")
     enable_experiment: list = option([], "experimental features to enable (accepted; none is implemented)", repeat=True)
+    # Idempotency-Key on /pub and /mpub. 1,000,000 keys: a day of Spark retries at typical batch sizes
+    # (a key per /mpub of ~1,000-10,000 rows covers 1-10 billion rows a day per topic), ~100 MB at most.
+    idempotency_window: float = option(
+        86400.0, "how long a topic remembers an accepted Idempotency-Key of /pub and /mpub", kind="duration"
+    )
+    max_idempotency_keys: int = option(
+        1_000_000, "most Idempotency-Keys a topic remembers (the oldest is forgotten first); "
+        "the default holds a day of Spark write retries at typical batch sizes"
+    )
     e2e_processing_latency_window_time: float = option(
         600.0, "calculate end to end latency quantiles for this duration of time", kind="duration"
     )
@@ -107,6 +116,10 @@ class Options:
             raise ValueError("--max-deflate-level must be [1,9]")
         if not 0 <= self.node_id < 1024:
             raise ValueError("--node-id must be [0,1024)")
+        if self.idempotency_window <= 0:
+            raise ValueError("--idempotency-window must be > 0")
+        if self.max_idempotency_keys < 1:
+            raise ValueError("--max-idempotency-keys must be >= 1")
         for value in self.e2e_processing_latency_percentiles:
             if not 0 < value <= 1:
                 raise ValueError(f"invalid E2E processing latency percentile: {value:g}")

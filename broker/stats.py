@@ -161,6 +161,7 @@ def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
         "message_bytes": topic.message_bytes,
         "paused": topic.paused,
         "e2e_processing_latency": topic_e2e(topic),
+        "idempotency_keys": len(topic.idempotency),
     }
 
 
@@ -361,7 +362,8 @@ def stats_text(
         prefix = "*P " if t["paused"] else "   "
         out += (
             f"\n{prefix}[{t['topic_name']:<15}] depth: {t['depth']:<5} be-depth: {t['backend_depth']:<5} "
-            f"msgs: {t['message_count']:<8} e2e%: {_e2e_text(t['e2e_processing_latency'])}\n"
+            f"msgs: {t['message_count']:<8} e2e%: {_e2e_text(t['e2e_processing_latency'])}"
+            + (f" idempotency-keys: {t['idempotency_keys']}" if t.get("idempotency_keys") else "") + "\n"
         )
         for c in t["channels"]:
             prefix = "   *P " if c["paused"] else "      "

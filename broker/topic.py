@@ -12,6 +12,7 @@ import trio
 from broker.backend import BackendError, BackendQueue
 from broker.channel import Channel
 from broker.guid import GUIDFactory
+from broker.idempotency import IdempotencyKeys
 from broker.message import Message
 from broker.quantile import Quantile, aggregate
 from shared.names import is_ephemeral, is_valid_channel_name
@@ -38,6 +39,11 @@ class Topic:
         self.paused = False
         self.exiting = False
         self.guid = GUIDFactory(nsqd.options.node_id)
+        # Idempotency-Keys accepted on /pub and /mpub; an ephemeral topic's stay in memory, as its messages
+        self.idempotency = IdempotencyKeys(
+            name, None if self.ephemeral else nsqd.data_path,
+            window=nsqd.options.idempotency_window, max_keys=nsqd.options.max_idempotency_keys,
+        )
         # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
         self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None
 

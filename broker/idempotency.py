@@ -1,0 +1,258 @@
+"""IdempotencyKeys: the `Idempotency-Key`s a topic accepted on /pub and /mpub, for a window.
+
+A request whose key the topic accepted before publishes nothing and is answered as the first was
+(200 OK); one whose key is still being stored waits for the first one's outcome. Only a publish that
+succeeded is remembered, so a failed first attempt leaves the key free for its retry.
+
+Durability: a key is exactly as durable as the messages it covers.
+- When the answer waited for the messages' fsync (--sync-every=1 and every message of the request went
+  to the disk queue), the key is appended to `<topic>.idempotency.dat` and fsynced after the messages'
+  fsync and before the answer. Crash window: messages fsynced but key not yet -> a retry publishes them
+  again (a duplicate); never the reverse (a key remembered for messages that were not stored, a loss).
+- Otherwise (messages in memory, or on disk without an fsync before the answer) the key is held in
+  memory and journalled at a clean exit with the messages themselves; a kill -9 loses both, so a retry
+  publishes again.
+
+The journal is not a go-diskqueue file (Go nsqd ignores it in the data dir): a header line, then one
+line per key, `<expiry unix seconds> <key>`; a torn last line (kill -9 mid-append) is ignored. It is
+loaded when the topic is created (expired keys dropped), rewritten when it holds more than twice the
+table bound, and removed with the topic.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import trio
+
+log = logging.getLogger("nsqd")
+
+MAX_KEY_LENGTH = 256
+JOURNAL_HEADER = b"# trio-nsqd idempotency keys v1\n"
+
+
+def valid_key(key: str) -> bool:
+    """1..256 printable ASCII characters (space to tilde)."""
+    return 0 < len(key) <= MAX_KEY_LENGTH and all(" " <= ch <= "~" for ch in key)
+
+
+def journal_name(topic_name: str) -> str:
+    return f"{topic_name}.idempotency.dat"
+
+
+class IdempotencyKeys:
+    def __init__(self, topic_name: str, data_path: str | None, *, window: float, max_keys: int) -> None:
+        self.topic_name = topic_name
+        self.window = window
+        self.max_keys = max(1, max_keys)
+        self.path = os.path.join(data_path, journal_name(topic_name)) if data_path else None
+        self.keys: OrderedDict[str, float] = OrderedDict()  # key -> expiry (wall clock), oldest first
+        self._durable: set[str] = set()  # keys already fsynced in the journal
+        self._pending: dict[str, trio.Event] = {}  # keys whose first request is still publishing
+        self._journal_lines = 0
+        self._fd: int | None = None
+        self._warned_full = False
+        self._closed = False
+        # group commit of journal appends: every waiter of one moment shares one fsync
+        self._appended = 0
+        self._synced = 0
+        self._round: trio.Event | None = None
+        self._load()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    # --- the check -----------------------------------------------------------------------------
+
+    async def publish_once(self, key: str, publish: Callable[[], Awaitable[bool]]) -> None:
+        """Run `publish` unless the key was accepted already (or is, by a request in flight that
+        succeeds). `publish` raises on failure and returns whether its messages are durable now."""
+        while True:
+            self._expire(time.time())
+            if key in self.keys:
+                return
+            pending = self._pending.get(key)
+            if pending is None:
+                break
+            await pending.wait()
+        done = self._pending[key] = trio.Event()
+        try:
+            durable = await publish()
+            self._remember(key)
+            if durable and self.path is not None:
+                await self._journal([key])
+        finally:
+            del self._pending[key]
+            done.set()
+
+    def _remember(self, key: str) -> None:
+        self.keys[key] = time.time() + self.window
+        self.keys.move_to_end(key)
+        while len(self.keys) > self.max_keys:
+            old, _ = self.keys.popitem(last=False)
+            self._durable.discard(old)
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning("TOPIC(%s): idempotency key table full (%d, --max-idempotency-keys): "
+                            "forgetting the oldest keys", self.topic_name, self.max_keys)
+
+    def _expire(self, now: float) -> None:
+        keys = self.keys
+        while keys:
+            key, expiry = next(iter(keys.items()))
+            if expiry > now:
+                break
+            keys.popitem(last=False)
+            self._durable.discard(key)
+
+    # --- the journal ---------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self.path is None:
+            return
+        try:
+            with open(self.path, "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error("TOPIC(%s): failed to read %s - %s", self.topic_name, self.path, exc)
+            return
+        now = time.time()
+        lines = raw.split(b"\n")
+        lines.pop()  # after the last newline: empty, or a line torn by a crash
+        loaded: OrderedDict[str, float] = OrderedDict()
+        for line in lines:
+            if line.startswith(b"#"):
+                continue
+            try:
+                expiry_text, key = line.decode("ascii").split(" ", 1)
+                expiry = float(expiry_text)
+            except ValueError:
+                log.warning("TOPIC(%s): skipping a bad line in %s", self.topic_name, self.path)
+                continue
+            if expiry > now and valid_key(key):
+                loaded.pop(key, None)
+                loaded[key] = min(expiry, now + self.window)
+        # oldest first, the newest max_keys of them
+        ordered = sorted(loaded.items(), key=lambda item: item[1])[-self.max_keys:]
+        self.keys = OrderedDict(ordered)
+        self._durable = set(self.keys)
+        self._journal_lines = len(lines)
+        if self._journal_lines > len(self.keys):
+            self._rewrite()
+        log.info("TOPIC(%s): loaded %d idempotency keys", self.topic_name, len(self.keys))
+
+    def _line(self, key: str) -> bytes:
+        return f"{self.keys[key]:.3f} {key}\n".encode("ascii")
+
+    def _rewrite(self, keys: list[str] | None = None) -> None:
+        """Write the journal anew (only `keys`, default the durable ones): a temp file, fsynced,
+        renamed over the old one."""
+        assert self.path is not None
+        self._close_fd()
+        keep = [k for k in self.keys if k in self._durable] if keys is None else keys
+        tmp = f"{self.path}.tmp"
+        data = JOURNAL_HEADER + b"".join(self._line(k) for k in keep)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, f"short write of {tmp}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+            dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            log.error("TOPIC(%s): failed to write %s - %s", self.topic_name, self.path, exc)
+            return
+        self._durable = set(keep)
+        self._journal_lines = len(keep)
+
+    async def _journal(self, keys: list[str]) -> None:
+        """Append keys and return once they are fsynced (group commit). A failure is logged and the
+        keys stay in memory only: a retry after a crash then duplicates, never loses."""
+        if self._closed or self.path is None:
+            return
+        if self._journal_lines >= 2 * self.max_keys and self._round is None:
+            # bounded: drop the forgotten and expired keys from the file (once per max_keys appends)
+            self._rewrite()
+        try:
+            if self._fd is None:
+                new = not os.path.exists(self.path)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                if new:
+                    os.write(self._fd, JOURNAL_HEADER)
+            data = b"".join(self._line(k) for k in keys if k in self.keys)
+            if os.write(self._fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as exc:
+            log.error("TOPIC(%s): failed to journal idempotency keys - %s", self.topic_name, exc)
+            self._close_fd()
+            return
+        self._journal_lines += len(keys)
+        self._appended += 1
+        target = self._appended
+        while self._synced < target:
+            if self._round is not None:
+                await self._round.wait()
+                continue
+            self._round = done = trio.Event()
+            upto = self._appended
+            fd = self._fd
+            try:
+                if fd is not None:
+                    await trio.to_thread.run_sync(os.fsync, fd)
+                self._synced = max(self._synced, upto)
+            except OSError as exc:
+                log.error("TOPIC(%s): failed to fsync %s - %s", self.topic_name, self.path, exc)
+                return
+            finally:
+                self._round = None
+                done.set()
+        self._durable.update(keys)
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """At a clean exit, with the messages flushed to disk: every key held goes to the journal."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.path is not None and (self.keys or self._journal_lines):
+            self._expire(time.time())
+            self._rewrite(list(self.keys))
+        self._close_fd()
+
+    def delete(self) -> None:
+        """The topic is deleted: forget every key and remove the journal."""
+        self._closed = True
+        self._close_fd()
+        self.keys.clear()
+        self._durable.clear()
+        if self.path is not None:
+            for path in (self.path, f"{self.path}.tmp"):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.error("TOPIC(%s): failed to remove %s - %s", self.topic_name, path, exc)

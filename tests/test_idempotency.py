@@ -1,0 +1,185 @@
+"""Idempotency-Key on /pub and /mpub against real broker processes: a key the topic accepted before
+publishes nothing, also across kill -9 and restart; and kill -9 makes no copy of a message (issue 15)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from conftest import Broker
+
+
+def _url(broker: Broker, path: str) -> str:
+    return f"http://{broker.http_address}{path}"
+
+
+def _pub(broker: Broker, topic: str, body: bytes, key: str | None = None, *, multi: bool = False) -> httpx.Response:
+    headers = {} if key is None else {"Idempotency-Key": key}
+    path = "/mpub" if multi else "/pub"
+    return httpx.post(_url(broker, f"{path}?topic={topic}"), content=body, headers=headers, timeout=30)
+
+
+def _topic(broker: Broker, topic: str) -> dict:
+    doc = httpx.get(_url(broker, f"/stats?format=json&topic={topic}"), timeout=30).json()
+    return next(t for t in doc["topics"] or [] if t["topic_name"] == topic)
+
+
+def _wait(predicate, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_same_key_publishes_once_and_answers_the_same(broker_factory):
+    broker = broker_factory()
+    first = _pub(broker, "t", b"one", "k1")
+    again = _pub(broker, "t", b"one", "k1")
+    assert (first.status_code, first.content) == (200, b"OK")
+    assert (again.status_code, again.content, again.headers.get("content-type")) == (
+        first.status_code, first.content, first.headers.get("content-type"))
+    m1 = _pub(broker, "t", b"a\nb\nc", "batch-1", multi=True)
+    m2 = _pub(broker, "t", b"a\nb\nc", "batch-1", multi=True)
+    assert (m1.status_code, m1.content) == (m2.status_code, m2.content) == (200, b"OK")
+    t = _topic(broker, "t")
+    assert (t["message_count"], t["depth"], t["idempotency_keys"]) == (4, 4, 2)
+
+
+def test_different_keys_or_no_key_publish_each_time(broker_factory):
+    broker = broker_factory()
+    for key in ("a", "b", None, None):
+        assert _pub(broker, "t", b"x", key).status_code == 200
+    assert _pub(broker, "t", b"x\ny", "c", multi=True).status_code == 200
+    assert _pub(broker, "t", b"x\ny", None, multi=True).status_code == 200
+    t = _topic(broker, "t")
+    assert (t["message_count"], t["idempotency_keys"]) == (8, 3)
+
+
+def test_invalid_key_is_400(broker_factory):
+    broker = broker_factory()
+    for key in ("k" * 257, "tab\there", "caf\u00e9", ""):
+        for multi in (False, True):
+            headers = {"Idempotency-Key": key.encode("utf-8")}
+            r = httpx.post(_url(broker, "/mpub?topic=t" if multi else "/pub?topic=t"), content=b"x",
+                           headers=headers, timeout=30)
+            assert r.status_code == 400, (key, r.text)
+            assert r.json() == {"message": "INVALID_IDEMPOTENCY_KEY"}
+    assert _pub(broker, "t", b"x", "k" * 256).status_code == 200
+    assert _pub(broker, "t", b"x", "a b!~{}").status_code == 200
+    assert _topic(broker, "t")["message_count"] == 2
+    assert "Traceback" not in broker.stderr_text()
+
+
+def test_concurrent_same_key_publishes_once(broker_factory):
+    broker = broker_factory(mem_queue_size=0, sync_every=1)
+    answers: list[tuple[int, bytes]] = []
+    lock = threading.Lock()
+
+    def send() -> None:
+        r = _pub(broker, "t", b"\n".join(b"m%d" % i for i in range(200)), "same", multi=True)
+        with lock:
+            answers.append((r.status_code, r.content))
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert answers == [(200, b"OK")] * 8
+    t = _topic(broker, "t")
+    assert (t["message_count"], t["idempotency_keys"]) == (200, 1)
+
+
+def test_key_survives_kill_9(broker_factory):
+    broker = broker_factory(mem_queue_size=0, sync_every=1)
+    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
+    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    broker.kill()
+    broker.start()
+    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
+    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    t = _topic(broker, "t")
+    assert (t["depth"], t["idempotency_keys"]) == (3, 2)
+    assert _pub(broker, "t", b"d", "spark-0-2").status_code == 200
+    assert _topic(broker, "t")["depth"] == 4
+
+
+def test_key_survives_clean_restart_with_default_flags(broker_factory):
+    broker = broker_factory()
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    broker.restart()
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["depth"] == 1
+
+
+def test_memory_messages_key_not_kept_across_kill_9(broker_factory):
+    """Default flags: the message lives in memory, so its key does too; after kill -9 both are gone and
+    the retry publishes (at least once), never a key without its message."""
+    broker = broker_factory(sync_every=1)
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    broker.kill()
+    broker.start()
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["depth"] == 1
+
+
+def test_window_expiry(broker_factory):
+    broker = broker_factory(idempotency_window="1s")
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["message_count"] == 1
+    time.sleep(1.2)
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["message_count"] == 2
+
+
+def test_bound_forgets_the_oldest(broker_factory):
+    broker = broker_factory(max_idempotency_keys=3, mem_queue_size=0, sync_every=1)
+    for key in ("k1", "k2", "k3", "k4"):
+        assert _pub(broker, "t", b"x", key).status_code == 200
+    assert _topic(broker, "t")["idempotency_keys"] == 3
+    assert _pub(broker, "t", b"x", "k4").status_code == 200  # held
+    assert _topic(broker, "t")["message_count"] == 4
+    assert _pub(broker, "t", b"x", "k1").status_code == 200  # forgotten: publishes again
+    assert _topic(broker, "t")["message_count"] == 5
+    assert broker.stderr_text().count("idempotency key table full") == 1
+    # the journal stays bounded too: many keys, then a restart loads only the newest
+    for i in range(20):
+        assert _pub(broker, "t", b"x", f"n{i}").status_code == 200
+    broker.kill()
+    broker.start()
+    assert _topic(broker, "t")["idempotency_keys"] == 3
+    lines = (broker.data_path / "t.idempotency.dat").read_bytes().splitlines()
+    assert len([line for line in lines if not line.startswith(b"#")]) <= 3
+    assert _pub(broker, "t", b"x", "n19").status_code == 200
+    assert _topic(broker, "t")["depth"] == 25
+
+
+def test_info_and_stats_fields(broker_factory):
+    broker = broker_factory()
+    assert httpx.get(_url(broker, "/info"), timeout=30).json()["idempotent_publish"] is True
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["idempotency_keys"] == 1
+    text = httpx.get(_url(broker, "/stats?topic=t"), timeout=30).text
+    assert "idempotency-keys: 1" in text
+
+
+def test_topic_delete_forgets_keys(broker_factory):
+    broker = broker_factory(mem_queue_size=0, sync_every=1)
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    journal = broker.data_path / "t.idempotency.dat"
+    assert journal.exists()
+    assert httpx.post(_url(broker, "/topic/delete?topic=t"), timeout=30).status_code == 200
+    assert not journal.exists()
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["depth"] == 1
+    broker.kill()
+    broker.start()
+    assert _pub(broker, "t", b"b", "k2").status_code == 200
+    assert _pub(broker, "t", b"a", "k").status_code == 200
+    assert _topic(broker, "t")["depth"] == 2
