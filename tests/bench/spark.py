@@ -2,6 +2,7 @@
 against Spark's `noop` format on the same DataFrame, and messages/s read by `readStream.format("nsq")`.
 
     .venv/bin/python -m tests.bench.spark [--rows 100000] [--partitions 8] [--runs 3] [--messages 100000]
+                                          [--max-in-flight 2500]
 
 One local[2] SparkSession and one trio-nsqd on loopback; each figure is the median of --runs, after a
 warm-up write (the first Python write of a session starts and imports the workers).
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--max-in-flight", type=int, default=2500,
+                        help="the source's max_in_flight (the broker's --max-rdy-count is raised to match)")
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
@@ -57,7 +60,7 @@ def main() -> None:
 
     from shared.spark import NSQDataSource
 
-    broker = Broker()
+    broker = Broker(f"--max-rdy-count={max(2500, args.max_in_flight)}")
     scratch = tempfile.mkdtemp(prefix="trio-nsq-spark-bench-")
     spark = (SparkSession.builder.master("local[2]").appName("trio-nsq-bench")
              .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
@@ -94,7 +97,8 @@ def main() -> None:
             for i in range(0, len(bodies), 5000):
                 client.publish("read", bodies[i:i + 5000])
         stream = spark.readStream.format("nsq").option("topic", "read").option("channel", "bench") \
-            .option("nsqd_tcp_address", tcp).load()
+            .option("nsqd_tcp_address", tcp) \
+            .option("max_in_flight", args.max_in_flight).load()
         start = time.perf_counter()
         query = stream.writeStream.format("noop").option("checkpointLocation", f"{scratch}/checkpoint") \
             .trigger(processingTime="100 milliseconds").start()
@@ -108,8 +112,9 @@ def main() -> None:
             elapsed = time.perf_counter() - start
         finally:
             query.stop()
-        print(f"read: {args.messages} messages through readStream (noop sink), read and FIN'd after commit "
-              f"(including the query's start): {args.messages / elapsed:,.0f} messages/s ({elapsed:.2f} s)")
+        print(f"read: {args.messages} messages through readStream (noop sink, max_in_flight {args.max_in_flight}), "
+              f"read and FIN'd after commit (including the query's start): {args.messages / elapsed:,.0f} "
+              f"messages/s ({elapsed:.2f} s)")
     finally:
         spark.stop()
         broker.close()
