@@ -13,6 +13,7 @@ reference implementation.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -229,3 +230,55 @@ def broker_factory(tmp_path):
 def broker(broker_factory) -> Broker:
     """A broker with default flags, fresh data directory, free loopback ports."""
     return broker_factory()
+
+
+# --- Spark: one local SparkSession for the whole run, shared by every tests/test_spark*.py file -------
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    """One local[2,2] SparkSession for the run (2 cores; a failed task is run again once, as
+    spark.task.maxFailures=2 would on a cluster: local mode reads it from the master URL), on loopback,
+    UI off, its JVM (and so its Python workers)
+    started outside the repo and without the repo on PYTHONPATH: the workers import `shared.spark` from
+    the installed package.
+
+    The format "nsq" is not registered here: Spark finds it by itself, as it finds any top-level
+    `pyspark_*` module exporting DefaultSource. An editable install (`pip install -e`) hides top-level
+    modules from that scan (pkgutil cannot list what setuptools' editable finder serves), so pyspark_nsq.py
+    is put on the workers' path from a directory of its own, where a regular install would put it."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        pytest.fail("the Spark tests need the spark extra: pip install -e '.[test,spark]'", pytrace=False)
+
+    workdir = tmp_path_factory.mktemp("spark-cwd")
+    discovery = tmp_path_factory.mktemp("spark-discovery")
+    shutil.copy(REPO_ROOT / "pyspark_nsq.py", discovery / "pyspark_nsq.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(discovery), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               PYSPARK_DRIVER_PYTHON=sys.executable)
+    check = subprocess.run([sys.executable, "-c", "import shared.spark.datasource, pyspark_nsq"], cwd=workdir,
+                           env=env, capture_output=True, text=True)
+    if check.returncode:
+        pytest.fail(f"Spark's workers could not import the connector outside the repo; install the package "
+                    f"(pip install -e '.[test,spark]'):\n{check.stderr[-2000:]}", pytrace=False)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        session = (
+            SparkSession.builder.master("local[2,2]").appName("trio-nsq-tests")
+            .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
+            .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+            .getOrCreate()
+        )
+    finally:
+        os.chdir(cwd)  # the JVM keeps workdir; the other test files keep theirs
+        os.environ.clear()
+        os.environ.update(saved)
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

@@ -15,9 +15,7 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -314,53 +312,6 @@ def test_commit_logs_the_total(caplog):
 
 
 # --- with Spark ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory):
-    """One local[2] SparkSession for the run, on loopback, UI off, its JVM (and so its Python workers)
-    started outside the repo and without the repo on PYTHONPATH: the workers import `shared.spark` from
-    the installed package.
-
-    The format "nsq" is not registered here: Spark finds it by itself, as it finds any top-level
-    `pyspark_*` module exporting DefaultSource. An editable install (`pip install -e`) hides top-level
-    modules from that scan (pkgutil cannot list what setuptools' editable finder serves), so pyspark_nsq.py
-    is put on the workers' path from a directory of its own, where a regular install would put it."""
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        pytest.fail("the Spark tests need the spark extra: pip install -e '.[test,spark]'", pytrace=False)
-
-    workdir = tmp_path_factory.mktemp("spark-cwd")
-    discovery = tmp_path_factory.mktemp("spark-discovery")
-    shutil.copy(REPO_ROOT / "pyspark_nsq.py", discovery / "pyspark_nsq.py")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(discovery), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               PYSPARK_DRIVER_PYTHON=sys.executable)
-    check = subprocess.run([sys.executable, "-c", "import shared.spark.datasource, pyspark_nsq"], cwd=workdir,
-                           env=env, capture_output=True, text=True)
-    if check.returncode:
-        pytest.fail(f"Spark's workers could not import the connector outside the repo; install the package "
-                    f"(pip install -e '.[test,spark]'):\n{check.stderr[-2000:]}", pytrace=False)
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    cwd = os.getcwd()
-    os.chdir(workdir)
-    try:
-        session = (
-            SparkSession.builder.master("local[2]").appName("trio-nsq-tests")
-            .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
-            .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-            .getOrCreate()
-        )
-    finally:
-        os.chdir(cwd)  # the JVM keeps workdir; the other test files keep theirs
-        os.environ.clear()
-        os.environ.update(saved)
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ How Spark runs it, and why the code is shaped so:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import uuid
@@ -25,7 +26,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from pyspark.sql.types import StructType
 
 from shared.spark.options import WriteSettings, write_settings
-from shared.spark.publisher import Batcher, MPubClient
+from shared.spark.publisher import Batcher, MPubClient, at_least_once_once
 
 try:
     from pyspark.sql.datasource import DataSourceStreamArrowWriter
@@ -61,14 +62,20 @@ def publish_partition(settings: WriteSettings, record_batches: Iterator, key_pre
     addresses = list(settings.addresses[n:] + settings.addresses[:n])
     converter = RowConverter(topic=settings.topic, has_value=settings.has_value, key_field=settings.key_field,
                              key_prefix=f"{key_prefix}/{partition}")
+    # Batcher cuts by count and bytes only, so the same rows in the same order make the same batches on
+    # every attempt: batch number n of this partition keys the same messages each time
     batcher = Batcher(settings.batch_size, settings.max_body_size)
+    request_key = f"{key_prefix}/{partition}/" if settings.idempotent else None
+    sent = 0
     topics: dict[str, int] = {}
     with MPubClient(addresses, max_body_size=settings.max_body_size, max_retries=settings.max_retries,
                     retry_backoff=settings.retry_backoff, retry_backoff_max=settings.retry_backoff_max,
                     timeout=settings.timeout) as client:
 
         def send(topic: str, bodies: list[bytes]) -> None:
-            client.publish(topic, bodies)
+            nonlocal sent
+            client.publish(topic, bodies, None if request_key is None else f"{request_key}{sent}")
+            sent += 1
             topics[topic] = topics.get(topic, 0) + len(bodies)
 
         add = batcher.add
@@ -138,7 +145,12 @@ class NSQStreamWriter(DataSourceStreamArrowWriter or DataSourceStreamWriter):
         context = TaskContext.get()
         query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
         batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
-        return publish_partition(self.settings, iterator, f"{query_id}/{batch_id}")
+        settings = self.settings
+        if settings.idempotent and (query_id is None or batch_id is None):
+            # without them, keys would repeat from one micro-batch to the next: send none
+            at_least_once_once("the task has no sql.streaming.queryId / streaming.sql.batchId to key requests by")
+            settings = dataclasses.replace(settings, idempotent=False)
+        return publish_partition(settings, iterator, f"{query_id}/{batch_id}")
 
     def commit(self, messages: list, batchId: int) -> None:
         _commit_log().info("nsq: micro-batch %d published %s", batchId, summarize(messages))
@@ -157,11 +169,24 @@ class NSQDataSource(DataSource):
     def name(cls) -> str:
         return "nsq"
 
+    def schema(self) -> StructType:
+        from shared.spark.source import SCHEMA
+
+        return SCHEMA
+
+    def simpleStreamReader(self, schema: StructType):
+        """`spark.readStream.format("nsq")`: see shared/spark/source.py for why the simple (driver-side)
+        reader."""
+        from shared.spark.options import read_settings
+        from shared.spark.source import NSQStreamReader
+
+        return NSQStreamReader(read_settings(dict(self.options)))
+
     def writer(self, schema: StructType, overwrite: bool) -> NSQWriter:
         if overwrite:
             raise ValueError("nsq: save mode 'overwrite' is not supported (a topic cannot be overwritten): "
                              "use .mode('append')")
-        return NSQWriter(write_settings(dict(self.options), schema))
+        return NSQWriter(_checked(write_settings(dict(self.options), schema)))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> NSQStreamWriter:
         if overwrite:
@@ -170,4 +195,11 @@ class NSQDataSource(DataSource):
         if DataSourceStreamArrowWriter is None:
             raise ValueError("nsq: writeStream needs pyspark >= 4.1 (DataSourceStreamArrowWriter); batch writes "
                              "work on 4.0")
-        return NSQStreamWriter(write_settings(dict(self.options), schema))
+        return NSQStreamWriter(_checked(write_settings(dict(self.options), schema)))
+
+
+def _checked(settings: WriteSettings) -> WriteSettings:
+    if not settings.idempotent:
+        _commit_log()
+        at_least_once_once("option idempotent=false")
+    return settings

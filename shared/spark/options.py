@@ -26,6 +26,8 @@ OPTIONS = {
     "retry_backoff": ("0.5", "seconds before the first retry; doubles on each retry"),
     "retry_backoff_max": ("5", "longest wait between two retries, in seconds"),
     "timeout": ("30", "seconds to wait for a broker to answer one request"),
+    "idempotent": ("true", "key every /mpub request (Idempotency-Key) so that Spark running the same work again "
+                           "publishes it once, on brokers that support it; false: at least once"),
     "key_field": (None, "JSON rows only: add this field, holding an idempotency key"),
 }
 # set by Spark itself, not by the user of this data source
@@ -48,6 +50,7 @@ class WriteSettings:
     retry_backoff: float
     retry_backoff_max: float
     timeout: float
+    idempotent: bool = True
 
 
 def _number(options: dict[str, str], name: str, kind: type, minimum: float) -> int | float:
@@ -134,10 +137,69 @@ def write_settings(options: dict[str, str], schema: StructType) -> WriteSettings
         raise ValueError("nsq: no broker: set .option('nsqd_http_address', 'host:4151[,host2:4151]') or "
                          ".option('lookupd_http_address', 'host:4161')")
 
+    idempotent = options.get("idempotent", "true").strip().lower()
+    if idempotent not in ("true", "false"):
+        raise ValueError(f"nsq: option idempotent={options['idempotent']!r} must be true or false; "
+                         f"{OPTIONS['idempotent'][1]}")
+
     return WriteSettings(
+        idempotent=idempotent == "true",
         topic=topic,
         has_value=has_value,
         key_field=key_field,
         addresses=tuple(dict.fromkeys(addresses)),
         **numbers,
     )
+
+
+# the streaming source's options (spark.readStream.format("nsq")); the README's reader table says the same
+READ_OPTIONS = {
+    "topic": (None, "the topic to read"),
+    "channel": (None, "the channel to read; queries sharing a channel share its messages"),
+    "nsqd_tcp_address": (None, "nsqd TCP address(es), comma-separated: host:4150[,host2:4150]"),
+    "lookupd_http_address": (None, "nsqlookupd HTTP address(es), comma-separated: the topic's brokers are "
+                                   "found there and polled for, as a consumer does"),
+    "max_messages_per_batch": ("10000", "messages per micro-batch, at most"),
+    "max_in_flight": ("2500", "messages held unacknowledged, at most, over every broker (nsqd caps each "
+                              "connection at its --max-rdy-count)"),
+    "msg_timeout": (None, "milliseconds nsqd waits for a TOUCH or FIN before giving a message to someone "
+                          "else (IDENTIFY msg_timeout); default: the broker's --msg-timeout"),
+}
+
+
+def read_settings(options: dict[str, str]):
+    """Check the streaming source's options; raise ValueError telling what to change."""
+    from shared.names import is_valid_channel_name
+    from shared.spark.source import ReadSettings
+
+    options = {k.lower(): v for k, v in options.items()}
+    unknown = sorted(set(options) - set(READ_OPTIONS) - SPARK_OPTIONS - {"path"})
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, READ_OPTIONS, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"nsq: unknown option {', '.join(hints)} for reading; the options are "
+                         f"{', '.join(READ_OPTIONS)}")
+    topic, channel = options.get("topic") or options.get("path"), options.get("channel")
+    if not topic or not is_valid_topic_name(topic):
+        raise ValueError(f"nsq: set .option('topic', ...) to a valid topic ({TOPIC_RULE}); got {topic!r}")
+    if not channel or not is_valid_channel_name(channel):
+        raise ValueError(f"nsq: set .option('channel', ...) to a valid channel ({TOPIC_RULE}); got {channel!r}")
+    nsqds = _addresses(options, "nsqd_tcp_address", 4150)
+    lookupds = _addresses(options, "lookupd_http_address", 4161)
+    if not nsqds and not lookupds:
+        raise ValueError("nsq: no broker: set .option('nsqd_tcp_address', 'host:4150[,host2:4150]') or "
+                         ".option('lookupd_http_address', 'host:4161')")
+
+    def number(name: str, minimum: int) -> int:
+        text = options.get(name, READ_OPTIONS[name][0])
+        if not (text or "").strip().isdigit() or int(text) < minimum:
+            raise ValueError(f"nsq: option {name}={text!r} must be an integer >= {minimum}; {READ_OPTIONS[name][1]}")
+        return int(text)
+
+    return ReadSettings(
+        topic=topic, channel=channel, nsqd_tcp_addresses=tuple(dict.fromkeys(nsqds)),
+        lookupd_http_addresses=tuple(dict.fromkeys(lookupds)),
+        max_messages_per_batch=number("max_messages_per_batch", 1), max_in_flight=number("max_in_flight", 1),
+        msg_timeout=number("msg_timeout", 1000) if options.get("msg_timeout") else None)

@@ -118,8 +118,25 @@ def _broker_message(data: bytes) -> str:
         return data.decode("utf-8", "replace").strip()[:200]
 
 
+_said_at_least_once: set[str] = set()  # brokers already logged as lacking idempotent_publish, in this process
+
+
+def at_least_once_once(reason: str) -> None:
+    """Log, once per process and reason, that delivery falls back to at least once."""
+    if reason not in _said_at_least_once:
+        _said_at_least_once.add(reason)
+        log.warning("nsq: %s: delivery is at least once (a retried task or request may publish twice)", reason)
+
+
 class MPubClient:
     """Publishes batches through `POST /mpub?binary=true`, keeping one HTTP/1.1 connection open.
+
+    `publish(topic, bodies, key)` with a key sends it as the `Idempotency-Key` header, to a broker whose
+    `/info` says `"idempotent_publish": true`: the broker publishes a key once, so a request sent again
+    (after a lost answer, a 5xx, a task retry) with the same key lands once. Every attempt of one request
+    reuses its key; a request cut into smaller ones (the broker's body limit) gives each piece the key
+    plus its position, the same on every run. A broker without the flag gets no header (at least once,
+    logged once per process).
 
     `addresses` are nsqd HTTP addresses in order of preference: the first takes everything while it
     answers; a failed attempt moves on to the next one (round robin) after a backoff of
@@ -145,6 +162,7 @@ class MPubClient:
         self._conn: http.client.HTTPConnection | None = None
         self._fresh = False
         self._limits: tuple[int, int, bool] | None = None  # the broker's max_body_size, max_msg_size
+        self._idempotent: bool | None = None  # the broker's /info idempotent_publish, read with the limits
         # figures for the commit message
         self.requests = 0
         self.retries = 0
@@ -169,7 +187,8 @@ class MPubClient:
 
     # --- HTTP ------------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 key: str | None = None) -> tuple[int, bytes]:
         """One request on the kept connection; a kept connection that the server closed meanwhile is
         reopened once at no cost (that is not a failure of the broker)."""
         for _ in range(2):
@@ -178,10 +197,14 @@ class MPubClient:
                 self._conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
                 self._fresh = True
                 self._limits = None
+                self._idempotent = None
             reused = not self._fresh
             self._fresh = False
             try:
-                self._conn.request(method, path, body=body, headers={"Content-Type": "application/octet-stream"})
+                headers = {"Content-Type": "application/octet-stream"}
+                if key is not None:
+                    headers["Idempotency-Key"] = key
+                self._conn.request(method, path, body=body, headers=headers)
                 response = self._conn.getresponse()
                 data = response.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -211,15 +234,32 @@ class MPubClient:
             self._limits = (limits[0] or DEFAULT_MAX_BODY_SIZE, limits[1] or DEFAULT_MAX_MSG_SIZE, known)
         return self._limits
 
+    def _broker_idempotent(self) -> bool:
+        """Whether this broker's /info has "idempotent_publish": true (Go nsqd's has not)."""
+        if self._idempotent is None:
+            status, data = self._request("GET", "/info")
+            try:
+                info = json.loads(data) if status == 200 else {}
+                info = info.get("data", info) if isinstance(info, dict) else {}
+                self._idempotent = info.get("idempotent_publish") is True
+            except ValueError:
+                self._idempotent = False
+            if not self._idempotent:
+                at_least_once_once(f"nsqd {self.address} does not support Idempotency-Key (no "
+                                   "idempotent_publish in its /info)")
+        return self._idempotent
+
     # --- publishing -------------------------------------------------------------------------------
 
-    def publish(self, topic: str, bodies: list[bytes]) -> None:
-        """Publish every body to `topic` (at least once), or raise NSQRefusedError / NSQUnavailableError."""
+    def publish(self, topic: str, bodies: list[bytes], key: str | None = None) -> None:
+        """Publish every body to `topic` (at least once; once with a key, to a broker that supports keys),
+        or raise NSQRefusedError / NSQUnavailableError."""
         path = "/mpub?" + urllib.parse.urlencode({"topic": topic, "binary": "true"})
-        for chunk in split_to_fit(bodies, self.max_body_size):
-            self._publish(topic, path, chunk)
+        chunks = list(split_to_fit(bodies, self.max_body_size))
+        for i, chunk in enumerate(chunks):
+            self._publish(topic, path, chunk, _part(key, i, len(chunks)))
 
-    def _publish(self, topic: str, path: str, bodies: list[bytes]) -> None:
+    def _publish(self, topic: str, path: str, bodies: list[bytes], key: str | None = None) -> None:
         started = time.monotonic()
         last_error = ""
         for attempt in range(self.max_retries + 1):
@@ -232,21 +272,23 @@ class MPubClient:
                 self._sleep(delay)
             try:
                 max_body, max_msg, known = self._broker_limits()
+                keyed = key is not None and self._broker_idempotent()
             except (OSError, http.client.HTTPException) as exc:
                 last_error = self._failed(exc)
                 continue
             if mpub_size(bodies) > max_body:
                 if len(bodies) > 1:
                     # the broker takes less than the option said: send what fits, one request at a time
-                    for chunk in split_to_fit(bodies, max_body):
-                        self._publish(topic, path, chunk)
+                    chunks = list(split_to_fit(bodies, max_body))
+                    for i, chunk in enumerate(chunks):
+                        self._publish(topic, path, chunk, _part(key, i, len(chunks)))
                     return
                 if known:  # it would answer 413, maybe before reading the body: do not send it
                     text = self._refusal(topic, bodies, 413, "BODY_TOO_BIG", max_body, max_msg, sent=False)
                     raise NSQRefusedError(text, 413, "BODY_TOO_BIG")
             self.requests += 1
             try:
-                status, data = self._request("POST", path, encode_mpub_body(bodies))
+                status, data = self._request("POST", path, encode_mpub_body(bodies), key if keyed else None)
             except (OSError, http.client.HTTPException) as exc:
                 last_error = self._failed(exc)
                 continue
@@ -257,8 +299,8 @@ class MPubClient:
             code = _broker_message(data)
             if status == 413 and code == "BODY_TOO_BIG" and len(bodies) > 1:
                 half = len(bodies) // 2  # a broker behind a proxy, or limits that changed: halve and go on
-                self._publish(topic, path, bodies[:half])
-                self._publish(topic, path, bodies[half:])
+                self._publish(topic, path, bodies[:half], _part(key, 0, 2, "h"))
+                self._publish(topic, path, bodies[half:], _part(key, 1, 2, "h"))
                 return
             if 400 <= status < 500:
                 raise NSQRefusedError(self._refusal(topic, bodies, status, code, max_body, max_msg), status, code)
@@ -293,6 +335,11 @@ class MPubClient:
         elif code == "INVALID_TOPIC":
             text += " (topic names are 1-64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral)"
         return text
+
+
+def _part(key: str | None, i: int, n: int, kind: str = "") -> str | None:
+    """The key of piece i of n of a request cut in pieces: the same cut gives the same keys."""
+    return key if key is None or n == 1 else f"{key}.{kind}{i}"
 
 
 def nodes_from_lookupd(lookupd_http_addresses: list[str], timeout: float = 10.0) -> list[str]:
