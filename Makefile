@@ -25,6 +25,7 @@ run: $(STAMP)
 	$(BIN)/python -m broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
 
 test: $(STAMP)
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side run against Go nsqd

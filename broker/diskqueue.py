@@ -46,6 +46,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import BinaryIO
 
 import trio
 
@@ -107,7 +108,7 @@ class DiskQueue:
         # where the read file ends: its size once it is no longer the write file (maxBytesPerFileRead)
         self._max_bytes_per_file_read = 0
 
-        self._read_file = None
+        self._read_file: BinaryIO | None = None
         self._write_fd: int | None = None
         self._last_link_check = 0.0
 
@@ -369,7 +370,7 @@ class DiskQueue:
         unlinked inode: notice it, at most LINK_CHECK_INTERVAL late, and reopen (which then fails loudly)."""
         self._last_link_check = now
         try:
-            linked = os.fstat(self._write_fd).st_nlink > 0
+            linked = self._write_fd is not None and os.fstat(self._write_fd).st_nlink > 0
         except OSError:
             linked = False
         if not linked:

@@ -115,11 +115,14 @@ async def serve_app(
     lifespan = Lifespan(wrapped, config, lifespan_state)
     sockets = config.create_sockets()
     listeners: list[trio.abc.Listener] = []
-    ssl_context = config.create_ssl_context()
-    for sock in sockets.secure_sockets:
-        sock.listen(config.backlog)
-        listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
-                                          ssl_context, https_compatible=True))
+    if sockets.secure_sockets:
+        ssl_context = config.create_ssl_context()
+        if ssl_context is None:
+            raise ValueError("a TLS address needs a certificate and key")
+        for sock in sockets.secure_sockets:
+            sock.listen(config.backlog)
+            listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
+                                              ssl_context, https_compatible=True))
     for sock in sockets.insecure_sockets:
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
@@ -129,7 +132,8 @@ async def serve_app(
 
     async def serve_one(stream: trio.abc.Stream) -> None:
         try:
-            await TCPServer(wrapped, config, context, ConnectionState(lifespan_state.copy()), stream)
+            # hypercorn annotates SSLStream, yet its own trio worker hands it plain SocketStreams too
+            await TCPServer(wrapped, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
         except* Exception as group:
             log.error("HTTP: connection failed - %s", _first_error(group))
         finally:

@@ -6,8 +6,15 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
+
+
+class Server(Protocol):
+    """NSQD and NSQLookupd: run until cancelled, calling task_status.started() once serving."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = ...) -> None: ...
 
 
 async def run_until_signalled(start: Callable[..., Awaitable[None]], log: logging.Logger) -> None:
@@ -21,7 +28,7 @@ async def run_until_signalled(start: Callable[..., Awaitable[None]], log: loggin
                 break
 
 
-def run_service(make_server: Callable[[], object], log: logging.Logger) -> None:
+def run_service(make_server: Callable[[], Server], log: logging.Logger) -> None:
     """trio.run the server; a start-up failure (bad options, port in use, data dir) exits 1 with a log line."""
     try:
         server = make_server()

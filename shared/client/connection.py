@@ -112,6 +112,8 @@ class OwnedNursery:
         return self.nursery
 
     async def close(self, exc_info: tuple[Any, Any, Any]) -> bool:
+        if self.nursery is None:
+            return False  # never opened
         self.nursery.cancel_scope.cancel()
         try:
             return bool(await self._cm.__aexit__(*exc_info))
@@ -126,7 +128,7 @@ class _Pending:
 
     def __init__(self) -> None:
         self.event = trio.Event()
-        self.value: bytes | None = None
+        self.value = b""
         self.error: BaseException | None = None
 
 
@@ -233,6 +235,13 @@ class Connection:
     def is_closed(self) -> bool:
         return self.closed.is_set()
 
+    @property
+    def stream(self) -> trio.abc.Stream:
+        """The connected stream (TLS and compression layers included); set by __aenter__."""
+        if self._stream is None:
+            raise NSQConnectionError(f"not connected to {self.address}", maybe_processed=False)
+        return self._stream
+
     # --- life ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Connection:
@@ -244,7 +253,7 @@ class Connection:
             except BaseException:
                 self._set_closed(None)
                 with trio.CancelScope(shield=True):
-                    await self._stream.aclose()
+                    await self.stream.aclose()
                 raise
         nursery = await self._tasks.open()
         nursery.start_soon(self._reader)
@@ -257,10 +266,10 @@ class Connection:
         finally:
             self._set_closed(None)
             with trio.CancelScope(shield=True):
-                await self._stream.aclose()
+                await self.stream.aclose()
 
     async def _handshake(self) -> None:
-        await self._stream.send_all(MAGIC_V2 + encode_identify(self.identify_data))
+        await self.stream.send_all(MAGIC_V2 + encode_identify(self.identify_data))
         kind, data = await self._read_frame()
         if kind == FRAME_TYPE_ERROR:
             raise NSQError.from_frame(data)
@@ -269,20 +278,22 @@ class Connection:
         # as nsqd does it: TLS on the same stream, then compression on top; each answers OK
         if self.features.get("tls_v1"):
             host = split_host_port(self.address, default_host="127.0.0.1")[0]
-            stream = trio.SSLStream(self._stream, self.tls_context, server_hostname=host)
+            if self.tls_context is None:
+                raise NSQError("E_INVALID", f"{self.address} negotiated TLS without a TLS context")
+            stream = trio.SSLStream(self.stream, self.tls_context, server_hostname=host)
             await stream.do_handshake()
             self._stream = stream
             await self._expect_ok()
         if self.features.get("snappy"):
-            self._stream = SnappyStream(self._stream)
+            self._stream = SnappyStream(self.stream)
             await self._expect_ok()
         elif self.features.get("deflate"):
-            self._stream = DeflateStream(self._stream, int(self.features.get("deflate_level") or 6))
+            self._stream = DeflateStream(self.stream, int(self.features.get("deflate_level") or 6))
             await self._expect_ok()
         if self.features.get("auth_required"):
             if self.auth_secret is None:
                 raise NSQError("E_AUTH_REQUIRED", f"{self.address} requires AUTH and no secret was given")
-            await self._stream.send_all(encode_auth(self.auth_secret))
+            await self.stream.send_all(encode_auth(self.auth_secret))
             kind, data = await self._read_frame()
             if kind == FRAME_TYPE_ERROR:
                 raise NSQError.from_frame(data)
@@ -308,7 +319,7 @@ class Connection:
         while True:
             for frame in self._parser:
                 return frame
-            data = await self._stream.receive_some(RECV_SIZE)
+            data = await self.stream.receive_some(RECV_SIZE)
             if not data:
                 raise NSQConnectionError(f"{self.address} closed the connection")
             self._parser.feed(data)
@@ -359,7 +370,7 @@ class Connection:
             return
         self._fatal_seen = True
         if self._pending:
-            self._resolve(None, error)
+            self._resolve(b"", error)
         else:
             log.error("%s: %s", self, error)
 
@@ -369,7 +380,7 @@ class Connection:
             return
         self._resolve(data, None)
 
-    def _resolve(self, value: bytes | None, error: BaseException | None) -> None:
+    def _resolve(self, value: bytes, error: BaseException | None) -> None:
         pending = self._pending.popleft()
         pending.value, pending.error = value, error
         pending.event.set()
@@ -404,12 +415,12 @@ class Connection:
                     data = bytes(self._outbuf)
                     self._outbuf.clear()
                     self._unwritten = 0
-                    await self._stream.send_all(data)
+                    await self.stream.send_all(data)
                 self._write_lot.unpark_all()
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._set_closed(exc)
             with trio.CancelScope(shield=True):
-                await self._stream.aclose()
+                await self.stream.aclose()
 
     def write(self, data: bytes) -> None:
         """Queue a command that has no response (FIN, REQ, TOUCH, RDY, NOP); the writer sends it."""

@@ -185,6 +185,13 @@ class Consumer:
     def __repr__(self) -> str:
         return f"Consumer({self.topic}/{self.channel})"
 
+    @property
+    def bg(self) -> trio.Nursery:
+        """The nursery of connections, discovery, RDY rotation and backoff timers (open while running)."""
+        if self._bg is None:
+            raise RuntimeError(f"{self} is not running")
+        return self._bg
+
     # --- life ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Consumer:
@@ -252,7 +259,7 @@ class Consumer:
     def _add_address(self, address: str) -> None:
         scope = trio.CancelScope()
         self._addresses[address] = scope
-        self._bg.start_soon(self._run_address, address, scope)
+        self.bg.start_soon(self._run_address, address, scope)
 
     async def _run_address(self, address: str, scope: trio.CancelScope) -> None:
         try:
@@ -410,7 +417,7 @@ class Consumer:
         delay = backoff_delay(self.backoff_counter, base=self.backoff_base, cap=self.max_backoff)
         log.warning("%s: backing off for %.3fs (counter %d)", self, delay, self.backoff_counter)
         self._apply_rdy()
-        self._bg.start_soon(self._end_backoff_after, delay)
+        self.bg.start_soon(self._end_backoff_after, delay)
 
     async def _end_backoff_after(self, delay: float) -> None:
         await trio.sleep(delay)

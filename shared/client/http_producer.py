@@ -81,8 +81,9 @@ class HTTPProducer:
             try:
                 suppressed = await self._tasks.close(exc_info)
             finally:
-                with trio.CancelScope(shield=True):
-                    await self._client.aclose()
+                if self._client is not None:
+                    with trio.CancelScope(shield=True):
+                        await self._client.aclose()
         return suppressed
 
     def _raise_error(self) -> None:
@@ -173,6 +174,8 @@ class HTTPProducer:
         while True:
             try:
                 self.posts += 1
+                if self._client is None:
+                    raise NSQConnectionError(f"{self.url}: the producer is not open", maybe_processed=False)
                 response = await self._client.post(f"{self.url}{path}", params=params, content=content)
             except httpx.ConnectError as exc:  # nothing was sent: safe to try again
                 attempt += 1

@@ -22,16 +22,16 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSourceStreamWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 from pyspark.sql.types import StructType
 
 from shared.spark.options import WriteSettings, write_settings
 from shared.spark.publisher import Batcher, MPubClient, at_least_once_once
-
-try:
-    from pyspark.sql.datasource import DataSourceStreamArrowWriter
-except ImportError:  # pyspark 4.0: batch writes only (the Arrow stream writer came in 4.1)
-    DataSourceStreamArrowWriter = None
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -134,7 +134,7 @@ class NSQWriter(DataSourceArrowWriter):
                               summarize(messages))
 
 
-class NSQStreamWriter(DataSourceStreamArrowWriter or DataSourceStreamWriter):
+class NSQStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, settings: WriteSettings) -> None:
         self.settings = settings
 
@@ -192,9 +192,6 @@ class NSQDataSource(DataSource):
         if overwrite:
             raise ValueError("nsq: output mode 'complete' is not supported (a topic cannot be overwritten): "
                              "use .outputMode('append')")
-        if DataSourceStreamArrowWriter is None:
-            raise ValueError("nsq: writeStream needs pyspark >= 4.1 (DataSourceStreamArrowWriter); batch writes "
-                             "work on 4.0")
         return NSQStreamWriter(_checked(write_settings(dict(self.options), schema)))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pyspark.sql.types import BinaryType, StringType, StructType
 
@@ -53,12 +54,16 @@ class WriteSettings:
     idempotent: bool = True
 
 
-def _number(options: dict[str, str], name: str, kind: type, minimum: float) -> int | float:
+N = TypeVar("N", int, float)
+
+
+def _number(options: dict[str, str], name: str, kind: type[N], minimum: float) -> N:
     text = options.get(name, OPTIONS[name][0])
+    value: N | None = None
     try:
-        value = kind(text)
+        value = None if text is None else kind(text)
     except ValueError:
-        value = None
+        pass
     if value is None or value < minimum:
         raise ValueError(f"nsq: option {name}={text!r} must be {'an integer' if kind is int else 'a number'} "
                          f">= {minimum}; {OPTIONS[name][1]}")
@@ -116,14 +121,12 @@ def write_settings(options: dict[str, str], schema: StructType) -> WriteSettings
     if not fields:
         raise ValueError("nsq: the DataFrame has no columns: give it a 'value' column, or columns to send as JSON")
 
-    numbers = dict(
-        batch_size=_number(options, "batch_size", int, 1),
-        max_body_size=_number(options, "max_body_size", int, 64),
-        max_retries=_number(options, "max_retries", int, 0),
-        retry_backoff=_number(options, "retry_backoff", float, 0),
-        retry_backoff_max=_number(options, "retry_backoff_max", float, 0),
-        timeout=_number(options, "timeout", float, 0.1),
-    )
+    batch_size = _number(options, "batch_size", int, 1)
+    max_body_size = _number(options, "max_body_size", int, 64)
+    max_retries = _number(options, "max_retries", int, 0)
+    retry_backoff = _number(options, "retry_backoff", float, 0)
+    retry_backoff_max = _number(options, "retry_backoff_max", float, 0)
+    timeout = _number(options, "timeout", float, 0.1)
 
     addresses = _addresses(options, "nsqd_http_address", 4151)
     lookupds = _addresses(options, "lookupd_http_address", 4161)
@@ -148,7 +151,12 @@ def write_settings(options: dict[str, str], schema: StructType) -> WriteSettings
         has_value=has_value,
         key_field=key_field,
         addresses=tuple(dict.fromkeys(addresses)),
-        **numbers,
+        batch_size=batch_size,
+        max_body_size=max_body_size,
+        max_retries=max_retries,
+        retry_backoff=retry_backoff,
+        retry_backoff_max=retry_backoff_max,
+        timeout=timeout,
     )
 
 
@@ -194,7 +202,7 @@ def read_settings(options: dict[str, str]):
 
     def number(name: str, minimum: int) -> int:
         text = options.get(name, READ_OPTIONS[name][0])
-        if not (text or "").strip().isdigit() or int(text) < minimum:
+        if text is None or not text.strip().isdigit() or int(text) < minimum:
             raise ValueError(f"nsq: option {name}={text!r} must be an integer >= {minimum}; {READ_OPTIONS[name][1]}")
         return int(text)
 

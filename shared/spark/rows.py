@@ -58,8 +58,7 @@ def _converter(arrow_type: pa.DataType) -> Callable[[Any], Any] | None:
         item = _converter(arrow_type.value_type)
         return None if item is None else (lambda v: None if v is None else [item(x) for x in v])
     if t.is_struct(arrow_type):
-        fields = [(f.name, _converter(f.type)) for f in arrow_type]
-        fields = [(name, conv) for name, conv in fields if conv is not None]
+        fields = [(f.name, conv) for f in arrow_type if (conv := _converter(f.type)) is not None]
         if not fields:
             return None
 

@@ -28,9 +28,13 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pyspark.sql.datasource import SimpleDataSourceStreamReader
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType, TimestampType
+
+if TYPE_CHECKING:
+    import trio
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -61,9 +65,9 @@ class _Held:
 
     __slots__ = ("message", "done")
 
-    def __init__(self, message) -> None:
+    def __init__(self, message, done: trio.Event) -> None:
         self.message = message
-        self.done = None  # a trio.Event, made in the Trio thread
+        self.done = done  # made in the Trio thread
 
 
 class ConsumerThread:
@@ -76,7 +80,7 @@ class ConsumerThread:
         # messages received, not yet taken by read(): at most max_in_flight (that is all nsqd sends)
         self.arrived: deque[_Held] = deque()
         self.batches: dict[int, list[_Held]] = {}  # batch number -> messages handed to Spark in it
-        self._token = None
+        self._token: trio.lowlevel.TrioToken | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="nsq-source", daemon=True)
@@ -117,8 +121,7 @@ class ConsumerThread:
     async def _handle(self, message) -> None:
         import trio
 
-        held = _Held(message)
-        held.done = trio.Event()
+        held = _Held(message, trio.Event())
         self.arrived.append(held)
         await held.done.wait()  # returns at commit: the Consumer FINs it on its connection
 
