@@ -45,11 +45,12 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTo
 from broker.backend import BackendError
 from broker.idempotency import valid_key
 from broker.message import Message
-from broker.stats import GC_PAUSES, go_duration, health, prometheus_text, stats_document, stats_text
+from broker.stats import GC_PAUSES, get_stats, health, prometheus_text, stats_text
 from broker.topic import Topic
 from shared.http import join_host_port, serve_app
 from shared.logs import parse_level
 from shared.names import is_valid_channel_name, is_valid_topic_name
+from shared.options import format_duration_ns
 from shared.version import VERSION
 
 log = logging.getLogger("nsqd")
@@ -256,7 +257,7 @@ class Api:
     def log_request(req: ApiRequest, status: int, start_ns: int) -> None:
         if log.isEnabledFor(logging.INFO):
             log.info("%d %s %s (%s) %s", status, req.method, req.uri, req.remote,
-                     go_duration(time.perf_counter_ns() - start_ns))
+                     format_duration_ns(time.perf_counter_ns() - start_ns))
 
     # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
 
@@ -442,15 +443,12 @@ class Api:
         def first(key: str) -> str:
             return params.get(key, [""])[0]
 
-        kwargs = {
-            "topic": first("topic"),
-            "channel": first("channel"),
-            "include_clients": BOOL_PARAMS.get(first("include_clients"), True),
-            "include_mem": BOOL_PARAMS.get(first("include_mem"), True),
-        }
+        snapshot = get_stats(self.nsqd, first("topic"), first("channel"),
+                             include_clients=BOOL_PARAMS.get(first("include_clients"), True),
+                             include_mem=BOOL_PARAMS.get(first("include_mem"), True))
         if first("format") != "json":
-            return Reply(200, stats_text(self.nsqd, **kwargs).encode(), TEXT_TYPE)
-        return ok_json(stats_document(self.nsqd, **kwargs))
+            return Reply(200, stats_text(snapshot).encode(), TEXT_TYPE)
+        return ok_json(snapshot.to_json())
 
     async def metrics(self, req: ApiRequest) -> Reply:
         return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)

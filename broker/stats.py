@@ -23,7 +23,11 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from broker.quantile import aggregate
+from shared.names import is_ephemeral
+from shared.options import format_duration_ns
 from shared.version import VERSION
 
 if TYPE_CHECKING:
@@ -32,79 +36,270 @@ if TYPE_CHECKING:
     from broker.nsqd import NSQD
     from broker.topic import Topic
 
-NO_LATENCY: dict[str, Any] = {"count": 0, "percentiles": None}
-
-
 def health(nsqd: NSQD) -> str:
     """nsqd's GetHealth: "OK", or "NOK - <error>"."""
     return "OK" if nsqd.health_error is None else f"NOK - {nsqd.health_error}"
 
 
-# --- JSON (/stats?format=json) ----------------------------------------------------------------
+# --- the records (nsqd's TopicStats, ChannelStats, ClientV2Stats, memStats) -----------------------
 
 
-def client_stats(client: ClientV2, topic_filter: str = "") -> dict[str, Any]:
+@attrs.frozen
+class Percentile:
+    quantile: float
+    value: float
+
+
+@attrs.frozen
+class E2eLatency:
+    """nsqd's quantile.Result: the window's count and, when percentiles are configured, their values."""
+
+    count: int = 0
+    percentiles: tuple[Percentile, ...] | None = None
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any] | None) -> E2eLatency:
+        if result is None:
+            return cls()
+        found = result.get("percentiles")
+        percentiles = None if found is None else tuple(Percentile(p["quantile"], p["value"]) for p in found)
+        return cls(result["count"], percentiles)
+
+    def to_json(self) -> dict[str, Any]:
+        percentiles = None
+        if self.percentiles is not None:
+            percentiles = [{"quantile": p.quantile, "value": p.value} for p in self.percentiles]
+        return {"count": self.count, "percentiles": percentiles}
+
+
+@attrs.frozen
+class PubCount:
+    topic: str
+    count: int
+
+
+@attrs.frozen
+class ClientStats:
     """nsqd's ClientV2Stats. pub_counts lists every topic the client published to (nsqd stops after the
     first one, which hides the rest from nsqadmin); it is omitted when empty, as nsqd's omitempty does."""
+
+    client_id: str
+    hostname: str
+    remote_address: str
+    state: int
+    ready_count: int
+    in_flight_count: int
+    message_count: int
+    finish_count: int
+    requeue_count: int
+    connect_ts: int
+    sample_rate: int
+    deflate: bool
+    snappy: bool
+    user_agent: str
+    tls: bool
+    tls_cipher_suite: str
+    tls_version: str
+    tls_negotiated_protocol: str
+    # not in nsqd's stats, but what a client negotiated in IDENTIFY is worth seeing
+    output_buffer_size: int
+    output_buffer_timeout: int  # ms
+    authed: bool
+    auth_identity: str
+    auth_identity_url: str
+    pub_counts: tuple[PubCount, ...]
+    version: str = "V2"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "client_id": self.client_id,
+            "hostname": self.hostname,
+            "version": self.version,
+            "remote_address": self.remote_address,
+            "state": self.state,
+            "ready_count": self.ready_count,
+            "in_flight_count": self.in_flight_count,
+            "message_count": self.message_count,
+            "finish_count": self.finish_count,
+            "requeue_count": self.requeue_count,
+            "connect_ts": self.connect_ts,
+            "sample_rate": self.sample_rate,
+            "deflate": self.deflate,
+            "snappy": self.snappy,
+            "user_agent": self.user_agent,
+            "topology_zone": "",
+            "topology_region": "",
+            "tls": self.tls,
+            "tls_cipher_suite": self.tls_cipher_suite,
+            "tls_version": self.tls_version,
+            "tls_negotiated_protocol": self.tls_negotiated_protocol,
+            "tls_negotiated_protocol_is_mutual": False,
+            "output_buffer_size": self.output_buffer_size,
+            "output_buffer_timeout": self.output_buffer_timeout,
+        }
+        if self.authed:  # nsqd's omitempty
+            out["authed"] = True
+            if self.auth_identity:
+                out["auth_identity"] = self.auth_identity
+            if self.auth_identity_url:
+                out["auth_identity_url"] = self.auth_identity_url
+        if self.pub_counts:
+            out["pub_counts"] = [{"topic": p.topic, "count": p.count} for p in self.pub_counts]
+        return out
+
+
+@attrs.frozen
+class ChannelStats:
+    channel_name: str
+    depth: int
+    backend_depth: int
+    in_flight_count: int
+    deferred_count: int
+    message_count: int
+    requeue_count: int
+    timeout_count: int
+    client_count: int
+    clients: tuple[ClientStats, ...] | None  # None when clients were not asked for
+    paused: bool
+    e2e_processing_latency: E2eLatency
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "channel_name": self.channel_name,
+            "depth": self.depth,
+            "backend_depth": self.backend_depth,
+            "in_flight_count": self.in_flight_count,
+            "deferred_count": self.deferred_count,
+            "message_count": self.message_count,
+            "requeue_count": self.requeue_count,
+            "timeout_count": self.timeout_count,
+            "client_count": self.client_count,
+            "clients": None if self.clients is None else [c.to_json() for c in self.clients],
+            "paused": self.paused,
+            "e2e_processing_latency": self.e2e_processing_latency.to_json(),
+        }
+
+
+@attrs.frozen
+class TopicStats:
+    topic_name: str
+    channels: tuple[ChannelStats, ...]
+    depth: int
+    backend_depth: int
+    message_count: int
+    message_bytes: int
+    paused: bool
+    e2e_processing_latency: E2eLatency
+    idempotency_keys: int  # not in nsqd: Idempotency-Keys the topic holds
+
+    @property
+    def ephemeral(self) -> bool:
+        return is_ephemeral(self.topic_name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "topic_name": self.topic_name,
+            "channels": [c.to_json() for c in self.channels],
+            "depth": self.depth,
+            "backend_depth": self.backend_depth,
+            "message_count": self.message_count,
+            "message_bytes": self.message_bytes,
+            "paused": self.paused,
+            "e2e_processing_latency": self.e2e_processing_latency.to_json(),
+            "idempotency_keys": self.idempotency_keys,
+        }
+
+
+@attrs.frozen
+class MemStats:
+    """nsqd's memStats keys with CPython's nearest figures (see mem_stats)."""
+
+    heap_objects: int
+    heap_idle_bytes: int
+    heap_in_use_bytes: int
+    heap_released_bytes: int
+    gc_pause_usec_100: int
+    gc_pause_usec_99: int
+    gc_pause_usec_95: int
+    next_gc_bytes: int
+    gc_total_runs: int
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)  # fields in nsqd's order
+
+
+@attrs.frozen
+class NsqdStats:
+    """One snapshot: what /stats (JSON and text), /metrics and statsd all render."""
+
+    health: str
+    start_time: int
+    topics: tuple[TopicStats, ...] | None  # None: a topic filter that matched nothing
+    producers: tuple[ClientStats, ...] | None  # None when clients were not asked for, or there are none
+    memory: MemStats | None
+    version: str = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole /stats?format=json answer, keys in nsqd's order."""
+        doc: dict[str, Any] = {
+            "version": self.version,
+            "health": self.health,
+            "start_time": self.start_time,
+            "topics": None if self.topics is None else [t.to_json() for t in self.topics],
+        }
+        if self.memory is not None:
+            doc["memory"] = self.memory.to_json()
+        doc["producers"] = None if self.producers is None else [c.to_json() for c in self.producers]
+        return doc
+
+
+# --- taking a snapshot --------------------------------------------------------------------------
+
+
+def client_stats(client: ClientV2, topic_filter: str = "") -> ClientStats:
     auth = client.auth_state
     authed = bool(auth is not None and auth.authorizations)
-    stats: dict[str, Any] = {
-        "client_id": client.client_id,
-        "hostname": client.hostname,
-        "version": "V2",
-        "remote_address": client.remote_address,
-        "state": int(client.state),
-        "ready_count": client.ready_count,
-        "in_flight_count": client.in_flight_count,
-        "message_count": client.message_count,
-        "finish_count": client.finish_count,
-        "requeue_count": client.requeue_count,
-        "connect_ts": int(client.connect_time),
-        "sample_rate": client.sample_rate,
-        "deflate": client.deflate,
-        "snappy": client.snappy,
-        "user_agent": client.user_agent,
-        "topology_zone": "",
-        "topology_region": "",
-        "tls": client.tls,
-        "tls_cipher_suite": "",
-        "tls_version": "",
-        "tls_negotiated_protocol": "",
-        "tls_negotiated_protocol_is_mutual": False,
-        # not in nsqd's stats, but what a client negotiated in IDENTIFY is worth seeing
-        "output_buffer_size": client.output_buffer_size,
-        "output_buffer_timeout": int(client.output_buffer_timeout * 1000),
-    }
-    if auth is not None and authed:
-        stats["authed"] = True
-        if auth.identity:
-            stats["auth_identity"] = auth.identity
-        if auth.identity_url:
-            stats["auth_identity_url"] = auth.identity_url
-    pub_counts = [
-        {"topic": topic, "count": count}
-        for topic, count in sorted(client.pub_counts.items())
-        if not topic_filter or topic == topic_filter
-    ]
-    if pub_counts:
-        stats["pub_counts"] = pub_counts
-    if client.tls:
-        _tls_details(client, stats)
-    return stats
+    cipher_suite, tls_version, protocol = _tls_details(client) if client.tls else ("", "", "")
+    return ClientStats(
+        client_id=client.client_id,
+        hostname=client.hostname,
+        remote_address=client.remote_address,
+        state=int(client.state),
+        ready_count=client.ready_count,
+        in_flight_count=client.in_flight_count,
+        message_count=client.message_count,
+        finish_count=client.finish_count,
+        requeue_count=client.requeue_count,
+        connect_ts=int(client.connect_time),
+        sample_rate=client.sample_rate,
+        deflate=client.deflate,
+        snappy=client.snappy,
+        user_agent=client.user_agent,
+        tls=client.tls,
+        tls_cipher_suite=cipher_suite,
+        tls_version=tls_version,
+        tls_negotiated_protocol=protocol,
+        output_buffer_size=client.output_buffer_size,
+        output_buffer_timeout=int(client.output_buffer_timeout * 1000),
+        authed=authed,
+        auth_identity=(auth.identity or "") if auth is not None and authed else "",
+        auth_identity_url=(auth.identity_url or "") if auth is not None and authed else "",
+        pub_counts=tuple(PubCount(topic, count) for topic, count in sorted(client.pub_counts.items())
+                         if not topic_filter or topic == topic_filter),
+    )
 
 
-def _tls_details(client: ClientV2, stats: dict[str, Any]) -> None:
+def _tls_details(client: ClientV2) -> tuple[str, str, str]:
+    """(cipher suite, version as nsqd names it, negotiated ALPN protocol); empty when unknown."""
     ssl_object = _find_ssl_stream(client.stream)
     if ssl_object is None:
-        return
+        return "", "", ""
     try:
         cipher = ssl_object.cipher()
-        stats["tls_cipher_suite"] = cipher[0] if cipher else ""
-        version = ssl_object.version() or ""
-        stats["tls_version"] = version.replace("TLSv", "TLS")
-        stats["tls_negotiated_protocol"] = ssl_object.selected_alpn_protocol() or ""
+        version = (ssl_object.version() or "").replace("TLSv", "TLS")
+        return (cipher[0] if cipher else ""), version, ssl_object.selected_alpn_protocol() or ""
     except (AttributeError, ValueError):
-        pass
+        return "", "", ""
 
 
 def _find_ssl_stream(stream: Any) -> Any:
@@ -119,92 +314,77 @@ def _find_ssl_stream(stream: Any) -> Any:
     return None
 
 
-def channel_e2e(channel: Channel) -> dict[str, Any]:
-    return channel.e2e.result() if channel.e2e is not None else dict(NO_LATENCY)
-
-
-def topic_e2e(topic: Topic) -> dict[str, Any]:
+def topic_e2e(topic: Topic) -> E2eLatency:
     """nsqd's AggregateChannelE2eProcessingLatency: null percentiles while no channel keeps a window."""
     streams = [ch.e2e for ch in topic.channels.values() if ch.e2e is not None]
     if not streams:
-        return dict(NO_LATENCY)
-    return aggregate(streams, topic.nsqd.options.e2e_processing_latency_percentiles)
+        return E2eLatency()
+    return E2eLatency.from_result(aggregate(streams, topic.nsqd.options.e2e_processing_latency_percentiles))
 
 
-def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "") -> dict[str, Any]:
+def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "") -> ChannelStats:
     clients = None
     if include_clients:
-        clients = [client_stats(c, topic_filter) for _, c in sorted(channel.clients.items())]  # type: ignore[arg-type]
-    return {
-        "channel_name": channel.name,
-        "depth": channel.depth(),
-        "backend_depth": channel.backend.depth(),
-        "in_flight_count": len(channel.in_flight),
-        "deferred_count": len(channel.deferred),
-        "message_count": channel.message_count,
-        "requeue_count": channel.requeue_count,
-        "timeout_count": channel.timeout_count,
-        "client_count": len(channel.clients),
-        "clients": clients,
-        "paused": channel.paused,
-        "e2e_processing_latency": channel_e2e(channel),
-    }
+        clients = tuple(client_stats(c, topic_filter) for _, c in sorted(channel.clients.items()))  # type: ignore[arg-type]
+    return ChannelStats(
+        channel_name=channel.name,
+        depth=channel.depth(),
+        backend_depth=channel.backend.depth(),
+        in_flight_count=len(channel.in_flight),
+        deferred_count=len(channel.deferred),
+        message_count=channel.message_count,
+        requeue_count=channel.requeue_count,
+        timeout_count=channel.timeout_count,
+        client_count=len(channel.clients),
+        clients=clients,
+        paused=channel.paused,
+        e2e_processing_latency=E2eLatency.from_result(channel.e2e.result() if channel.e2e is not None else None),
+    )
 
 
-def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "topic_name": topic.name,
-        "channels": channels,
-        "depth": topic.depth(),
-        "backend_depth": topic.backend.depth(),
-        "message_count": topic.message_count,
-        "message_bytes": topic.message_bytes,
-        "paused": topic.paused,
-        "e2e_processing_latency": topic_e2e(topic),
-        "idempotency_keys": topic.idempotency.held(),
-    }
+def topic_stats(topic: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
+    return TopicStats(
+        topic_name=topic.name,
+        channels=channels,
+        depth=topic.depth(),
+        backend_depth=topic.backend.depth(),
+        message_count=topic.message_count,
+        message_bytes=topic.message_bytes,
+        paused=topic.paused,
+        e2e_processing_latency=topic_e2e(topic),
+        idempotency_keys=topic.idempotency.held(),
+    )
 
 
 def get_stats(
-    nsqd: NSQD, topic: str = "", channel: str = "", include_clients: bool = True
-) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
-    """nsqd's GetStats: (topics, producers)."""
-    if not topic:
-        topics = sorted(nsqd.topics.values(), key=lambda t: t.name)
-    elif topic in nsqd.topics:
-        topics = [nsqd.topics[topic]]
-    else:
-        return None, None
-    out = []
-    for t in topics:
-        if not channel:
-            channels = sorted(t.channels.values(), key=lambda c: c.name)
-        elif channel in t.channels:
-            channels = [t.channels[channel]]
-        else:
-            continue
-        out.append(topic_stats(t, [channel_stats(c, include_clients, topic) for c in channels]))
+    nsqd: NSQD, topic: str = "", channel: str = "", include_clients: bool = True, include_mem: bool = False
+) -> NsqdStats:
+    """nsqd's GetStats (and what /stats adds around it): one consistent snapshot."""
     producers = None
     if include_clients:
-        producers = [client_stats(c, topic) for _, c in sorted(nsqd.clients.items()) if c.pub_counts] or None
-    return out, producers
-
-
-def stats_document(
-    nsqd: NSQD, *, topic: str = "", channel: str = "", include_clients: bool = True, include_mem: bool = True
-) -> dict[str, Any]:
-    """The whole /stats?format=json answer, keys in nsqd's order."""
-    topics, producers = get_stats(nsqd, topic, channel, include_clients)
-    doc: dict[str, Any] = {
-        "version": VERSION,
-        "health": health(nsqd),
-        "start_time": nsqd.start_time,
-        "topics": topics,
-    }
-    if include_mem:
-        doc["memory"] = mem_stats()
-    doc["producers"] = producers
-    return doc
+        producers = tuple(client_stats(c, topic) for _, c in sorted(nsqd.clients.items()) if c.pub_counts) or None
+    topics: tuple[TopicStats, ...] | None = None
+    if not topic:
+        chosen = sorted(nsqd.topics.values(), key=lambda t: t.name)
+    elif topic in nsqd.topics:
+        chosen = [nsqd.topics[topic]]
+    else:
+        chosen, producers = [], None
+    if chosen:
+        found = []
+        for t in chosen:
+            if not channel:
+                channels = sorted(t.channels.values(), key=lambda c: c.name)
+            elif channel in t.channels:
+                channels = [t.channels[channel]]
+            else:
+                continue
+            found.append(topic_stats(t, tuple(channel_stats(c, include_clients, topic) for c in channels)))
+        topics = tuple(found)
+    elif not topic:
+        topics = ()
+    return NsqdStats(health=health(nsqd), start_time=nsqd.start_time, topics=topics, producers=producers,
+                     memory=mem_stats() if include_mem else None)
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -255,53 +435,24 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def mem_stats() -> dict[str, Any]:
+def mem_stats() -> MemStats:
     """nsqd's memStats keys with CPython's nearest figures: heap_objects = allocated blocks, heap_in_use
     = resident set size, GC pauses from GC_PAUSES, next_gc_bytes = 0 (CPython triggers collections by
     object counts, not bytes), gc_total_runs = collections of every generation."""
-    return {
-        "heap_objects": sys.getallocatedblocks(),
-        "heap_idle_bytes": 0,
-        "heap_in_use_bytes": _rss_bytes(),
-        "heap_released_bytes": 0,
-        "gc_pause_usec_100": GC_PAUSES.percentile_usec(100),
-        "gc_pause_usec_99": GC_PAUSES.percentile_usec(99),
-        "gc_pause_usec_95": GC_PAUSES.percentile_usec(95),
-        "next_gc_bytes": 0,
-        "gc_total_runs": sum(s["collections"] for s in gc.get_stats()),
-    }
+    return MemStats(
+        heap_objects=sys.getallocatedblocks(),
+        heap_idle_bytes=0,
+        heap_in_use_bytes=_rss_bytes(),
+        heap_released_bytes=0,
+        gc_pause_usec_100=GC_PAUSES.percentile_usec(100),
+        gc_pause_usec_99=GC_PAUSES.percentile_usec(99),
+        gc_pause_usec_95=GC_PAUSES.percentile_usec(95),
+        next_gc_bytes=0,
+        gc_total_runs=sum(s["collections"] for s in gc.get_stats()),
+    )
 
 
 # --- text (/stats?format=text, the default) ---------------------------------------------------
-
-
-def go_duration(ns: int) -> str:
-    """Go's time.Duration.String(): "0s", "1.5µs", "12.3ms", "1m2.5s", "2h0m0s"."""
-    if ns == 0:
-        return "0s"
-    sign = "-" if ns < 0 else ""
-    u = abs(ns)
-    if u < 1_000_000_000:
-        for unit, scale in (("ns", 1), ("µs", 1_000), ("ms", 1_000_000)):
-            if u < scale * 1000:
-                return sign + _go_frac(u, scale) + unit
-    seconds, frac = divmod(u, 1_000_000_000)
-    out = _go_frac(seconds % 60 * 1_000_000_000 + frac, 1_000_000_000) + "s"
-    minutes = seconds // 60
-    if minutes:
-        out = f"{minutes % 60}m" + out
-        hours = minutes // 60
-        if hours:
-            out = f"{hours}h" + out
-    return sign + out
-
-
-def _go_frac(value: int, scale: int) -> str:
-    whole, frac = divmod(value, scale)
-    if not frac:
-        return str(whole)
-    digits = len(str(scale)) - 1
-    return f"{whole}.{frac:0{digits}d}".rstrip("0")
 
 
 def nanoseconds_to_human(v: float) -> str:
@@ -315,71 +466,67 @@ def nanoseconds_to_human(v: float) -> str:
     return f"{v:.1f}ns"
 
 
-def _e2e_text(result: dict[str, Any]) -> str:
-    return ", ".join(nanoseconds_to_human(p["value"]) for p in result.get("percentiles") or [])
+def _e2e_text(latency: E2eLatency) -> str:
+    return ", ".join(nanoseconds_to_human(p.value) for p in latency.percentiles or ())
 
 
-def _client_text(stats: dict[str, Any], now: float) -> str:
-    connected = go_duration(int(max(0, now - stats["connect_ts"])) * 1_000_000_000)
-    port = stats["remote_address"].rsplit(":", 1)[-1]
-    ident = f"{stats['hostname']}:{port} {stats['user_agent']}"
-    pub_counts = stats.get("pub_counts")
-    if pub_counts:
-        total = sum(p["count"] for p in pub_counts)
-        topics = ",".join(f"{p['topic']}={p['count']}" for p in pub_counts)
-        return f"[{stats['version']} {ident:<21}] msgs: {total:<8} topics: {topics} connected: {connected}"
+def _client_text(stats: ClientStats, now: float) -> str:
+    connected = format_duration_ns(int(max(0, now - stats.connect_ts)) * 1_000_000_000)
+    port = stats.remote_address.rsplit(":", 1)[-1]
+    ident = f"{stats.hostname}:{port} {stats.user_agent}"
+    if stats.pub_counts:
+        total = sum(p.count for p in stats.pub_counts)
+        topics = ",".join(f"{p.topic}={p.count}" for p in stats.pub_counts)
+        return f"[{stats.version} {ident:<21}] msgs: {total:<8} topics: {topics} connected: {connected}"
     return (
-        f"[{stats['version']} {ident:<21}] state: {stats['state']} inflt: {stats['in_flight_count']:<4} "
-        f"rdy: {stats['ready_count']:<4} fin: {stats['finish_count']:<8} re-q: {stats['requeue_count']:<8} "
-        f"msgs: {stats['message_count']:<8} connected: {connected}"
+        f"[{stats.version} {ident:<21}] state: {stats.state} inflt: {stats.in_flight_count:<4} "
+        f"rdy: {stats.ready_count:<4} fin: {stats.finish_count:<8} re-q: {stats.requeue_count:<8} "
+        f"msgs: {stats.message_count:<8} connected: {connected}"
     )
 
 
-def stats_text(
-    nsqd: NSQD, *, topic: str = "", channel: str = "", include_clients: bool = True, include_mem: bool = True
-) -> str:
+def stats_text(stats: NsqdStats) -> str:
     """nsqd's printStats, line for line."""
-    topics, producers = get_stats(nsqd, topic, channel, include_clients)
     now = time.time()
-    started = time.localtime(nsqd.start_time)
+    started = time.localtime(stats.start_time)
     offset = time.strftime("%z", started)
     rfc3339 = time.strftime("%Y-%m-%dT%H:%M:%S", started) + ("Z" if offset in ("+0000", "-0000") else f"{offset[:3]}:{offset[3:]}")
-    uptime_ns = max(0, time.time_ns() - nsqd.start_time * 1_000_000_000)
+    uptime_ns = max(0, time.time_ns() - stats.start_time * 1_000_000_000)
     impl = f"python{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     lines = [
-        f"nsqd v{VERSION} (built w/{impl})",
+        f"nsqd v{stats.version} (built w/{impl})",
         f"start_time {rfc3339}",
-        f"uptime {go_duration(uptime_ns)}",
+        f"uptime {format_duration_ns(uptime_ns)}",
         "",
-        f"Health: {health(nsqd)}",
+        f"Health: {stats.health}",
     ]
-    if include_mem:
+    if stats.memory is not None:
         lines += ["", "Memory:"]
-        lines += [f"   {key:<25}\t{value}" for key, value in mem_stats().items()]
+        lines += [f"   {key:<25}\t{value}" for key, value in stats.memory.to_json().items()]
     out = "\n".join(lines) + "\n"
-    out += "\nTopics: None\n" if not topics else "\nTopics:"
-    for t in topics or []:
-        prefix = "*P " if t["paused"] else "   "
+    out += "\nTopics: None\n" if not stats.topics else "\nTopics:"
+    for t in stats.topics or ():
+        prefix = "*P " if t.paused else "   "
         out += (
-            f"\n{prefix}[{t['topic_name']:<15}] depth: {t['depth']:<5} be-depth: {t['backend_depth']:<5} "
-            f"msgs: {t['message_count']:<8} e2e%: {_e2e_text(t['e2e_processing_latency'])}"
-            + (f" idempotency-keys: {t['idempotency_keys']}" if t.get("idempotency_keys") else "") + "\n"
+            f"\n{prefix}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
+            f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}"
+            + (f" idempotency-keys: {t.idempotency_keys}" if t.idempotency_keys else "") + "\n"
         )
-        for c in t["channels"]:
-            prefix = "   *P " if c["paused"] else "      "
+        for c in t.channels:
+            prefix = "   *P " if c.paused else "      "
             out += (
-                f"{prefix}[{c['channel_name']:<25}] depth: {c['depth']:<5} be-depth: {c['backend_depth']:<5} "
-                f"inflt: {c['in_flight_count']:<4} def: {c['deferred_count']:<4} re-q: {c['requeue_count']:<5} "
-                f"timeout: {c['timeout_count']:<5} msgs: {c['message_count']:<8} "
-                f"e2e%: {_e2e_text(c['e2e_processing_latency'])}\n"
+                f"{prefix}[{c.channel_name:<25}] depth: {c.depth:<5} be-depth: {c.backend_depth:<5} "
+                f"inflt: {c.in_flight_count:<4} def: {c.deferred_count:<4} re-q: {c.requeue_count:<5} "
+                f"timeout: {c.timeout_count:<5} msgs: {c.message_count:<8} "
+                f"e2e%: {_e2e_text(c.e2e_processing_latency)}\n"
             )
-            for client in c["clients"] or []:
+            for client in c.clients or ():
                 out += f"        {_client_text(client, now)}\n"
-    if not producers:
+    if not stats.producers:
         out += "\nProducers: None\n"
     else:
         out += "\nProducers:\n"
-        for client in producers:
+        for client in stats.producers:
             out += f"   {_client_text(client, now)}\n"
     return out
 
@@ -424,90 +571,94 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
+# (metric, type, help, record attribute) per level; counters carry the _total suffix
+_TOPIC_METRICS = [
+    ("nsq_topic_depth", "gauge", "Messages queued in the topic (memory and disk).", "depth"),
+    ("nsq_topic_backend_depth", "gauge", "Messages queued in the topic's disk queue.", "backend_depth"),
+    ("nsq_topic_messages_total", "counter", "Messages published to the topic.", "message_count"),
+    ("nsq_topic_message_bytes_total", "counter", "Bytes of message bodies published to the topic.", "message_bytes"),
+    ("nsq_topic_paused", "gauge", "1 if the topic is paused.", "paused"),
+]
+_CHANNEL_METRICS = [
+    ("nsq_channel_depth", "gauge", "Messages queued in the channel (memory and disk).", "depth"),
+    ("nsq_channel_backend_depth", "gauge", "Messages queued in the channel's disk queue.", "backend_depth"),
+    ("nsq_channel_in_flight_count", "gauge", "Messages sent to consumers and not yet finished.", "in_flight_count"),
+    ("nsq_channel_deferred_count", "gauge", "Messages deferred (DPUB, REQ with a delay).", "deferred_count"),
+    ("nsq_channel_messages_total", "counter", "Messages the channel received from its topic.", "message_count"),
+    ("nsq_channel_requeued_total", "counter", "Messages requeued by consumers (REQ).", "requeue_count"),
+    ("nsq_channel_timed_out_total", "counter", "In-flight messages that timed out.", "timeout_count"),
+    ("nsq_channel_client_count", "gauge", "Consumers connected to the channel.", "client_count"),
+    ("nsq_channel_paused", "gauge", "1 if the channel is paused.", "paused"),
+]
+_CLIENT_METRICS = [
+    ("nsq_client_ready_count", "gauge", "The consumer's RDY count.", "ready_count"),
+    ("nsq_client_in_flight_count", "gauge", "Messages in flight to the consumer.", "in_flight_count"),
+    ("nsq_client_messages_total", "counter", "Messages sent to the consumer.", "message_count"),
+    ("nsq_client_finished_total", "counter", "Messages the consumer finished (FIN).", "finish_count"),
+    ("nsq_client_requeued_total", "counter", "Messages the consumer requeued (REQ).", "requeue_count"),
+]
+
+
+def _add_all(m: _Metrics, table: list[tuple[str, str, str, str]], record: Any, labels: dict[str, str]) -> None:
+    for name, kind, help, attribute in table:
+        m.add(name, kind, help, getattr(record, attribute), labels)
+
+
 def prometheus_text(nsqd: NSQD) -> str:
     """The /stats figures in the Prometheus text exposition format (version 0.0.4).
 
     Counters carry the ``_total`` suffix; depths and counts of what is held now are gauges; e2e latency
     percentiles are a summary in seconds. Labels: topic, channel, and for clients client_id, hostname,
     remote_address and user_agent."""
+    stats = get_stats(nsqd, include_clients=True, include_mem=True)
     m = _Metrics()
     m.add("nsq_up", "gauge", "1 while the broker is healthy, 0 when it reports an error.",
-          1 if nsqd.health_error is None else 0)
+          1 if stats.health == "OK" else 0)
     m.add("nsq_info", "gauge", "Constant 1, labelled with the NSQ version this broker implements.", 1,
-          {"version": VERSION, "broadcast_address": nsqd.options.broadcast_address})
-    m.add("nsq_start_time_seconds", "gauge", "When the broker started, in seconds since the epoch.", nsqd.start_time)
-    topics, producers = get_stats(nsqd, include_clients=True)
-    for t in topics or []:
-        tl = {"topic": t["topic_name"]}
-        m.add("nsq_topic_depth", "gauge", "Messages queued in the topic (memory and disk).", t["depth"], tl)
-        m.add("nsq_topic_backend_depth", "gauge", "Messages queued in the topic's disk queue.", t["backend_depth"], tl)
-        m.add("nsq_topic_messages_total", "counter", "Messages published to the topic.", t["message_count"], tl)
-        m.add("nsq_topic_message_bytes_total", "counter", "Bytes of message bodies published to the topic.",
-              t["message_bytes"], tl)
-        m.add("nsq_topic_paused", "gauge", "1 if the topic is paused.", t["paused"], tl)
-        m.add("nsq_topic_channels", "gauge", "Channels of the topic.", len(t["channels"]), tl)
+          {"version": stats.version, "broadcast_address": nsqd.options.broadcast_address})
+    m.add("nsq_start_time_seconds", "gauge", "When the broker started, in seconds since the epoch.", stats.start_time)
+    for t in stats.topics or ():
+        tl = {"topic": t.topic_name}
+        _add_all(m, _TOPIC_METRICS, t, tl)
+        m.add("nsq_topic_channels", "gauge", "Channels of the topic.", len(t.channels), tl)
         _latency(m, "nsq_topic_e2e_processing_latency_seconds",
                  "End-to-end processing latency (publish to FIN) over the topic's channels.",
-                 t["e2e_processing_latency"], tl)
-        for c in t["channels"]:
-            cl = {"topic": t["topic_name"], "channel": c["channel_name"]}
-            m.add("nsq_channel_depth", "gauge", "Messages queued in the channel (memory and disk).", c["depth"], cl)
-            m.add("nsq_channel_backend_depth", "gauge", "Messages queued in the channel's disk queue.",
-                  c["backend_depth"], cl)
-            m.add("nsq_channel_in_flight_count", "gauge", "Messages sent to consumers and not yet finished.",
-                  c["in_flight_count"], cl)
-            m.add("nsq_channel_deferred_count", "gauge", "Messages deferred (DPUB, REQ with a delay).",
-                  c["deferred_count"], cl)
-            m.add("nsq_channel_messages_total", "counter", "Messages the channel received from its topic.",
-                  c["message_count"], cl)
-            m.add("nsq_channel_requeued_total", "counter", "Messages requeued by consumers (REQ).",
-                  c["requeue_count"], cl)
-            m.add("nsq_channel_timed_out_total", "counter", "In-flight messages that timed out.",
-                  c["timeout_count"], cl)
-            m.add("nsq_channel_client_count", "gauge", "Consumers connected to the channel.", c["client_count"], cl)
-            m.add("nsq_channel_paused", "gauge", "1 if the channel is paused.", c["paused"], cl)
+                 t.e2e_processing_latency, tl)
+        for c in t.channels:
+            cl = {"topic": t.topic_name, "channel": c.channel_name}
+            _add_all(m, _CHANNEL_METRICS, c, cl)
             _latency(m, "nsq_channel_e2e_processing_latency_seconds",
-                     "End-to-end processing latency (publish to FIN) of the channel.", c["e2e_processing_latency"], cl)
-            for client in c["clients"] or []:
-                kl = {**cl, **_client_labels(client)}
-                m.add("nsq_client_ready_count", "gauge", "The consumer's RDY count.", client["ready_count"], kl)
-                m.add("nsq_client_in_flight_count", "gauge", "Messages in flight to the consumer.",
-                      client["in_flight_count"], kl)
-                m.add("nsq_client_messages_total", "counter", "Messages sent to the consumer.",
-                      client["message_count"], kl)
-                m.add("nsq_client_finished_total", "counter", "Messages the consumer finished (FIN).",
-                      client["finish_count"], kl)
-                m.add("nsq_client_requeued_total", "counter", "Messages the consumer requeued (REQ).",
-                      client["requeue_count"], kl)
-    for client in producers or []:
-        for pub in client.get("pub_counts", []):
+                     "End-to-end processing latency (publish to FIN) of the channel.", c.e2e_processing_latency, cl)
+            for client in c.clients or ():
+                _add_all(m, _CLIENT_METRICS, client, {**cl, **_client_labels(client)})
+    for client in stats.producers or ():
+        for pub in client.pub_counts:
             m.add("nsq_producer_published_total", "counter", "Messages a TCP producer published, per topic.",
-                  pub["count"], {"topic": pub["topic"], **_client_labels(client)})
+                  pub.count, {"topic": pub.topic, **_client_labels(client)})
     m.add("nsq_clients", "gauge", "TCP client connections.", len(nsqd.clients))
-    mem = mem_stats()
-    m.add("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", mem["heap_in_use_bytes"])
+    assert stats.memory is not None  # asked for above
+    m.add("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", stats.memory.heap_in_use_bytes)
     m.add("python_allocated_blocks", "gauge", "Memory blocks currently allocated by the interpreter.",
-          mem["heap_objects"])
-    for generation, s in enumerate(gc.get_stats()):
+          stats.memory.heap_objects)
+    for generation, gen in enumerate(gc.get_stats()):
         m.add("python_gc_collections_total", "counter", "Garbage collections, per generation.",
-              s["collections"], {"generation": str(generation)})
+              gen["collections"], {"generation": str(generation)})
     return m.render()
 
 
-def _client_labels(client: dict[str, Any]) -> dict[str, str]:
+def _client_labels(client: ClientStats) -> dict[str, str]:
     return {
-        "client_id": client["client_id"],
-        "hostname": client["hostname"],
-        "remote_address": client["remote_address"],
-        "user_agent": client["user_agent"],
+        "client_id": client.client_id,
+        "hostname": client.hostname,
+        "remote_address": client.remote_address,
+        "user_agent": client.user_agent,
     }
 
 
-def _latency(m: _Metrics, name: str, help: str, result: dict[str, Any], labels: dict[str, str]) -> None:
+def _latency(m: _Metrics, name: str, help: str, latency: E2eLatency, labels: dict[str, str]) -> None:
     """A summary: one sample per configured quantile (ns converted to seconds) and the window's count."""
-    percentiles = result.get("percentiles")
-    if percentiles is None:
+    if latency.percentiles is None:
         return
-    for p in percentiles:
-        m.add(name, "summary", help, p["value"] / 1e9, {**labels, "quantile": _number(float(p["quantile"]))})
-    m.add(name, "summary", help, result["count"], labels, suffix="_count")
+    for p in latency.percentiles:
+        m.add(name, "summary", help, p.value / 1e9, {**labels, "quantile": _number(float(p.quantile))})
+    m.add(name, "summary", help, latency.count, labels, suffix="_count")

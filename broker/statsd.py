@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from broker.stats import E2eLatency, get_stats
 from shared.http import split_host_port
+from shared.names import is_ephemeral
 
 if TYPE_CHECKING:
     from broker.nsqd import NSQD
@@ -38,33 +40,33 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
     def gauge(key: str, value: float) -> None:
         lines.append(f"{key}:{int(value)}|g")
 
+    def latency(key: str, e2e: E2eLatency) -> None:
+        for p in e2e.percentiles or ():
+            gauge(f"{key}.e2e_processing_latency_{p.quantile * 100:.0f}", p.value)
+
     exclude_ephemeral = nsqd.options.statsd_exclude_ephemeral
-    for topic in list(nsqd.topics.values()):
+    for topic in get_stats(nsqd, include_clients=False).topics or ():
         if exclude_ephemeral and topic.ephemeral:
             continue
-        t = f"topic.{topic.name}"
+        t = f"topic.{topic.topic_name}"
         incr(f"{t}.message_count", topic.message_count)
         incr(f"{t}.message_bytes", topic.message_bytes)
-        gauge(f"{t}.depth", topic.depth())
-        gauge(f"{t}.backend_depth", topic.backend.depth())
-        e2e = topic.e2e_processing_latency()
-        for item in (e2e or {}).get("percentiles", []):
-            gauge(f"{t}.e2e_processing_latency_{item['quantile'] * 100:.0f}", item["value"])
-        for channel in list(topic.channels.values()):
-            if exclude_ephemeral and channel.ephemeral:
+        gauge(f"{t}.depth", topic.depth)
+        gauge(f"{t}.backend_depth", topic.backend_depth)
+        latency(t, topic.e2e_processing_latency)
+        for channel in topic.channels:
+            if exclude_ephemeral and is_ephemeral(channel.channel_name):
                 continue
-            c = f"{t}.channel.{channel.name}"
+            c = f"{t}.channel.{channel.channel_name}"
             incr(f"{c}.message_count", channel.message_count)
-            gauge(f"{c}.depth", channel.depth())
-            gauge(f"{c}.backend_depth", channel.backend.depth())
-            gauge(f"{c}.in_flight_count", len(channel.in_flight))
-            gauge(f"{c}.deferred_count", len(channel.deferred))
+            gauge(f"{c}.depth", channel.depth)
+            gauge(f"{c}.backend_depth", channel.backend_depth)
+            gauge(f"{c}.in_flight_count", channel.in_flight_count)
+            gauge(f"{c}.deferred_count", channel.deferred_count)
             incr(f"{c}.requeue_count", channel.requeue_count)
             incr(f"{c}.timeout_count", channel.timeout_count)
-            gauge(f"{c}.clients", len(channel.clients))
-            if channel.e2e is not None:
-                for item in channel.e2e.result()["percentiles"]:
-                    gauge(f"{c}.e2e_processing_latency_{item['quantile'] * 100:.0f}", item["value"])
+            gauge(f"{c}.clients", channel.client_count)
+            latency(c, channel.e2e_processing_latency)
     if nsqd.options.statsd_mem_stats:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         gauge("mem.max_rss_bytes", usage.ru_maxrss * 1024)

@@ -43,7 +43,11 @@ def parse_duration(value: str | int | float) -> float:
 
 def format_duration(seconds: float) -> str:
     """Go's time.Duration.String(): "1h0m0s", "1m30s", "2s", "250ms", "1.5µs"."""
-    ns = round(seconds * 1e9)
+    return format_duration_ns(round(seconds * 1e9))
+
+
+def format_duration_ns(ns: int) -> str:
+    """format_duration of a whole number of nanoseconds (Go's Duration itself), exact at any size."""
     sign, ns = ("-" if ns < 0 else ""), abs(ns)
 
     def fraction(value: int, scale: int) -> str:
