@@ -795,10 +795,14 @@ class AsgiBody:
             await self.drain(LINGER_BYTES)
 
 
+# an ASGI 3 application; Front hands scopes and events through to it untouched
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
+
+
 class Front:
     """The ASGI app hypercorn serves: TLS requirement, the hot routes, then the Quart app."""
 
-    def __init__(self, app: QuartTrio, api: Api, *, tls: bool, fast_path: bool = FAST_PATH) -> None:
+    def __init__(self, app: ASGIApp, api: Api, *, tls: bool, fast_path: bool = FAST_PATH) -> None:
         self.app = app
         self.api = api
         self.tls = tls

@@ -82,8 +82,7 @@ class NSQD:
                     nursery.start_soon(topic.run)
                 # HTTP first: once TCP accepts connections, the whole broker is up (logged in nsqd's order)
                 await self._start_http(nursery)
-                await self._start_tcp(nursery)
-                log.info("TCP: listening on %s", address_text(*self.tcp_address))
+                log.info("TCP: listening on %s", address_text(*await self._start_tcp(nursery)))
                 if self.http_address is not None:
                     log.info("HTTP: listening on %s", address_text(*self.http_address))
                 await nursery.start(self.lookup.run)
@@ -148,7 +147,7 @@ class NSQD:
         except* OSError as group:
             raise RuntimeError(f"listen ({self.options.http_address}) failed - {error_text(group)}") from None
 
-    async def _start_tcp(self, nursery: trio.Nursery) -> None:
+    async def _start_tcp(self, nursery: trio.Nursery) -> tuple[str, int]:
         """The TCP listener: host:port, or a path for a unix socket (as nsqd takes --tcp-address)."""
         address = self.options.tcp_address
         try:
@@ -157,7 +156,7 @@ class NSQD:
                 nursery.start_soon(trio.serve_listeners, self._handle_tcp, listeners)
                 self.tcp_address = (address, 0)
                 self._unix_paths.append(address)
-                return
+                return self.tcp_address
             host, port = split_host_port(address)
             listeners = await nursery.start(
                 functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None)
@@ -166,6 +165,7 @@ class NSQD:
             raise RuntimeError(f"listen ({address}) failed - {error_text(group)}") from None
         sockname = listeners[0].socket.getsockname()
         self.tcp_address = (sockname[0], sockname[1])
+        return self.tcp_address
 
     @property
     def broadcast_tcp_port(self) -> int:
