@@ -28,37 +28,47 @@ import functools
 import json
 import logging
 import os
-import re
 import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote_to_bytes
 
 import attrs
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from broker.backend import BackendError
 from broker.idempotency import valid_key
 from broker.message import Message
 from broker.stats import GC_PAUSES, get_stats, health, prometheus_text, stats_text
 from broker.topic import Topic
-from shared.http import join_host_port, serve_app
+from shared.http import join_host_port, serve_app, to_response
+from shared.http_api import (
+    EMPTY,
+    JSON_TYPE,
+    OK,
+    TEXT_TYPE,
+    HTTPError,
+    Reply,
+    Router,
+    error_reply,
+    go_json,
+    log_request,
+    ok_json,
+    parse_go_int,
+    parse_query,
+    routed_reply,
+)
 from shared.logs import parse_level
 from shared.names import is_valid_channel_name, is_valid_topic_name
-from shared.options import format_duration_ns
 from shared.version import VERSION
 
 log = logging.getLogger("nsqd")
 
-JSON_TYPE = "application/json; charset=utf-8"
-TEXT_TYPE = "text/plain; charset=utf-8"
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-NSQ_CONTENT_TYPE = ("X-NSQ-Content-Type", "nsq; version=1.0")
 
 # how long, and how much of, a refused upload is read and dropped so its client can read the answer
 LINGER_SECONDS = 10.0
@@ -79,55 +89,6 @@ _UNFLAGGED_OPTIONS = frozenset(
 FAST_PATH = os.environ.get("TRIO_NSQ_HTTP_FAST_PATH", "1") != "0"
 
 _INT32 = struct.Struct(">i")
-_GO_INT = re.compile(r"[+-]?[0-9]+")
-_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
-
-
-# --- replies ------------------------------------------------------------------------------------
-
-
-class HTTPError(Exception):
-    """nsqd's http_api.Err: answered as {"message": text} with this status."""
-
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(text)
-        self.status = status
-        self.text = text
-
-
-@attrs.frozen
-class Reply:
-    status: int
-    body: bytes
-    content_type: str | None = TEXT_TYPE
-    # nsqd's V1 decorator marks every answer; PlainText (/ping) does not
-    nsq_header: bool = True
-    headers: tuple[tuple[str, str], ...] = ()
-
-    def header_list(self) -> list[tuple[str, str]]:
-        out = list(self.headers)
-        if self.content_type:
-            out.append(("Content-Type", self.content_type))
-        if self.nsq_header:
-            out.append(NSQ_CONTENT_TYPE)
-        return out
-
-
-OK = Reply(200, b"OK")
-EMPTY = Reply(200, b"")
-
-
-def json_bytes(value: Any) -> bytes:
-    """Go's json.Marshal layout: compact."""
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def ok_json(value: Any) -> Reply:
-    return Reply(200, json_bytes(value), JSON_TYPE)
-
-
-def error_reply(status: int, text: str) -> Reply:
-    return Reply(status, json_bytes({"message": text}), JSON_TYPE)
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -156,49 +117,6 @@ class ApiRequest:
     @property
     def uri(self) -> str:
         return self.path + ("?" + self.query.decode("latin-1") if self.query else "")
-
-
-def parse_query(raw: bytes) -> dict[str, list[str]]:
-    """Go's url.ParseQuery: '&'-separated, '+' is a space; a ';' or a bad %-escape is an error
-    (raised after the whole string is parsed, as Go returns the first error with the values)."""
-    values: dict[str, list[str]] = {}
-    error = None
-    for part in raw.split(b"&"):
-        if not part:
-            continue
-        if b";" in part:
-            error = error or "invalid semicolon separator in query"
-            continue
-        key, _, value = part.partition(b"=")
-        try:
-            k, v = _unescape(key), _unescape(value)
-        except ValueError as exc:
-            error = error or str(exc)
-            continue
-        values.setdefault(k, []).append(v)
-    if error is not None:
-        raise ValueError(error)
-    return values
-
-
-def _unescape(raw: bytes) -> str:
-    if b"%" in raw and _BAD_ESCAPE.search(raw):
-        raise ValueError(f"invalid URL escape in {raw[:40]!r}")
-    if b"+" in raw:
-        raw = raw.replace(b"+", b" ")
-    if b"%" in raw:
-        raw = unquote_to_bytes(raw)
-    return raw.decode("utf-8", "replace")
-
-
-def _parse_go_int(text: str) -> int:
-    """strconv.ParseInt(s, 10, 64)."""
-    if not _GO_INT.fullmatch(text):
-        raise ValueError(text)
-    value = int(text)
-    if not -(1 << 63) <= value < (1 << 63):
-        raise ValueError(text)
-    return value
 
 
 def parse_binary_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
@@ -255,9 +173,7 @@ class Api:
 
     @staticmethod
     def log_request(req: ApiRequest, status: int, start_ns: int) -> None:
-        if log.isEnabledFor(logging.INFO):
-            log.info("%d %s %s (%s) %s", status, req.method, req.uri, req.remote,
-                     format_duration_ns(time.perf_counter_ns() - start_ns))
+        log_request(log, status, req.method, req.uri, req.remote, time.perf_counter_ns() - start_ns)
 
     # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
 
@@ -357,7 +273,7 @@ class Api:
         defer = params.get("defer")
         if defer is not None:
             try:
-                ms = _parse_go_int(defer[0])
+                ms = parse_go_int(defer[0])
             except ValueError:
                 raise HTTPError(400, "INVALID_DEFER") from None
             if ms < 0 or ms > self.options.max_req_timeout * 1000:
@@ -597,38 +513,33 @@ def _ns(seconds: float) -> int:
 
 # --- the Quart app ------------------------------------------------------------------------------
 
-# (rule, methods, Api method); /pub and /mpub are also served by Front when FAST_PATH is on
-ROUTES: list[tuple[str, list[str], str]] = [
-    ("/ping", ["GET"], "ping"),
-    ("/info", ["GET"], "info"),
-    ("/pub", ["POST"], "pub"),
-    ("/mpub", ["POST"], "mpub"),
-    ("/stats", ["GET"], "stats"),
-    ("/topic/create", ["POST"], "topic_create"),
-    ("/topic/delete", ["POST"], "topic_delete"),
-    ("/topic/empty", ["POST"], "topic_empty"),
-    ("/topic/pause", ["POST"], "topic_pause"),
-    ("/topic/unpause", ["POST"], "topic_unpause"),
-    ("/channel/create", ["POST"], "channel_create"),
-    ("/channel/delete", ["POST"], "channel_delete"),
-    ("/channel/empty", ["POST"], "channel_empty"),
-    ("/channel/pause", ["POST"], "channel_pause"),
-    ("/channel/unpause", ["POST"], "channel_unpause"),
-    ("/config/<opt>", ["GET", "PUT"], "config"),
-    ("/metrics", ["GET"], "metrics"),
-    ("/openapi.json", ["GET"], "openapi"),
-]
-
-_STATIC_PATHS = {rule.lower(): rule for rule, _, _ in ROUTES if "<" not in rule}
-
-
-def to_response(reply: Reply) -> Response:
-    response = Response(reply.body, status=reply.status)
-    response.headers.clear()
-    for key, value in reply.header_list():
-        response.headers[key] = value
-    response.headers["Content-Length"] = str(len(reply.body))
-    return response
+# method -> httprouter path -> Api method; /pub and /mpub are also served by Front when FAST_PATH is on
+ROUTES: dict[str, dict[str, str]] = {
+    "GET": {
+        "/ping": "ping",
+        "/info": "info",
+        "/stats": "stats",
+        "/config/:opt": "config",
+        "/metrics": "metrics",
+        "/openapi.json": "openapi",
+    },
+    "POST": {
+        "/pub": "pub",
+        "/mpub": "mpub",
+        "/topic/create": "topic_create",
+        "/topic/delete": "topic_delete",
+        "/topic/empty": "topic_empty",
+        "/topic/pause": "topic_pause",
+        "/topic/unpause": "topic_unpause",
+        "/channel/create": "channel_create",
+        "/channel/delete": "channel_delete",
+        "/channel/empty": "channel_empty",
+        "/channel/pause": "channel_pause",
+        "/channel/unpause": "channel_unpause",
+    },
+    "PUT": {"/config/:opt": "config"},
+}
+ROUTER = Router(ROUTES)
 
 
 def _quart_request() -> ApiRequest:
@@ -665,31 +576,19 @@ def create_app(api: Api) -> QuartTrio:
     # Quart's own body buffer stops here; each endpoint applies its smaller limit while reading
     app.config["MAX_CONTENT_LENGTH"] = max(opts.max_body_size, opts.max_msg_size)
 
-    for rule, methods, name in ROUTES:
-        app.add_url_rule(rule, name, _view(api, name), methods=methods)
-
-    @app.errorhandler(404)
-    async def not_found(exc: HTTPException) -> Response:
+    @app.before_request
+    async def dispatch() -> Response:
+        # every request is answered here (httprouter's dispatch), so werkzeug's routing never gets a say
         start = time.perf_counter_ns()
-        req = _quart_request()
-        fixed = fixed_path(request.path)
-        if fixed is not None and fixed != request.path:
-            # httprouter's RedirectTrailingSlash/RedirectFixedPath: 301 for GET, 308 otherwise
-            status = 301 if request.method == "GET" else 308
-            location = fixed + ("?" + request.query_string.decode("latin-1") if request.query_string else "")
-            Api.log_request(req, status, start)
-            return Response(b"", status=status, headers={"Location": location})
-        Api.log_request(req, 404, start)
-        return to_response(error_reply(404, "NOT_FOUND"))
-
-    @app.errorhandler(405)
-    async def method_not_allowed(exc: MethodNotAllowed) -> Response:
-        start = time.perf_counter_ns()
-        Api.log_request(_quart_request(), 405, start)
-        response = to_response(error_reply(405, "METHOD_NOT_ALLOWED"))
-        if exc.valid_methods:
-            response.headers["Allow"] = ", ".join(sorted(set(exc.valid_methods)))
-        return response
+        # the ASGI path as received (percent-decoded), as Go's URL.Path: Quart's request.path is normalised
+        path = request.scope.get("path") or request.path
+        where = ROUTER.resolve(request.method, path)
+        routed = routed_reply(request.method, request.query_string, where)
+        if routed is not None:
+            Api.log_request(_quart_request(), routed.status, start)
+            return to_response(routed)
+        assert where.handler is not None
+        return to_response(await api.call(where.handler, _quart_request(), **where.params))
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
@@ -700,46 +599,6 @@ def create_app(api: Api) -> QuartTrio:
         return to_response(error_reply(500, "INTERNAL_ERROR"))
 
     return app
-
-
-def _view(api: Api, name: str) -> Callable[..., Awaitable[Response]]:
-    async def view(**kwargs: Any) -> Response:
-        return to_response(await api.call(name, _quart_request(), **kwargs))
-
-    view.__name__ = name
-    return view
-
-
-def fixed_path(path: str) -> str | None:
-    """The route a mistyped path means, as httprouter finds it: trailing slash dropped, the path
-    cleaned (// . ..) and matched case-insensitively. None if there is none."""
-    cleaned = _clean_path(path)
-    if len(cleaned) > 1:
-        cleaned = cleaned.rstrip("/") or "/"
-    found = _STATIC_PATHS.get(cleaned.lower())
-    if found is not None:
-        return found
-    if cleaned[:8].lower() == "/config/":
-        opt = cleaned[8:]
-        if opt and "/" not in opt:
-            return "/config/" + opt
-    return None
-
-
-def _clean_path(path: str) -> str:
-    parts: list[str] = []
-    for part in path.split("/"):
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if parts:
-                parts.pop()
-            continue
-        parts.append(part)
-    out = "/" + "/".join(parts)
-    if path.endswith("/") and out != "/":
-        out += "/"
-    return out
 
 
 # --- the ASGI front -----------------------------------------------------------------------------
@@ -944,7 +803,7 @@ def _tls_settings(opts: Any) -> dict[str, Any]:
 
 @functools.cache
 def _openapi_bytes() -> bytes:
-    return json_bytes(openapi_spec())
+    return go_json(openapi_spec())
 
 
 def _param(name: str, description: str, *, required: bool = False, schema: dict | None = None) -> dict:

@@ -10,13 +10,12 @@ url.ParseQuery does (a bad %-escape or a `;` is 400 INVALID_REQUEST) and only by
 it in Go. Bodies are encoded as Go's encoding/json does: struct fields in order, map keys sorted, `<>&`
 escaped. Go's /debug/pprof is not served.
 
-The pieces are pure functions (`resolve`, `parse_query`, `clean_path`, `go_json` and the handlers) that
-the tests call directly; `create_app` wires them into Quart.
+The handlers are pure functions the tests call directly; the router, replies, query parsing and JSON
+are shared/http_api.py's (nsqd uses the same); `create_app` wires them into Quart.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -27,9 +26,19 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from lookupd.registration_db import Registration, filter_active, filter_registrations, keys, subkeys
-from shared.http import join_host_port
+from shared.http import join_host_port, to_response
+from shared.http_api import (
+    HTTPError,
+    Reply,
+    Router,
+    call_logged,
+    log_request,
+    parse_query,
+    plain,
+    respond_v1,
+    routed_reply,
+)
 from shared.names import is_valid_channel_name, is_valid_topic_name
-from shared.options import format_duration
 from shared.version import VERSION
 
 if TYPE_CHECKING:
@@ -37,88 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nsqlookupd")
 
-JSON_TYPE = "application/json; charset=utf-8"
-TEXT_TYPE = "text/plain; charset=utf-8"
-HTML_TYPE = "text/html; charset=utf-8"
-NSQ_CONTENT_TYPE = "nsq; version=1.0"
-
 # Go's time.Time{}.UnixNano(): what /debug reports as tombstoned_at for a producer never tombstoned.
 GO_ZERO_TIME_UNIX_NANO = -6795364578871345152
-
-
-class HTTPError(Exception):
-    """Go's http_api.Err: a status code and the text that becomes {"message": text}."""
-
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(text)
-        self.status = status
-        self.text = text
-
-
-# --- Go's encoding/json and url.ParseQuery -------------------------------------------------------
-
-_GO_JSON_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
-
-
-def go_json(value: Any) -> bytes:
-    """json.Marshal's bytes: compact, UTF-8 unescaped, but <, >, &, U+2028 and U+2029 escaped.
-
-    Dict order is kept: build Go maps with sorted keys and structs in field order.
-    """
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    # these characters can only occur inside JSON strings, so replacing them in the text is safe
-    for char, escape in _GO_JSON_ESCAPES.items():
-        if char in text:
-            text = text.replace(char, escape)
-    return text.encode("utf-8", "replace")
-
-
-_HEX = "0123456789abcdefABCDEF"
-
-
-def go_query_unescape(text: str) -> str:
-    """url.QueryUnescape: '+' is a space, %XX a byte; a bad escape is a ValueError."""
-    if "%" not in text and "+" not in text:
-        return text
-    out = bytearray()
-    raw = text.encode("utf-8", "surrogateescape")
-    i = 0
-    while i < len(raw):
-        c = raw[i]
-        if c == 0x25:  # %
-            hexdigits = raw[i + 1 : i + 3].decode("latin-1")
-            if len(hexdigits) < 2 or any(h not in _HEX for h in hexdigits):
-                raise ValueError(f"invalid URL escape {raw[i:i + 3]!r}")
-            out.append(int(hexdigits, 16))
-            i += 3
-        else:
-            out.append(0x20 if c == 0x2B else c)
-            i += 1
-    return out.decode("utf-8", "surrogateescape")
-
-
-def parse_query(raw: bytes | str) -> dict[str, list[str]]:
-    """url.ParseQuery: values by key in order; the first error (a ';', a bad escape) is raised after
-    the whole string is read, as Go returns the values with the first error."""
-    text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
-    values: dict[str, list[str]] = {}
-    error: ValueError | None = None
-    for part in text.split("&"):
-        if not part:
-            continue
-        if ";" in part:
-            error = error or ValueError("invalid semicolon separator in query")
-            continue
-        key, _, value = part.partition("=")
-        try:
-            key, value = go_query_unescape(key), go_query_unescape(value)
-        except ValueError as exc:
-            error = error or exc
-            continue
-        values.setdefault(key, []).append(value)
-    if error is not None:
-        raise error
-    return values
 
 
 def _query(raw: bytes) -> dict[str, list[str]]:
@@ -297,116 +226,7 @@ ROUTES: dict[str, dict[str, Route]] = {
 }
 
 
-# --- httprouter v1.3.0's dispatch ----------------------------------------------------------------
-
-
-def clean_path(p: str) -> str:
-    """httprouter.CleanPath: rooted, no '.', '..' or empty elements; a trailing slash (or a final '.')
-    is kept as a trailing slash."""
-    if not p:
-        return "/"
-    elements = p.split("/")
-    trailing = (len(p) > 1 and p.endswith("/")) or elements[-1] == "."
-    parts: list[str] = []
-    for element in elements:
-        if element in ("", "."):
-            continue
-        if element == "..":
-            if parts:
-                parts.pop()
-            continue
-        parts.append(element)
-    cleaned = "/" + "/".join(parts)
-    if trailing and cleaned != "/":
-        cleaned += "/"
-    return cleaned
-
-
-@attrs.frozen
-class Resolved:
-    """What the router does with a request: kind is handle, redirect, options, not_allowed or not_found."""
-
-    kind: str
-    route: Route | None = None
-    location: str = ""
-    status: int = 0
-    allow: str = ""
-
-
-def allowed(path: str, method: str, routes: dict[str, dict[str, Route]] = ROUTES) -> str:
-    """The Allow header: the other methods that have `path`, plus OPTIONS, sorted; "" if none."""
-    methods = [m for m, tree in routes.items() if m not in (method, "OPTIONS") and path in tree]
-    return ", ".join(sorted(methods + ["OPTIONS"])) if methods else ""
-
-
-def resolve(method: str, path: str, routes: dict[str, dict[str, Route]] = ROUTES) -> Resolved:
-    """Router.ServeHTTP, for static routes."""
-    tree = routes.get(method)
-    if tree is not None:
-        if path in tree:
-            return Resolved("handle", route=tree[path])
-        if method != "CONNECT" and path != "/":
-            status = 301 if method == "GET" else 307
-            other = path[:-1] if len(path) > 1 and path.endswith("/") else path + "/"
-            if other in tree:
-                return Resolved("redirect", location=other, status=status)
-            fixed = _case_insensitive(tree, clean_path(path))
-            if fixed is not None:
-                return Resolved("redirect", location=fixed, status=status)
-    allow = allowed(path, method, routes)
-    if allow:
-        return Resolved("options" if method == "OPTIONS" else "not_allowed", allow=allow)
-    return Resolved("not_found")
-
-
-def _case_insensitive(tree: dict[str, Route], path: str) -> str | None:
-    """findCaseInsensitivePath with fixTrailingSlash: the route's own spelling, or None."""
-    folded = {p.lower(): p for p in tree}
-    candidates = [path.lower()]
-    if len(path) > 1 and path.endswith("/"):
-        candidates.append(path[:-1].lower())
-    else:
-        candidates.append(path.lower() + "/")
-    for candidate in candidates:
-        if candidate in folded:
-            return folded[candidate]
-    return None
-
-
-# --- responses -------------------------------------------------------------------------------------
-
-
-def respond_v1(status: int, value: Any) -> Response:
-    """Go's http_api.RespondV1."""
-    if status == 200 and value is None:
-        response = Response(b"", status=200)
-        del response.headers["Content-Type"]
-    elif status == 200 and isinstance(value, str):
-        response = Response(value.encode(), status=200, content_type=TEXT_TYPE)
-    else:
-        body = go_json(value) if status == 200 else go_json({"message": value})
-        response = Response(body, status=status, content_type=JSON_TYPE)
-    response.headers["X-NSQ-Content-Type"] = NSQ_CONTENT_TYPE
-    return response
-
-
-def _redirect(method: str, location: str, status: int) -> Response:
-    """Go's http.Redirect: Location (non-ASCII bytes %-escaped), and for GET a short HTML body.
-    Only GET and POST have routes, so only they are ever redirected.
-
-    `location` holds one character per byte (the query is decoded as latin-1), so bytes round-trip.
-    """
-    reason = {301: "Moved Permanently", 307: "Temporary Redirect"}[status]
-    if method == "GET":
-        href = (location.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-                .replace('"', "&#34;").replace("'", "&#39;"))
-        body = f'<a href="{href}">{reason}</a>.\n\n'.encode("latin-1")
-        response = Response(body, status=status, content_type=HTML_TYPE)
-    else:
-        response = Response(b"", status=status)
-        del response.headers["Content-Type"]
-    response.headers["Location"] = "".join(c if ord(c) < 0x80 else f"%{ord(c):x}" for c in location)
-    return response
+ROUTER = Router(ROUTES)
 
 
 def create_app(lookupd: NSQLookupd) -> QuartTrio:
@@ -415,54 +235,32 @@ def create_app(lookupd: NSQLookupd) -> QuartTrio:
     @app.before_request
     async def dispatch() -> Response:
         # every request is answered here, so werkzeug's routing never gets a say
-        start = time.perf_counter()
+        start = time.perf_counter_ns()
         # the ASGI path as received (percent-decoded), as Go's URL.Path: Quart's request.path is normalised
         method, path = request.method, request.scope.get("path") or request.path
         query = request.query_string
-        where = resolve(method, path)
-        if where.kind == "redirect":
-            location = where.location + ("?" + query.decode("latin-1") if query else "")
-            return _redirect(method, location, where.status)
-        if where.kind == "options":
-            response = Response(b"", status=200)
-            del response.headers["Content-Type"]
-            response.headers["Allow"] = where.allow
-            return response
-        if where.kind == "handle":
-            assert where.route is not None
-            response = _call(where.route, lookupd, query)
-        elif where.kind == "not_allowed":
-            response = respond_v1(405, "METHOD_NOT_ALLOWED")
-            response.headers["Allow"] = where.allow
-        else:
-            response = respond_v1(404, "NOT_FOUND")
-        _log_request(response.status_code, method, query, time.perf_counter() - start)
-        return response
+        where = ROUTER.resolve(method, path)
+        reply = routed_reply(method, query, where)
+        if reply is None:
+            assert where.handler is not None
+            reply = _call(where.handler, lookupd, query)
+        _log_request(reply.status, method, query, start)
+        return to_response(reply)
 
     return app
 
 
-def _call(route: Route, lookupd: NSQLookupd, query: bytes) -> Response:
-    try:
-        value = route.handler(lookupd, query)
-    except HTTPError as err:
-        status, value = err.status, err.text
-    except Exception as exc:  # Go's PanicHandler: one request fails, the server goes on
-        log.error("panic in HTTP handler - %r", exc, exc_info=exc)
-        status, value = 500, "INTERNAL_ERROR"
-    else:
-        status = 200
+def _call(route: Route, lookupd: NSQLookupd, query: bytes) -> Reply:
+    status, value = call_logged(log, lambda: route.handler(lookupd, query))
     if route.plain:
-        return Response(str(value).encode(), status=status, content_type=TEXT_TYPE)
+        return plain(str(value), status)
     return respond_v1(status, value)
 
 
-def _log_request(status: int, method: str, query: bytes, elapsed: float) -> None:
-    if not log.isEnabledFor(logging.INFO):
-        return
+def _log_request(status: int, method: str, query: bytes, start_ns: int) -> None:
     scope = request.scope
     uri = scope.get("raw_path", b"").decode("latin-1") or request.path
     if query:
         uri += "?" + query.decode("latin-1")
     client = scope.get("client") or ("", 0)
-    log.info("%d %s %s (%s) %s", status, method, uri, join_host_port(client[0], client[1]), format_duration(elapsed))
+    log_request(log, status, method, uri, join_host_port(client[0], client[1]), time.perf_counter_ns() - start_ns)

@@ -13,6 +13,9 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
+from quart import Response
+
+from shared.http_api import Reply
 
 log = logging.getLogger(__name__)
 
@@ -164,3 +167,13 @@ def _first_error(group: BaseExceptionGroup) -> str:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
+
+
+def to_response(reply: Reply) -> Response:
+    """A Quart response carrying exactly the reply's headers (Quart adds none of its own)."""
+    response = Response(reply.body, status=reply.status)
+    response.headers.clear()
+    for key, value in reply.header_list():
+        response.headers[key] = value
+    response.headers["Content-Length"] = str(len(reply.body))
+    return response

@@ -515,8 +515,29 @@ def test_trailing_slash_and_case_redirect_as_httprouter(http):
     assert (resp.status_code, resp.headers["location"]) == (301, "/ping")
     resp = http.get("/STATS?format=json")
     assert (resp.status_code, resp.headers["location"]) == (301, "/stats?format=json")
+    # httprouter v1.3.0 (Go nsqd 1.3.0 answers the same): 307 for a method other than GET
     resp = http.post("/topic/create/?topic=x")
-    assert (resp.status_code, resp.headers["location"]) == (308, "/topic/create?topic=x")
+    assert (resp.status_code, resp.headers["location"]) == (307, "/topic/create?topic=x")
+    resp = http.post("/PUB?topic=x", content=b"m")
+    assert (resp.status_code, resp.headers["location"]) == (307, "/pub?topic=x")
+    # a redirect only looks in the request method's routes: GET has no /pub, so /pub/ is not found
+    assert_error(http.get("/pub/"), 404, "NOT_FOUND")
+    resp = http.options("/pub")
+    assert (resp.status_code, resp.headers["allow"], resp.content) == (200, "OPTIONS, POST", b"")
+    assert http.get("/pub").headers["allow"] == "OPTIONS, POST"
+    resp = http.get("/config/NSQLOOKUPD_TCP_ADDRESSES/")  # a parameter keeps its spelling
+    assert (resp.status_code, resp.headers["location"]) == (301, "/config/NSQLOOKUPD_TCP_ADDRESSES")
+
+
+def test_unclean_paths_are_redirected_not_served(broker):
+    """`//pub` is redirected to `/pub` (httprouter's CleanPath), as Go nsqd does, never published."""
+    with socket.create_connection(("127.0.0.1", broker.http_port), timeout=5) as sock:
+        sock.sendall(b"POST //pub?topic=unclean HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nm")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+    assert head.startswith("http/1.1 307") and "\r\nlocation: /pub?topic=unclean" in head, head
 
 
 def test_many_requests_on_one_keep_alive_connection(broker):

@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookupd.http_api import (
-    GO_ZERO_TIME_UNIX_NANO, ROUTES, HTTPError, allowed, channel_create, channel_delete, channels, clean_path,
-    debug, go_json, go_query_unescape, info, lookup, nodes, parse_query, ping, resolve, topic_create,
-    topic_delete, topic_tombstone, topics,
+    GO_ZERO_TIME_UNIX_NANO, ROUTER, ROUTES, channel_create, channel_delete, channels, debug, info, lookup, nodes,
+    ping, topic_create, topic_delete, topic_tombstone, topics,
 )
 from lookupd.nsqlookupd import NSQLookupd
 from lookupd.options import Options, parse_options
@@ -31,6 +30,7 @@ from lookupd.protocol_v1 import (
 from lookupd.registration_db import (
     PeerInfo, Producer, Registration, RegistrationDB, filter_active, filter_registrations, keys, subkeys,
 )
+from shared.http_api import HTTPError, clean_path, go_json, go_query_unescape, parse_query
 from shared.protocol import Command, FatalClientError
 from shared.version import VERSION
 
@@ -394,7 +394,7 @@ def test_clean_path_is_httprouters(path, cleaned):
     ("PUT", "/ping/", "not_found", None),                    # no PUT routes: no redirect, and no /ping/ anywhere
 ])
 def test_resolve_is_httprouters_dispatch(method, path, kind, extra):
-    where = resolve(method, path)
+    where = ROUTER.resolve(method, path)
     assert where.kind == kind
     if kind == "redirect":
         assert (where.location, where.status) == extra
@@ -403,8 +403,8 @@ def test_resolve_is_httprouters_dispatch(method, path, kind, extra):
 
 
 def test_every_route_has_one_method():
-    assert allowed("/ping", "POST") == "GET, OPTIONS"
-    assert allowed("/nope", "GET") == ""
+    assert ROUTER.allowed("/ping", "POST") == "GET, OPTIONS"
+    assert ROUTER.allowed("/nope", "GET") == ""
     assert sorted(ROUTES["GET"]) == ["/channels", "/debug", "/info", "/lookup", "/nodes", "/ping", "/topics"]
     assert sorted(ROUTES["POST"]) == ["/channel/create", "/channel/delete", "/topic/create", "/topic/delete",
                                       "/topic/tombstone"]
