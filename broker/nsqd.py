@@ -136,7 +136,7 @@ class NSQD:
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
         """HTTP (and HTTPS) unless --http-address is empty, which turns it off as in nsqd."""
-        from broker.http_api import serve_http  # imported here: http_api imports this module
+        from broker.http.serve import serve_http  # imported here: the HTTP API imports this module
 
         if not self.options.http_address:
             return

@@ -302,8 +302,10 @@ _FIN_LINE = 4 + 16 + 1
 _FIN_RUN = re.compile(rb"(?:FIN [^\n ]{15}[^\n\r ]\n)+")
 
 
-def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
-    """The message bodies of an MPUB body ([count][size][bytes]...), with nsqd's errors."""
+def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int, *, surplus_ok: bool = False) -> list[bytes]:
+    """The message bodies of an MPUB body ([count][size][bytes]...), with nsqd's errors. TCP's MPUB and
+    HTTP's `/mpub?binary=true` both read it here; HTTP ignores bytes after the last message, as nsqd
+    reads only what the count announces there (surplus_ok)."""
     if len(body) < 4:
         raise FatalClientError("E_BAD_BODY", "MPUB failed to read message count")
     (count,) = INT32.unpack_from(body, 0)
@@ -328,7 +330,7 @@ def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int) -> list[
             raise FatalClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
         out.append(bytes(view[pos : pos + size]))
         pos += size
-    if pos != end:
+    if pos != end and not surplus_ok:
         # nsqd would read the surplus as the next command; we refuse the MPUB outright instead
         raise FatalClientError("E_BAD_BODY", f"MPUB invalid message count {count} for body size {end}")
     return out

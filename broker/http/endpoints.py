@@ -1,0 +1,418 @@
+"""nsqd's HTTP endpoints (nsqd/http.go): class Api, one method per endpoint, free of any framework.
+
+Each takes an ApiRequest and returns a Reply. Parameters, checks, their order, status codes and messages
+are nsqd's, so nsqadmin, nsq_stat, nsq_to_http and every client library keep working."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from typing import Any
+
+import attrs
+
+from broker.backend import BackendError
+from broker.http.openapi import openapi_bytes
+from broker.http.request import ApiRequest
+from broker.idempotency import valid_key
+from broker.message import Message
+from broker.stats import get_stats, health, prometheus_text, stats_text
+from broker.topic import Topic
+from shared.http_api import (
+    EMPTY,
+    JSON_TYPE,
+    OK,
+    TEXT_TYPE,
+    HTTPError,
+    Reply,
+    error_reply,
+    log_request,
+    ok_json,
+    parse_go_int,
+    parse_query,
+)
+from shared.logs import GO_LOG_LEVELS, parse_level
+from shared.names import is_valid_channel_name, is_valid_topic_name
+from shared.protocol import FatalClientError, parse_mpub_body
+from shared.version import VERSION
+
+log = logging.getLogger("nsqd")
+
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# nsqd's boolParams: anything else is "not given" (stats) or "true" (mpub's binary)
+BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
+
+# Options nsqd has without a flag tag, which /config/:opt therefore does not show
+_UNFLAGGED_OPTIONS = frozenset(
+    {"queue_scan_interval", "queue_scan_refresh_interval", "queue_scan_dirty_percent", "client_timeout"}
+)
+
+
+class Api:
+    """nsqd's httpServer handlers, one method per endpoint, each returning a Reply."""
+
+    def __init__(self, nsqd: Any) -> None:
+        self.nsqd = nsqd
+        self.options = nsqd.options
+        self.https_address: tuple[str, int] | None = None
+
+    async def call(self, name: str, req: ApiRequest, **kwargs: Any) -> Reply:
+        """Run one endpoint, turning HTTPError into nsqd's error reply; every endpoint but /pub and
+        /mpub is logged as nsqd's Log decorator does."""
+        start = time.perf_counter_ns()
+        try:
+            reply = await getattr(self, name)(req, **kwargs)
+        except HTTPError as exc:
+            if name == "ping":  # nsqd's PlainText decorator: the text as it is
+                reply = Reply(exc.status, exc.text.encode(), TEXT_TYPE, nsq_header=False)
+            else:
+                reply = error_reply(exc.status, exc.text)
+        if name not in ("pub", "mpub"):
+            self.log_request(req, reply.status, start)
+        return reply
+
+    @staticmethod
+    def log_request(req: ApiRequest, status: int, start_ns: int) -> None:
+        log_request(log, status, req.method, req.uri, req.remote, time.perf_counter_ns() - start_ns)
+
+    # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
+
+    def _params(self, req: ApiRequest) -> dict[str, list[str]]:
+        try:
+            return parse_query(req.query)
+        except ValueError as exc:
+            log.error("failed to parse request params - %s", exc)
+            raise HTTPError(400, "INVALID_REQUEST") from None
+
+    def _topic_from_query(self, req: ApiRequest) -> tuple[dict[str, list[str]], Topic]:
+        """Creates the topic if needed, as nsqd's GetTopic."""
+        params = self._params(req)
+        names = params.get("topic")
+        if names is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not is_valid_topic_name(names[0]):
+            raise HTTPError(400, "INVALID_TOPIC")
+        return params, self.nsqd.get_topic(names[0])
+
+    def _topic_name(self, req: ApiRequest) -> str:
+        names = self._params(req).get("topic")
+        if names is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        return names[0]
+
+    def _existing_topic(self, name: str) -> Topic:
+        topic = self.nsqd.get_existing_topic(name)
+        if topic is None:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        return topic
+
+    def _existing_topic_and_channel_name(self, req: ApiRequest) -> tuple[Topic, str]:
+        """nsqd's getExistingTopicFromQuery (the channel endpoints' argument checks)."""
+        params = self._params(req)
+        topic_names = params.get("topic")
+        if topic_names is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not is_valid_topic_name(topic_names[0]):
+            raise HTTPError(400, "INVALID_ARG_TOPIC")
+        channel_names = params.get("channel")
+        if channel_names is None:
+            raise HTTPError(400, "MISSING_ARG_CHANNEL")
+        if not is_valid_channel_name(channel_names[0]):
+            raise HTTPError(400, "INVALID_ARG_CHANNEL")
+        return self._existing_topic(topic_names[0]), channel_names[0]
+
+    def _existing_channel(self, req: ApiRequest):
+        topic, name = self._existing_topic_and_channel_name(req)
+        channel = topic.get_existing_channel(name)
+        if channel is None:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        return channel
+
+    # --- /ping /info ------------------------------------------------------------------------
+
+    async def ping(self, req: ApiRequest) -> Reply:
+        text = health(self.nsqd)
+        if self.nsqd.health_error is not None:
+            raise HTTPError(500, text)
+        return Reply(200, text.encode(), TEXT_TYPE, nsq_header=False)
+
+    async def info(self, req: ApiRequest) -> Reply:
+        opts = self.options
+        tcp = self.nsqd.tcp_address
+        http = self.nsqd.http_address
+        return ok_json({
+            "version": VERSION,
+            "broadcast_address": opts.broadcast_address,
+            "hostname": socket.gethostname(),
+            "http_port": http[1] if http else req.server_port,
+            "tcp_port": tcp[1] if tcp else -1,
+            "start_time": self.nsqd.start_time,
+            "max_heartbeat_interval": _ns(opts.max_heartbeat_interval),
+            "max_output_buffer_size": opts.max_output_buffer_size,
+            "max_output_buffer_timeout": _ns(opts.max_output_buffer_timeout),
+            "max_deflate_level": opts.max_deflate_level,
+            "topology_zone": "",
+            "topology_region": "",
+            "idempotent_publish": True,  # /pub and /mpub honour Idempotency-Key (Go nsqd lacks the field)
+        })
+
+    # --- publishing -------------------------------------------------------------------------
+
+    async def pub(self, req: ApiRequest) -> Reply:
+        key = self._idempotency_key(req)
+        max_msg_size = self.options.max_msg_size
+        if req.content_length is not None and req.content_length > max_msg_size:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        body = await req.read(max_msg_size)
+        if body is None:
+            raise HTTPError(413, "MSG_TOO_BIG")
+        if not body:
+            raise HTTPError(400, "MSG_EMPTY")
+        params, topic = self._topic_from_query(req)
+        deferred = 0.0
+        defer = params.get("defer")
+        if defer is not None:
+            try:
+                ms = parse_go_int(defer[0])
+            except ValueError:
+                raise HTTPError(400, "INVALID_DEFER") from None
+            if ms < 0 or ms > self.options.max_req_timeout * 1000:
+                raise HTTPError(400, "INVALID_DEFER")
+            deferred = ms / 1000
+        msg = topic.new_message(body)
+        msg.deferred = deferred
+        if key is not None:
+            await topic.idempotency.publish_once(key, lambda: self._publish(topic, [msg], "pub"))
+            return OK
+        await self._publish(topic, [msg], "pub")
+        return OK
+
+    async def mpub(self, req: ApiRequest) -> Reply:
+        key = self._idempotency_key(req)
+        opts = self.options
+        if req.content_length is not None and req.content_length > opts.max_body_size:
+            raise HTTPError(413, "BODY_TOO_BIG")
+        params, topic = self._topic_from_query(req)
+        binary = False
+        values = params.get("binary")
+        if values is not None:
+            binary = BOOL_PARAMS.get(values[0], True)
+            if values[0] not in BOOL_PARAMS:
+                log.warning("deprecated value '%s' used for /mpub binary param", values[0])
+        body = await req.read(opts.max_body_size)
+        if body is None:
+            raise HTTPError(413, "BODY_TOO_BIG")
+        if binary:
+            try:
+                bodies = parse_mpub_body(body, opts.max_msg_size, opts.max_body_size, surplus_ok=True)
+            except FatalClientError as exc:  # nsqd's HTTP codes are the TCP ones without "E_"
+                raise HTTPError(413, exc.code.removeprefix("E_")) from None
+        else:
+            # newline-separated; empty lines are skipped, as nsqd has done since 0.2.22
+            bodies = [line for line in body.split(b"\n") if line]
+            max_msg_size = opts.max_msg_size
+            if any(len(line) > max_msg_size for line in bodies):
+                raise HTTPError(413, "MSG_TOO_BIG")
+        new_id = topic.guid.new_id
+        msgs = [Message(new_id(), b) for b in bodies]
+        if key is not None:
+            await topic.idempotency.publish_once(key, lambda: self._publish(topic, msgs, "mpub"))
+            return OK
+        await self._publish(topic, msgs, "mpub")
+        return OK
+
+    @staticmethod
+    def _idempotency_key(req: ApiRequest) -> str | None:
+        key = req.idempotency_key
+        if key is not None and not valid_key(key):
+            log.error("invalid Idempotency-Key header (%d bytes) on %s", len(key), req.path)
+            raise HTTPError(400, "INVALID_IDEMPOTENCY_KEY")
+        return key
+
+    async def _publish(self, topic: Topic, msgs: list[Message], what: str) -> bool:
+        """Queue the messages (and wait for their fsync with --sync-every=1); True if every one of
+        them is on disk now, fsynced (so an Idempotency-Key covering them may be journalled)."""
+        in_memory = len(topic.memory)
+        try:
+            to_backend = topic.put_messages(msgs)
+        except BackendError as exc:
+            log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
+            raise HTTPError(503, "EXITING") from None
+        all_on_disk = to_backend and len(topic.memory) == in_memory
+        if to_backend:
+            await self._sync(topic)
+        return all_on_disk and self.options.sync_every == 1
+
+    async def _sync(self, topic: Topic) -> None:
+        """With --sync-every=1 a publish is answered only once it is on disk, over HTTP as over TCP
+        (concurrent requests share the fsync: the backend's sync is a group commit)."""
+        if self.options.sync_every != 1:
+            return
+        try:
+            await topic.backend.sync()
+        except BackendError as exc:
+            log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+
+    # --- /stats /metrics /openapi.json -----------------------------------------------------
+
+    async def stats(self, req: ApiRequest) -> Reply:
+        params = self._params(req)
+
+        def first(key: str) -> str:
+            return params.get(key, [""])[0]
+
+        snapshot = get_stats(self.nsqd, first("topic"), first("channel"),
+                             include_clients=BOOL_PARAMS.get(first("include_clients"), True),
+                             include_mem=BOOL_PARAMS.get(first("include_mem"), True))
+        if first("format") != "json":
+            return Reply(200, stats_text(snapshot).encode(), TEXT_TYPE)
+        return ok_json(snapshot.to_json())
+
+    async def metrics(self, req: ApiRequest) -> Reply:
+        return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)
+
+    async def openapi(self, req: ApiRequest) -> Reply:
+        return Reply(200, openapi_bytes(), JSON_TYPE, nsq_header=False)
+
+    # --- topics -----------------------------------------------------------------------------
+
+    async def topic_create(self, req: ApiRequest) -> Reply:
+        self._topic_from_query(req)
+        return EMPTY
+
+    async def topic_delete(self, req: ApiRequest) -> Reply:
+        try:
+            self.nsqd.delete_topic(self._topic_name(req))
+        except KeyError:
+            raise HTTPError(404, "TOPIC_NOT_FOUND") from None
+        return EMPTY
+
+    async def topic_empty(self, req: ApiRequest) -> Reply:
+        name = self._topic_name(req)
+        if not is_valid_topic_name(name):
+            raise HTTPError(400, "INVALID_TOPIC")
+        topic = self._existing_topic(name)
+        try:
+            await topic.empty()
+        except (BackendError, OSError) as exc:
+            log.error("TOPIC(%s): failed to empty - %s", name, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+        return EMPTY
+
+    async def topic_pause(self, req: ApiRequest, *, unpause: bool = False) -> Reply:
+        topic = self._existing_topic(self._topic_name(req))
+        if unpause:
+            topic.unpause()
+        else:
+            topic.pause()
+        # persisted at once so a crash cannot silently (un)pause it, as nsqd
+        self.nsqd.persist_metadata()
+        return EMPTY
+
+    async def topic_unpause(self, req: ApiRequest) -> Reply:
+        return await self.topic_pause(req, unpause=True)
+
+    # --- channels ---------------------------------------------------------------------------
+
+    async def channel_create(self, req: ApiRequest) -> Reply:
+        topic, name = self._existing_topic_and_channel_name(req)
+        topic.get_channel(name)
+        return EMPTY
+
+    async def channel_delete(self, req: ApiRequest) -> Reply:
+        topic, name = self._existing_topic_and_channel_name(req)
+        try:
+            topic.delete_channel(name)
+        except KeyError:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND") from None
+        return EMPTY
+
+    async def channel_empty(self, req: ApiRequest) -> Reply:
+        channel = self._existing_channel(req)
+        try:
+            await channel.empty()
+        except (BackendError, OSError) as exc:
+            log.error("CHANNEL(%s): failed to empty - %s", channel.name, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+        return EMPTY
+
+    async def channel_pause(self, req: ApiRequest, *, unpause: bool = False) -> Reply:
+        channel = self._existing_channel(req)
+        if unpause:
+            channel.unpause()
+        else:
+            channel.pause()
+        self.nsqd.persist_metadata()
+        return EMPTY
+
+    async def channel_unpause(self, req: ApiRequest) -> Reply:
+        return await self.channel_pause(req, unpause=True)
+
+    # --- /config/:opt -----------------------------------------------------------------------
+
+    async def config(self, req: ApiRequest, opt: str) -> Reply:
+        """GET any option by its config-file name; PUT nsqlookupd_tcp_addresses (a JSON list) or
+        log_level (debug, info, warn, error, fatal; bare or as a JSON string). Answers with the value."""
+        if req.method == "PUT":
+            body = await req.read(self.options.max_msg_size)
+            if not body:  # None (too big) or empty
+                raise HTTPError(413, "INVALID_VALUE")
+            if opt == "nsqlookupd_tcp_addresses":
+                try:
+                    addresses = json.loads(body)
+                except ValueError:
+                    raise HTTPError(400, "INVALID_VALUE") from None
+                if addresses is None:
+                    addresses = []
+                if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+                    raise HTTPError(400, "INVALID_VALUE")
+                self.nsqd.set_lookupd_addresses(addresses)
+            elif opt == "log_level":
+                self._set_log_level(body)
+            else:
+                raise HTTPError(400, "INVALID_OPTION")
+        try:
+            return ok_json(option_value(self.options, opt))
+        except KeyError:
+            raise HTTPError(400, "INVALID_OPTION") from None
+
+    def _set_log_level(self, body: bytes) -> None:
+        text = body.decode("utf-8", "replace")
+        if text.startswith('"'):
+            try:
+                text = json.loads(text)
+            except ValueError:
+                raise HTTPError(400, "INVALID_VALUE") from None
+        level = str(text).lower()
+        if level not in GO_LOG_LEVELS:
+            raise HTTPError(400, "INVALID_VALUE")
+        self.options.log_level = level
+        root = logging.getLogger()
+        root.setLevel(parse_level(level))
+        logging.getLogger("hypercorn").setLevel(max(logging.WARNING, root.level))
+        log.info("log level set to %s", level)
+
+
+def option_value(options: Any, name: str) -> Any:
+    """An option as nsqd's getOptByCfgName shows it in JSON: durations in nanoseconds, the log level
+    as lg.LogLevel's number. Raises KeyError for an unknown name."""
+    for field in attrs.fields(type(options)):
+        if (field.metadata.get("cfg") or field.name) != name or field.name in _UNFLAGGED_OPTIONS:
+            continue
+        value = getattr(options, field.name)
+        if field.name == "log_level":
+            level = str(value).lower()
+            return GO_LOG_LEVELS.get("warn" if level == "warning" else level, 0)
+        if field.metadata.get("kind") == "duration":
+            return _ns(value)
+        return value
+    raise KeyError(name)
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1_000_000_000))

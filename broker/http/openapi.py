@@ -1,0 +1,220 @@
+"""GET /openapi.json: an OpenAPI 3 description of nsqd's HTTP API (ours; Go nsqd has none)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from shared.http_api import go_json
+from shared.logs import GO_LOG_LEVELS
+from shared.version import VERSION
+
+
+@functools.cache
+def openapi_bytes() -> bytes:
+    return go_json(openapi_spec())
+
+
+def _param(name: str, description: str, *, required: bool = False, schema: dict | None = None) -> dict:
+    return {"name": name, "in": "query", "required": required, "description": description,
+            "schema": schema or {"type": "string"}}
+
+
+def _err(*messages: str) -> dict:
+    return {
+        "description": " | ".join(messages),
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"},
+                                         "examples": {m: {"value": {"message": m}} for m in messages}}},
+    }
+
+
+_TEXT_OK = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string", "example": "OK"}}}}
+_EMPTY_OK = {"description": "Done (empty body)"}
+_TOPIC = _param("topic", "topic name: [.a-zA-Z0-9_-]+(#ephemeral)?, 1-64 characters", required=True)
+_CHANNEL = _param("channel", "channel name: [.a-zA-Z0-9_-]+(#ephemeral)?, 1-64 characters", required=True)
+_INTEGER = {"type": "integer", "format": "int64"}
+_BOOL = {"type": "boolean"}
+
+
+def _schemas() -> dict:
+    latency = {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer"},
+            "percentiles": {"type": "array", "nullable": True, "items": {
+                "type": "object", "properties": {"quantile": {"type": "number"}, "value": {"type": "number",
+                                                                                     "description": "nanoseconds"}}}},
+        },
+    }
+    client = {"type": "object", "properties": {
+        **{k: {"type": "string"} for k in ("client_id", "hostname", "version", "remote_address", "user_agent",
+                                            "tls_cipher_suite", "tls_version", "tls_negotiated_protocol",
+                                            "auth_identity", "auth_identity_url", "topology_zone", "topology_region")},
+        **{k: _INTEGER for k in ("state", "ready_count", "in_flight_count", "message_count", "finish_count",
+                                  "requeue_count", "connect_ts", "sample_rate", "output_buffer_size",
+                                  "output_buffer_timeout")},
+        **{k: _BOOL for k in ("deflate", "snappy", "tls", "authed", "tls_negotiated_protocol_is_mutual")},
+        "pub_counts": {"type": "array", "items": {"type": "object", "properties": {
+            "topic": {"type": "string"}, "count": _INTEGER}}},
+    }}
+    channel = {"type": "object", "properties": {
+        "channel_name": {"type": "string"},
+        **{k: _INTEGER for k in ("depth", "backend_depth", "in_flight_count", "deferred_count", "message_count",
+                                  "requeue_count", "timeout_count", "client_count")},
+        "clients": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Client"}},
+        "paused": _BOOL,
+        "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
+    }}
+    topic = {"type": "object", "properties": {
+        "topic_name": {"type": "string"},
+        "channels": {"type": "array", "items": {"$ref": "#/components/schemas/ChannelStats"}},
+        **{k: _INTEGER for k in ("depth", "backend_depth", "message_count", "message_bytes")},
+        "paused": _BOOL,
+        "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
+        "idempotency_keys": {**_INTEGER, "description": "Idempotency-Keys the topic holds"},
+    }}
+    memory = {"type": "object", "properties": {k: _INTEGER for k in (
+        "heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes", "gc_pause_usec_100",
+        "gc_pause_usec_99", "gc_pause_usec_95", "next_gc_bytes", "gc_total_runs")}}
+    stats = {"type": "object", "required": ["version", "health", "start_time", "topics", "producers"], "properties": {
+        "version": {"type": "string"}, "health": {"type": "string"}, "start_time": _INTEGER,
+        "topics": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/TopicStats"}},
+        "memory": {"$ref": "#/components/schemas/Memory"},
+        "producers": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Client"}},
+    }}
+    info = {"type": "object", "properties": {
+        "version": {"type": "string"}, "broadcast_address": {"type": "string"}, "hostname": {"type": "string"},
+        "http_port": {"type": "integer"}, "tcp_port": {"type": "integer"}, "start_time": _INTEGER,
+        "max_heartbeat_interval": {**_INTEGER, "description": "nanoseconds"},
+        "max_output_buffer_size": _INTEGER,
+        "max_output_buffer_timeout": {**_INTEGER, "description": "nanoseconds"},
+        "max_deflate_level": {"type": "integer"},
+        "topology_zone": {"type": "string"}, "topology_region": {"type": "string"},
+        "idempotent_publish": {"type": "boolean"},
+    }}
+    error = {"type": "object", "required": ["message"], "properties": {"message": {"type": "string"}}}
+    return {"Error": error, "Info": info, "Stats": stats, "TopicStats": topic, "ChannelStats": channel,
+            "Client": client, "Latency": latency, "Memory": memory}
+
+
+def openapi_spec() -> dict:
+    """An OpenAPI 3.0 description of every endpoint: parameters, bodies, statuses and error messages."""
+    not_allowed = _err("METHOD_NOT_ALLOWED")
+    bad_query = "INVALID_REQUEST"
+
+    def op(summary: str, responses: dict, parameters: list | None = None, body: dict | None = None,
+           description: str = "") -> dict:
+        operation: dict[str, Any] = {"summary": summary, "responses": {**responses, "405": not_allowed}}
+        if description:
+            operation["description"] = description
+        if parameters:
+            operation["parameters"] = parameters
+        if body:
+            operation["requestBody"] = body
+        return operation
+
+    binary_body = {"required": True, "content": {"application/octet-stream": {"schema": {
+        "type": "string", "format": "binary"}}}}
+    paths: dict[str, Any] = {
+        "/ping": {"get": op("Health check", {
+            "200": _TEXT_OK,
+            "500": {"description": "unhealthy", "content": {"text/plain": {"schema": {
+                "type": "string", "example": "NOK - failed to write to disk"}}}}})},
+        "/info": {"get": op("Version and listening ports", {
+            "200": {"description": "broker information", "content": {"application/json": {"schema": {
+                "$ref": "#/components/schemas/Info"}}}}})},
+        "/pub": {"post": op(
+            "Publish one message", {
+                "200": _TEXT_OK,
+                "400": _err("MSG_EMPTY", "MISSING_ARG_TOPIC", "INVALID_TOPIC", "INVALID_DEFER", "INVALID_IDEMPOTENCY_KEY", bad_query),
+                "413": _err("MSG_TOO_BIG"),
+                "500": _err("INTERNAL_ERROR"),
+                "503": _err("EXITING")},
+            [_TOPIC, _param("defer", "delay delivery by this many milliseconds (0 to --max-req-timeout)",
+                            schema=_INTEGER)],
+            binary_body, "The body is the message (1 byte to --max-msg-size)."),
+        },
+        "/mpub": {"post": op(
+            "Publish several messages", {
+                "200": _TEXT_OK,
+                "400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", "INVALID_IDEMPOTENCY_KEY", bad_query),
+                "413": _err("BODY_TOO_BIG", "MSG_TOO_BIG", "BAD_BODY", "BAD_MESSAGE"),
+                "500": _err("INTERNAL_ERROR"),
+                "503": _err("EXITING")},
+            [_TOPIC, _param("binary", "false (default): one message per line, empty lines skipped; true: "
+                                      "[count:int32][size:int32][bytes]... big-endian", schema={"type": "string"})],
+            binary_body, "At most --max-body-size bytes in all."),
+        },
+        "/stats": {"get": op(
+            "Topics, channels, clients and memory", {
+                "200": {"description": "JSON with format=json, nsqd's text report otherwise", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Stats"}},
+                    "text/plain": {"schema": {"type": "string"}}}},
+                "400": _err(bad_query)},
+            [_param("format", "json, or text (the default)", schema={"type": "string", "enum": ["json", "text"]}),
+             _param("topic", "only this topic"), _param("channel", "only this channel"),
+             _param("include_clients", "true (default) or false", schema={"type": "string"}),
+             _param("include_mem", "true (default) or false", schema={"type": "string"})]),
+        },
+        "/metrics": {"get": {"summary": "The /stats figures in Prometheus text format", "responses": {
+            "200": {"description": "text exposition format 0.0.4", "content": {"text/plain": {"schema": {
+                "type": "string"}}}}, "405": not_allowed}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": {"description": "OpenAPI 3 document", "content": {"application/json": {"schema": {
+                "type": "object"}}}}, "405": not_allowed}}},
+        "/config/{opt}": {
+            "parameters": [{"name": "opt", "in": "path", "required": True, "description":
+                            "an option's config-file name, e.g. nsqlookupd_tcp_addresses, log_level, mem_queue_size",
+                            "schema": {"type": "string"}}],
+            "get": op("Read an option (durations in nanoseconds)", {
+                "200": {"description": "the value as JSON", "content": {"application/json": {"schema": {}}}},
+                "400": _err("INVALID_OPTION")}),
+            "put": op("Change nsqlookupd_tcp_addresses or log_level at run time", {
+                "200": {"description": "the new value as JSON", "content": {"application/json": {"schema": {}}}},
+                "400": _err("INVALID_OPTION", "INVALID_VALUE"),
+                "413": _err("INVALID_VALUE")},
+                body={"required": True, "content": {
+                    "application/json": {"schema": {"type": "array", "items": {"type": "string"}},
+                                         "example": ["127.0.0.1:4160"]},
+                    "text/plain": {"schema": {"type": "string", "enum": list(GO_LOG_LEVELS)}}}}),
+        },
+    }
+    topic_errors = {
+        "create": ("Create a topic", {"400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", bad_query)}),
+        "delete": ("Delete a topic and its channels", {"400": _err("MISSING_ARG_TOPIC", bad_query),
+                                                       "404": _err("TOPIC_NOT_FOUND")}),
+        "empty": ("Drop every queued message of a topic", {"400": _err("MISSING_ARG_TOPIC", "INVALID_TOPIC", bad_query),
+                                                           "404": _err("TOPIC_NOT_FOUND"),
+                                                           "500": _err("INTERNAL_ERROR")}),
+        "pause": ("Stop a topic's flow to its channels", {"400": _err("MISSING_ARG_TOPIC", bad_query),
+                                                           "404": _err("TOPIC_NOT_FOUND")}),
+        "unpause": ("Resume a paused topic", {"400": _err("MISSING_ARG_TOPIC", bad_query),
+                                              "404": _err("TOPIC_NOT_FOUND")}),
+    }
+    for action, (summary, errors) in topic_errors.items():
+        paths[f"/topic/{action}"] = {"post": op(summary, {"200": _EMPTY_OK, **errors}, [_TOPIC])}
+    channel_args = _err("MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", "MISSING_ARG_CHANNEL", "INVALID_ARG_CHANNEL",
+                        bad_query)
+    channel_summaries = {
+        "create": "Create a channel (the topic must exist)",
+        "delete": "Delete a channel",
+        "empty": "Drop every queued, in-flight and deferred message of a channel",
+        "pause": "Stop delivering a channel's messages",
+        "unpause": "Resume a paused channel",
+    }
+    for action, summary in channel_summaries.items():
+        not_found = _err("TOPIC_NOT_FOUND") if action == "create" else _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND")
+        responses = {"200": _EMPTY_OK, "400": channel_args, "404": not_found}
+        if action == "empty":
+            responses["500"] = _err("INTERNAL_ERROR")
+        paths[f"/channel/{action}"] = {"post": op(summary, responses, [_TOPIC, _CHANNEL])}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "trio-nsq nsqd HTTP API", "version": VERSION, "description":
+                 "nsqd's HTTP API (same paths, parameters, statuses and messages), plus /metrics and this "
+                 "document. Errors are JSON {\"message\": ...}; an unknown path is 404 NOT_FOUND and a wrong "
+                 "method 405 METHOD_NOT_ALLOWED. With TLS required, plain HTTP answers 403 "
+                 "{\"message\": \"TLS_REQUIRED\", \"https_port\": N}."},
+        "paths": paths,
+        "components": {"schemas": _schemas()},
+    }
