@@ -1,7 +1,7 @@
 """BackendQueue: what a Topic or Channel needs from the queue behind its memory queue.
 
 nsqd's BackendQueue interface made Trio-friendly: put_many and read_many are synchronous so the hot path
-never awaits per message; waiting happens once per batch through wait_readable().
+never awaits per message (the pumps are woken by the topic or channel that queued something).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ class BackendError(Exception):
 
 
 class BackendQueue(Protocol):
+    # whether it keeps what the memory queue has no room for (a channel's room is unbounded then)
+    stores: bool
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The io_loop (periodic fsync and the like); runs in the owner's nursery until cancelled."""
 
@@ -37,9 +40,6 @@ class BackendQueue(Protocol):
 
     def read_many(self, limit: int) -> list[bytes]:
         """Take up to `limit` records; an empty list when there is none."""
-
-    async def wait_readable(self) -> None:
-        """Return when depth() > 0 (immediately if it already is)."""
 
     def depth(self) -> int: ...
 
@@ -59,6 +59,8 @@ class DummyBackendQueue:
     It holds nothing: put() refuses, so a full memory queue pushes back instead of dropping.
     """
 
+    stores = False
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
 
@@ -73,9 +75,6 @@ class DummyBackendQueue:
 
     def read_many(self, limit: int) -> list[bytes]:
         return []
-
-    async def wait_readable(self) -> None:
-        await trio.sleep_forever()
 
     def depth(self) -> int:
         return 0

@@ -9,13 +9,13 @@ due messages back with process_in_flight_queue()/process_deferred_queue().
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from broker.backend import BackendError, BackendQueue, DummyBackendQueue
+from broker.backend import BackendError, BackendQueue
 from broker.message import Message
+from broker.message_queue import MessageQueue
 from broker.pqueue import MessagePQueue
 from broker.quantile import Quantile
 from shared.names import is_ephemeral
@@ -49,14 +49,19 @@ class Consumer(Protocol):
 
 
 class Channel:
+    """A channel (nsqd's Channel): its MessageQueue, in-flight and deferred priority queues, and its
+    consumers. `run` (in the Topic's nursery) owns the backend's io_loop. The topic's message_pump calls
+    `put_messages`; each consumer's ProtocolV2.message_pump calls `take` and `start_in_flight`; its
+    io_loop calls finish/requeue/touch_message (FIN, REQ, TOUCH); the queue_scan workers call
+    process_in_flight_queue and process_deferred_queue. None of them awaits, so each is atomic."""
+
     def __init__(self, topic: Topic, name: str, backend: BackendQueue, mem_queue_size: int) -> None:
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
         self.ephemeral = is_ephemeral(name)
-        self.backend = backend
         self.mem_queue_size = mem_queue_size
-        self.memory: deque[Message] = deque()
+        self.queue = MessageQueue(f"CHANNEL({name})", backend, self.ephemeral)
         self.in_flight = MessagePQueue()
         self.deferred = MessagePQueue()
         self.clients: dict[int, Consumer] = {}
@@ -84,7 +89,7 @@ class Channel:
         """Owns the backend's io_loop; cancelled when the channel is deleted or the topic exits."""
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.backend.run)
+                await nursery.start(self.queue.backend.run)
                 task_status.started()
         self._closed.set()
 
@@ -95,34 +100,31 @@ class Channel:
     # --- putting ------------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return len(self.memory) + self.backend.depth()
+        return self.queue.depth()
 
     def room(self) -> int:
         """How many messages put() can take now (the topic pump waits when 0): unbounded with a real
         backend or for an ephemeral channel, else what is left of the memory queue."""
-        if self.ephemeral or not isinstance(self.backend, DummyBackendQueue):
+        if self.ephemeral or self.queue.backend.stores:
             return 1 << 30
-        return max(0, self.mem_queue_size - len(self.memory))
+        return max(0, self.mem_queue_size - len(self.queue.memory))
 
     def _memory_room(self) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
         --mem-queue-size: a send to it also succeeds when a consumer's pump is waiting to receive. nsqd
         tries that hand-off only where there is no backend (an ephemeral channel), and with
         --mem-queue-size=0 it is the only way in: here a waiting consumer takes up to its RDY room."""
-        room = self.mem_queue_size - len(self.memory)
+        in_memory = len(self.queue.memory)
+        room = self.mem_queue_size - in_memory
         if self.ephemeral and self.waiters:
-            room = max(room, sum(client.ready_room() for client in self.waiters) - len(self.memory))
+            room = max(room, sum(client.ready_room() for client in self.waiters) - in_memory)
         return room
 
     def put(self, msg: Message) -> None:
         """Into the memory queue, or the backend when it is full; raises BackendError if neither takes it."""
-        if self._memory_room() > 0:
-            self.memory.append(msg)
-        elif self.ephemeral:
-            self.dropped_count += 1
+        if self.queue.put([msg], max(0, self._memory_room())) and self.ephemeral:
+            self.dropped_count += 1  # no room and no backend: as nsqd's dummy backend, discarded
             return
-        else:
-            self.backend.put(msg.encode())
         if self.waiters:
             self._wake_waiters()
 
@@ -138,22 +140,15 @@ class Channel:
             for msg in msgs:
                 if msg.deferred > 0:
                     self.start_deferred_timeout(msg, msg.deferred)
-        memory = self.memory
-        room = self._memory_room()
-        if room < len(ready):
-            room = max(0, room)
-            memory.extend(ready[:room])
-            rest = ready[room:]
-            if self.ephemeral:
-                self.dropped_count += len(rest)
-            else:
-                try:
-                    self.backend.put_many([msg.encode() for msg in rest])
-                except BackendError as exc:
-                    for msg in rest[exc.stored:]:
-                        self._requeue(msg)
+        room = max(0, self._memory_room())
+        try:
+            past_memory = self.queue.put(ready, room)
+        except BackendError as exc:
+            for msg in ready[room + exc.stored:]:
+                self._requeue(msg)
         else:
-            memory.extend(ready)
+            if self.ephemeral:
+                self.dropped_count += past_memory
         if self.waiters:
             self._wake_waiters()
 
@@ -177,25 +172,13 @@ class Channel:
     def take(self, n: int) -> list[Message]:
         """Up to n messages: from the memory queue, and from the backend so neither starves."""
         out: list[Message] = []
-        backend = self.backend
-        if backend.depth():
-            self._take_backend(out, (n + 1) // 2)
-        memory = self.memory
-        while memory and len(out) < n:
-            out.append(memory.popleft())
-        if len(out) < n and backend.depth():
-            self._take_backend(out, n)
+        queue = self.queue
+        queue.take_backend(out, (n + 1) // 2)
+        queue.take_memory(out, n)
+        queue.take_backend(out, n)
         if out and self.topic.waiting_for_room:
             self.topic.wake()
         return out
-
-    def _take_backend(self, out: list[Message], limit: int) -> None:
-        decode = Message.decode
-        for data in self.backend.read_many(limit - len(out)):
-            try:
-                out.append(decode(data))
-            except ValueError as exc:
-                log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
 
     # --- in flight ----------------------------------------------------------------------------
 
@@ -285,7 +268,12 @@ class Channel:
 
     # --- admin --------------------------------------------------------------------------------
 
+    def exit(self) -> None:
+        """The broker is exiting, or the channel or its topic is being deleted: see Topic.exit."""
+        self.exiting = True
+
     def pause(self) -> None:
+        """The caller persists the metadata (nsqd's /channel/pause does)."""
         self.paused = True
 
     def unpause(self) -> None:
@@ -295,17 +283,15 @@ class Channel:
 
     async def empty(self) -> None:
         """Drop everything queued and in flight (nsqd's /channel/empty)."""
-        self.memory.clear()
         self.in_flight.drain()
         self.deferred.drain()
         for client in self.clients.values():
             client.empty()
-        await self.backend.empty()
+        await self.queue.empty()
 
     def drain_for_shutdown(self) -> list[Message]:
         """Everything the channel holds outside its backend, for writing to disk at exit."""
-        out = list(self.memory)
-        self.memory.clear()
+        out = self.queue.drain_memory()
         out.extend(self.in_flight.drain())
         out.extend(self.deferred.drain())
         return out

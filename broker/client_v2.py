@@ -22,6 +22,11 @@ log = logging.getLogger("nsqd")
 
 
 class ClientV2:
+    """One TCP client's state (nsqd's clientV2): identity and negotiated features, RDY and in-flight
+    counts, the output buffer and the stream (with its TLS/snappy/deflate layers). Written by its
+    connection's tasks (ProtocolV2.io_loop, message_pump, heartbeat_loop); read by /stats; woken by
+    its Channel (`wake`) when messages or RDY room appear."""
+
     def __init__(self, client_id: int, stream: trio.abc.Stream, remote_address: str, nsqd: NSQD) -> None:
         opts = nsqd.options
         self.id = client_id

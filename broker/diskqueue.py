@@ -75,7 +75,7 @@ class _SyncRound:
 
 
 class DiskQueue:
-    durable = True
+    stores = True  # BackendQueue: it holds what the memory queue has no room for
 
     def __init__(
         self,
@@ -124,7 +124,6 @@ class DiskQueue:
         self._unsynced_from: int | None = None  # first data file written since the last round
         self._round: _SyncRound | None = None  # the round in flight
         self._wake = trio.Event()  # wakes run() early: sync_every reached or a file changed
-        self._readers = trio.lowlevel.ParkingLot()
         self._closed = False
         self._deleted = False
         # the metadata rename (in an fsync thread) and delete() (in the loop) exclude each other
@@ -292,8 +291,6 @@ class DiskQueue:
                 stored = end
             if bad is not None:
                 raise BackendError(bad, stored)
-        if self._readers:
-            self._readers.unpark_all()
 
     def _write_run(self, iov: list[bytes], total: int, count: int, stored: int) -> None:
         """One writev of `count` records to the write file; on failure none of them counts."""
@@ -314,8 +311,6 @@ class DiskQueue:
             log.error("DISKQUEUE(%s): failed to write - %s", self.name, exc)
             error = f"failed to write to disk queue {self.name} - {exc}"
             self._health(error)
-            if stored and self._readers:
-                self._readers.unpark_all()
             raise BackendError(error, stored) from None
         if self._failing:
             self._health(None)
@@ -557,12 +552,6 @@ class DiskQueue:
         self._unsynced_from = None
         self._file_changed()
 
-    async def wait_readable(self) -> None:
-        """Return when there is a record to read (immediately if there is one)."""
-        while self._closed or not self._has_unread():
-            await self._readers.park()
-        await trio.lowlevel.checkpoint()
-
     # --- sync ---------------------------------------------------------------------------------
 
     async def sync(self) -> None:
@@ -738,7 +727,6 @@ class DiskQueue:
         self._close_read_file()
         self._close_write_fd()
         self._wake.set()
-        self._readers.unpark_all()
 
     def _remove_files(self) -> None:
         mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat|meta\.dat(\.\d+\.tmp)?)\Z")

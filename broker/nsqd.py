@@ -38,6 +38,13 @@ METADATA_FILE = "nsqd.dat"
 
 
 class NSQD:
+    """The broker (nsqd's NSQD): topics by name, connected clients, metadata, and the tasks of the
+    whole process. `run` (called by trio-nsqd, or embed's run_nsqd) owns one nursery holding: each
+    Topic's `run`, the HTTP server, the TCP accept loop (one ProtocolV2.serve task per connection), the
+    lookup_loop, the queue_scan_loop, the metadata persist loop and statsd. Protocol and HTTP tasks call
+    get_topic/delete_topic and persist_metadata; Topics call back through TopicOwner. On cancellation
+    `_exit` writes what memory holds to disk and closes every queue."""
+
     def __init__(self, options: Options) -> None:
         self.options = options
         self.data_path = options.data_path or os.getcwd()
@@ -110,17 +117,14 @@ class NSQD:
         except OSError as exc:
             log.error("failed to persist metadata - %s", exc)
         for topic in list(self.topics.values()):
-            topic.exiting = True
+            topic.exit()
             for channel in list(topic.channels.values()):
-                channel.exiting = True
                 if not channel.ephemeral:  # a durable channel of an ephemeral topic has a disk queue too
-                    self._flush_to_backend(str(channel), channel.backend, channel.drain_for_shutdown())
-                await channel.backend.close()
+                    self._flush_to_backend(str(channel), channel.queue.backend, channel.drain_for_shutdown())
+                await channel.queue.backend.close()
             if not topic.ephemeral:
-                msgs = list(topic.memory)
-                topic.memory.clear()
-                self._flush_to_backend(str(topic), topic.backend, msgs)
-            await topic.backend.close()
+                self._flush_to_backend(str(topic), topic.queue.backend, topic.queue.drain_memory())
+            await topic.queue.backend.close()
             topic.idempotency.close()  # after the messages: a key is never kept for messages lost
 
     def _flush_to_backend(self, what: str, backend: BackendQueue, msgs: list) -> None:
@@ -263,11 +267,11 @@ class NSQD:
         if topic is None:
             raise KeyError(name)
         log.info("TOPIC(%s): deleting", name)
-        topic.exiting = True
+        topic.exit()
         for channel_name in list(topic.channels):
             topic.delete_channel(channel_name)
         topic.cancel()
-        topic.backend.delete()  # the files are gone before the caller answers, as in nsqd
+        topic.queue.backend.delete()  # the files are gone before the caller answers, as in nsqd
         topic.idempotency.delete()
         self._notify(topic, False)
 

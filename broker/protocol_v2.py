@@ -18,7 +18,6 @@ import trio
 from broker.auth import AuthError, AuthState, query_any_authd
 from broker.backend import BackendError
 from broker.channel import ChannelError
-from broker.message import Message
 from broker.client_state import ClientState, check_command
 from broker.client_v2 import ClientV2
 from broker.channel import Channel
@@ -51,6 +50,12 @@ RECV_SIZE = 64 * 1024
 
 
 class ProtocolV2:
+    """nsqd's protocolV2: one instance per broker, stateless across connections. NSQD's TCP accept loop
+    calls `serve` for each connection, which runs the connection's tasks in one nursery: io_loop (reads
+    commands in batches, checks each with client_state.check_command, executes, answers once per read),
+    message_pump (sends messages from the subscribed channel as RDY allows) and heartbeat_loop. A task
+    that ends ends the connection and its nursery, never the broker."""
+
     def __init__(self, nsqd: NSQD) -> None:
         self.nsqd = nsqd
         self.options = nsqd.options
@@ -469,31 +474,14 @@ class ProtocolV2:
         return None
 
     async def PUB(self, client: ClientV2, cmd: Command) -> bytes | None:
-        topic_name = cmd.params[0].decode()
-        await self.check_auth(client, "PUB", topic_name)
-        topic = self.nsqd.get_topic(topic_name)
-        try:
-            to_backend = topic.put_message(topic.new_message(cmd.body or b""))
-        except BackendError as exc:
-            raise FatalClientError("E_PUB_FAILED", f"PUB failed {exc}") from None
-        if to_backend and self.options.sync_every == 1:
-            client.pending_sync.setdefault(topic.backend, "PUB")
-        client.published(topic_name, 1)
+        await self._publish(client, "PUB", cmd.params[0].decode(), [cmd.body or b""])
         return OK
 
     async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
         await self.check_auth(client, "MPUB", topic_name)
         bodies = parse_mpub_body(cmd.body or b"", self.options.max_msg_size, self.options.max_body_size)
-        topic = self.nsqd.get_topic(topic_name)
-        msgs = list(map(Message, topic.guid.new_ids(len(bodies)), bodies))
-        try:
-            to_backend = topic.put_messages(msgs)
-        except BackendError as exc:
-            raise FatalClientError("E_MPUB_FAILED", f"MPUB failed {exc}") from None
-        if to_backend and self.options.sync_every == 1:
-            client.pending_sync.setdefault(topic.backend, "MPUB")
-        client.published(topic_name, len(msgs))
+        await self._publish(client, "MPUB", topic_name, bodies, checked=True)
         return OK
 
     def _dpub_timeout(self, raw: bytes) -> float:
@@ -507,20 +495,24 @@ class ProtocolV2:
         return timeout_ms / 1000
 
     async def DPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
-        topic_name = cmd.params[0].decode()
         delay = self._dpub_timeout(cmd.params[1])
-        await self.check_auth(client, "DPUB", topic_name)
-        topic = self.nsqd.get_topic(topic_name)
-        msg = topic.new_message(cmd.body or b"")
-        msg.deferred = delay
-        try:
-            to_backend = topic.put_message(msg)
-        except BackendError as exc:
-            raise FatalClientError("E_DPUB_FAILED", f"DPUB failed {exc}") from None
-        if to_backend and self.options.sync_every == 1:
-            client.pending_sync.setdefault(topic.backend, "DPUB")
-        client.published(topic_name, 1)
+        await self._publish(client, "DPUB", cmd.params[0].decode(), [cmd.body or b""], delay)
         return OK
+
+    async def _publish(self, client: ClientV2, command: str, topic_name: str, bodies: list[bytes],
+                       deferred: float = 0.0, checked: bool = False) -> None:
+        """Topic.publish for PUB/MPUB/DPUB: its error is the command's fatal E_<cmd>_FAILED; an fsync the
+        answer waits for is owed once for the whole read (see _sync_pending)."""
+        if not checked:
+            await self.check_auth(client, command, topic_name)
+        topic = self.nsqd.get_topic(topic_name)
+        try:
+            published = topic.publish(bodies, deferred)
+        except BackendError as exc:
+            raise FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}") from None
+        if published.sync is not None:
+            client.pending_sync.setdefault(published.sync, command)
+        client.published(topic_name, published.count)
 
 
 # commands that write their own answer (and may upgrade the stream) instead of returning it

@@ -329,7 +329,7 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
     return ChannelStats(
         channel_name=channel.name,
         depth=channel.depth(),
-        backend_depth=channel.backend.depth(),
+        backend_depth=channel.queue.backend.depth(),
         in_flight_count=len(channel.in_flight),
         deferred_count=len(channel.deferred),
         message_count=channel.message_count,
@@ -347,7 +347,7 @@ def topic_stats(topic: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
         topic_name=topic.name,
         channels=channels,
         depth=topic.depth(),
-        backend_depth=topic.backend.depth(),
+        backend_depth=topic.queue.backend.depth(),
         message_count=topic.message_count,
         message_bytes=topic.message_bytes,
         paused=topic.paused,

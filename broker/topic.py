@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 import trio
 
 from broker.backend import BackendError, BackendQueue
@@ -14,11 +14,28 @@ from broker.channel import Channel
 from broker.guid import GUIDFactory
 from broker.idempotency import IdempotencyKeys
 from broker.message import Message
-from broker.quantile import Quantile, aggregate
+from broker.message_queue import MessageQueue
+from broker.quantile import Quantile
 from shared.names import is_ephemeral, is_valid_channel_name
 
 if TYPE_CHECKING:
-    from broker.nsqd import NSQD
+    from broker.options import Options
+
+
+class TopicOwner(Protocol):
+    """What a Topic needs from the broker that holds it (NSQD): its options and data path, a backend per
+    queue, a task spawned in the broker's nursery, and to be told about channel changes and deletes."""
+
+    options: Options
+    data_path: str
+
+    def make_backend(self, topic_name: str, channel_name: str | None = None) -> BackendQueue: ...
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
+
+    def notify_channel(self, channel: Channel, created: bool) -> None: ...
+
+    def delete_topic(self, name: str) -> None: ...
 
 log = logging.getLogger("nsqd")
 
@@ -27,14 +44,29 @@ log = logging.getLogger("nsqd")
 PUMP_BATCH = 512
 
 
+@attrs.frozen
+class Published:
+    """What Topic.publish did: how many messages, and whether the answer must wait for an fsync."""
+
+    count: int
+    sync: BackendQueue | None  # --sync-every=1 and something went to disk: await sync.sync() before OK
+    all_durable: bool  # every message went to the disk queue: after the fsync, all of them are durable
+
+
 class Topic:
-    def __init__(self, nsqd: NSQD, name: str, backend: BackendQueue) -> None:
+    """A topic (nsqd's Topic): its MessageQueue, its channels and its message_pump. `run`, started by
+    NSQD, owns a nursery with the backend's io_loop, each Channel's `run` and the message_pump, which
+    copies every message to every channel. Publishers (ProtocolV2's PUB/MPUB/DPUB, the HTTP /pub and
+    /mpub) call `publish` from their own tasks; it never awaits, so what is queued is consistent when the
+    pump runs. Channel changes come from SUB and the HTTP API through get_channel/delete_channel."""
+
+    def __init__(self, nsqd: TopicOwner, name: str, backend: BackendQueue) -> None:
         self.nsqd = nsqd
         self.name = name
         self.ephemeral = is_ephemeral(name)
-        self.backend = backend
+        self.queue = MessageQueue(f"TOPIC({name})", backend, self.ephemeral)
         self.mem_queue_size = nsqd.options.mem_queue_size
-        self.memory: deque[Message] = deque()
+        self.sync_every = nsqd.options.sync_every
         self.channels: dict[str, Channel] = {}
         self.paused = False
         self.exiting = False
@@ -67,7 +99,7 @@ class Topic:
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                await nursery.start(self.backend.run)
+                await nursery.start(self.queue.backend.run)
                 for channel in self.channels.values():
                     nursery.start_soon(channel.run)
                 self._started.set()
@@ -117,29 +149,30 @@ class Topic:
 
     def _take(self, n: int) -> list[Message]:
         out: list[Message] = []
-        memory = self.memory
-        while memory and len(out) < n:
-            out.append(memory.popleft())
-        if len(out) < n:
-            for data in self.backend.read_many(n - len(out)):
-                try:
-                    out.append(Message.decode(data))
-                except ValueError as exc:
-                    log.error("TOPIC(%s): failed to decode message - %s", self.name, exc)
+        self.queue.take_memory(out, n)
+        self.queue.take_backend(out, n)
         return out
 
     # --- publishing ---------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return len(self.memory) + self.backend.depth()
+        return self.queue.depth()
 
-    def new_message(self, body: bytes) -> Message:
-        return Message(self.guid.new_id(), body)
-
-    def put_message(self, msg: Message) -> bool:
-        """Queue one message; True if it went to the backend (so a durable ack must await sync()).
-        Raises BackendError if neither memory nor backend can take it."""
-        return self.put_messages([msg])
+    def publish(self, bodies: Sequence[bytes], deferred: float = 0.0) -> Published:
+        """The one publish path of PUB, MPUB, DPUB, /pub and /mpub: new ids, queued in order (memory
+        first, the rest in one backend write), counted. Raises BackendError when the backend refuses
+        (the callers answer E_PUB_FAILED, 503 ...). What the answer still waits for is in the result:
+        with --sync-every=1, the fsync of `sync` (the caller awaits it, or a TCP connection once for all
+        the publishes of one read)."""
+        new_id = self.guid.new_id
+        msgs = [Message(new_id(), body) for body in bodies]
+        if deferred:
+            for msg in msgs:
+                msg.deferred = deferred
+        in_memory = len(self.queue.memory)
+        to_backend = self.put_messages(msgs)
+        sync = self.queue.backend if to_backend and self.sync_every == 1 else None
+        return Published(len(msgs), sync, sync is not None and len(self.queue.memory) == in_memory)
 
     def put_messages(self, msgs: list[Message]) -> bool:
         """Queue messages in order (memory first, the rest in one backend write); True if any went to
@@ -149,25 +182,14 @@ class Topic:
             raise BackendError("exiting")
         if not msgs:
             return False
-        memory = self.memory
-        room = self._memory_room(msgs[0].deferred > 0)
-        if room >= len(msgs):
-            memory.extend(msgs)
-            self._counted(msgs)
-            return False
-        room = max(0, room)
-        memory.extend(msgs[:room])
-        rest = msgs[room:]
-        if self.ephemeral:
-            self._counted(msgs)  # as nsqd's dummy backend: ephemeral overflow is discarded
-            return False
+        room = max(0, self._memory_room(msgs[0].deferred > 0))
         try:
-            self.backend.put_many([msg.encode() for msg in rest])
+            past_memory = self.queue.put(msgs, room)  # an ephemeral topic's overflow is discarded
         except BackendError as exc:
             self._counted(msgs[:room + exc.stored])
             raise
         self._counted(msgs)
-        return True
+        return past_memory > 0 and not self.ephemeral
 
     def _memory_room(self, deferred: bool) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
@@ -175,9 +197,10 @@ class Topic:
         that hand-off only for what the backend cannot hold as it is (an ephemeral topic's messages,
         which have no backend, and deferred ones, whose delay a disk record does not keep); with
         --mem-queue-size=0 it is the only way into memory."""
-        room = self.mem_queue_size - len(self.memory)
+        in_memory = len(self.queue.memory)
+        room = self.mem_queue_size - in_memory
         if self._receiving and (self.ephemeral or deferred):
-            room = max(room, PUMP_BATCH - len(self.memory))
+            room = max(room, PUMP_BATCH - in_memory)
         return room
 
     def _counted(self, msgs: list[Message]) -> None:
@@ -210,12 +233,12 @@ class Topic:
         channel = self.channels.pop(name, None)
         if channel is None:
             raise KeyError(name)
-        channel.exiting = True
+        channel.exit()
         log.info("TOPIC(%s): deleting channel %s", self.name, name)
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)
         channel.cancel()
-        channel.backend.delete()  # the files are gone before the caller answers, as in nsqd
+        channel.queue.backend.delete()  # the files are gone before the caller answers, as in nsqd
         self.nsqd.notify_channel(channel, created=False)
         self._wake.set()
         if not self.channels and self.ephemeral and not self.exiting:
@@ -224,20 +247,19 @@ class Topic:
     # --- admin --------------------------------------------------------------------------------
 
     def pause(self) -> None:
+        """The caller persists the metadata (nsqd's /topic/pause does, so a crash cannot undo it)."""
         self.paused = True
-        self.nsqd.persist_metadata()
 
     def unpause(self) -> None:
         self.paused = False
         self._wake.set()
-        self.nsqd.persist_metadata()
+
+    def exit(self) -> None:
+        """The broker is exiting or deleting the topic: publishes fail from now on, and so do its
+        channels' FIN/REQ/TOUCH bookkeeping."""
+        self.exiting = True
+        for channel in self.channels.values():
+            channel.exit()
 
     async def empty(self) -> None:
-        self.memory.clear()
-        await self.backend.empty()
-
-    def e2e_processing_latency(self) -> dict | None:
-        percentiles = self.nsqd.options.e2e_processing_latency_percentiles
-        if not percentiles:
-            return None
-        return aggregate([ch.e2e for ch in self.channels.values() if ch.e2e is not None], percentiles)
+        await self.queue.empty()

@@ -17,7 +17,6 @@ from broker.backend import BackendError
 from broker.http.openapi import openapi_bytes
 from broker.http.request import ApiRequest
 from broker.idempotency import valid_key
-from broker.message import Message
 from broker.stats import get_stats, health, prometheus_text, stats_text
 from broker.topic import Topic
 from shared.http_api import (
@@ -183,12 +182,7 @@ class Api:
             if ms < 0 or ms > self.options.max_req_timeout * 1000:
                 raise HTTPError(400, "INVALID_DEFER")
             deferred = ms / 1000
-        msg = topic.new_message(body)
-        msg.deferred = deferred
-        if key is not None:
-            await topic.idempotency.publish_once(key, lambda: self._publish(topic, [msg], "pub"))
-            return OK
-        await self._publish(topic, [msg], "pub")
+        await self._publish(topic, [body], "pub", key, deferred)
         return OK
 
     async def mpub(self, req: ApiRequest) -> Reply:
@@ -217,12 +211,7 @@ class Api:
             max_msg_size = opts.max_msg_size
             if any(len(line) > max_msg_size for line in bodies):
                 raise HTTPError(413, "MSG_TOO_BIG")
-        new_id = topic.guid.new_id
-        msgs = [Message(new_id(), b) for b in bodies]
-        if key is not None:
-            await topic.idempotency.publish_once(key, lambda: self._publish(topic, msgs, "mpub"))
-            return OK
-        await self._publish(topic, msgs, "mpub")
+        await self._publish(topic, bodies, "mpub", key)
         return OK
 
     @staticmethod
@@ -233,30 +222,30 @@ class Api:
             raise HTTPError(400, "INVALID_IDEMPOTENCY_KEY")
         return key
 
-    async def _publish(self, topic: Topic, msgs: list[Message], what: str) -> bool:
-        """Queue the messages (and wait for their fsync with --sync-every=1); True if every one of
-        them is on disk now, fsynced (so an Idempotency-Key covering them may be journalled)."""
-        in_memory = len(topic.memory)
+    async def _publish(self, topic: Topic, bodies: list[bytes], what: str, key: str | None,
+                       deferred: float = 0.0) -> None:
+        """Topic.publish for /pub and /mpub, once per Idempotency-Key when one is given."""
+        if key is None:
+            await self._publish_now(topic, bodies, what, deferred)
+        else:
+            await topic.idempotency.publish_once(key, lambda: self._publish_now(topic, bodies, what, deferred))
+
+    async def _publish_now(self, topic: Topic, bodies: list[bytes], what: str, deferred: float) -> bool:
+        """Publish; with --sync-every=1 answer only once on disk, over HTTP as over TCP (concurrent
+        requests share the fsync: the backend's sync is a group commit). True if every message is on
+        disk and fsynced now (so an Idempotency-Key covering them may be journalled)."""
         try:
-            to_backend = topic.put_messages(msgs)
+            published = topic.publish(bodies, deferred)
         except BackendError as exc:
             log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
             raise HTTPError(503, "EXITING") from None
-        all_on_disk = to_backend and len(topic.memory) == in_memory
-        if to_backend:
-            await self._sync(topic)
-        return all_on_disk and self.options.sync_every == 1
-
-    async def _sync(self, topic: Topic) -> None:
-        """With --sync-every=1 a publish is answered only once it is on disk, over HTTP as over TCP
-        (concurrent requests share the fsync: the backend's sync is a group commit)."""
-        if self.options.sync_every != 1:
-            return
-        try:
-            await topic.backend.sync()
-        except BackendError as exc:
-            log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
-            raise HTTPError(500, "INTERNAL_ERROR") from None
+        if published.sync is not None:
+            try:
+                await published.sync.sync()
+            except BackendError as exc:
+                log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
+                raise HTTPError(500, "INTERNAL_ERROR") from None
+        return published.all_durable
 
     # --- /stats /metrics /openapi.json -----------------------------------------------------
 
