@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Broker
+from processes import BrokerProcess
 from nsq_raw import (
     CLOSE_WAIT,
     OK,
@@ -447,9 +447,9 @@ def assert_published(result: dict, n: int) -> None:
     assert result["responses"] == ["OK"] * n, result
 
 
-def assert_healthy(broker: Broker) -> None:
+def assert_healthy(broker: BrokerProcess) -> None:
     """The process is alive and a brand-new client can still publish and consume."""
-    assert broker.is_alive(), f"broker died:\n{broker.stderr_text()}"
+    assert broker.is_alive(), f"broker died:\n{broker.log_text()}"
     topic, channel = unique("health"), "ch"
     body = b"still alive \x00\n" + os.urandom(8)
     with subscribe(broker.tcp_address, topic, channel, rdy=1) as consumer:
@@ -458,7 +458,7 @@ def assert_healthy(broker: Broker) -> None:
         assert msg.body == body
         consumer.fin(msg.id)
         consumer.nop()
-    assert broker.is_alive(), f"broker died:\n{broker.stderr_text()}"
+    assert broker.is_alive(), f"broker died:\n{broker.log_text()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -812,7 +812,7 @@ UNKNOWN_ID = b"0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def abused_broker(tmp_path_factory):
-    b = Broker(tmp_path_factory.mktemp("abused"), max_msg_size=MAX_MSG_SIZE, max_body_size=MAX_BODY_SIZE)
+    b = BrokerProcess(tmp_path_factory.mktemp("abused"), max_msg_size=MAX_MSG_SIZE, max_body_size=MAX_BODY_SIZE)
     b.start()
     yield b
     b.stop()
@@ -965,5 +965,5 @@ def test_ephemeral_channel_disappears_with_its_last_consumer(broker):
 def test_sigterm_stops_the_broker_cleanly(broker):
     with subscribe(broker.tcp_address, unique("term"), "c", rdy=1):
         code = broker.stop()
-    assert code == 0, f"exit code {code} on SIGTERM\n{broker.stderr_text()}"
-    assert "Traceback" not in broker.stderr_text(), broker.stderr_text()
+    assert code == 0, f"exit code {code} on SIGTERM\n{broker.log_text()}"
+    assert "Traceback" not in broker.log_text(), broker.log_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, free_port
+from processes import REPO_ROOT, free_port
 from shared.protocol import MAGIC_V2, FrameParser, encode_pub
 
 VERSION_LINE = re.compile(r"^(nsqd|nsqlookupd) v1\.3\.0 \(built w/\S+\)$")

@@ -9,19 +9,30 @@ count show that FINs arrived.
 from __future__ import annotations
 
 import functools
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 import trio
+from processes import (
+    REPO_ROOT,
+    BrokerProcess,
+    Daemon,
+    LookupdProcess,
+    free_port,
+    repo_env,
+)
 
-from shared.client import Connection, Consumer, HTTPProducer, NSQConnectionError, NSQError, Producer
+from shared.client import (
+    Connection,
+    Consumer,
+    HTTPProducer,
+    NSQConnectionError,
+    NSQError,
+    Producer,
+)
 from shared.protocol import (
     FRAME_TYPE_RESPONSE,
     HEARTBEAT,
@@ -32,90 +43,24 @@ from shared.protocol import (
     encode_sub,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+D = TypeVar("D", bound=Daemon)
 
 
 # --- processes --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-class Proc:
-    """`python -m broker` or `python -m lookupd` on ports fixed at creation: restart() reuses them."""
-
-    def __init__(self, module: str, base: Path, name: str, flags: dict[str, object]) -> None:
-        self.module, self.name = module, name
-        self.tcp_port, self.http_port = _free_port(), _free_port()
-        self.log = base / f"{name}.log"
-        self.flags = {"tcp_address": self.tcp_address, "http_address": self.http_address, **flags}
-        if module == "broker":
-            self.flags.setdefault("data_path", base / f"{name}-data")
-            Path(self.flags["data_path"]).mkdir(exist_ok=True)
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def tcp_address(self) -> str:
-        return f"127.0.0.1:{self.tcp_port}"
-
-    @property
-    def http_address(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    def start(self) -> Proc:
-        argv = [sys.executable, "-m", self.module] + [f"--{k.replace('_', '-')}={v}" for k, v in self.flags.items()]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=log, stderr=log)
-        deadline = time.monotonic() + 15
-        while not (_listening(self.tcp_port) and _listening(self.http_port)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.02)
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-
 class Cluster:
     def __init__(self, base: Path) -> None:
         self.base = base
-        self.procs: list[Proc] = []
+        self.procs: list[Daemon] = []
 
-    def broker(self, **flags: object) -> Proc:
-        return self._start("broker", flags)
+    def broker(self, **flags: object) -> BrokerProcess:
+        return self._start(BrokerProcess(self.base, **flags))
 
-    def lookupd(self, **flags: object) -> Proc:
-        return self._start("lookupd", flags)
+    def lookupd(self, **flags: object) -> LookupdProcess:
+        return self._start(LookupdProcess(self.base, **flags))
 
-    def _start(self, module: str, flags: dict[str, object]) -> Proc:
-        proc = Proc(module, self.base, f"{module}{len(self.procs)}", flags)
+    def _start(self, proc: D) -> D:
         self.procs.append(proc)
         return proc.start()
 
@@ -139,7 +84,7 @@ async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> 
             await trio.sleep(interval)
 
 
-async def channel_stats(broker: Proc, topic: str, channel: str) -> dict:
+async def channel_stats(broker: BrokerProcess, topic: str, channel: str) -> dict:
     async with httpx.AsyncClient() as client:
         r = await client.get(f"http://{broker.http_address}/stats", params={"format": "json", "topic": topic})
     for t in r.json()["topics"]:
@@ -149,7 +94,7 @@ async def channel_stats(broker: Proc, topic: str, channel: str) -> dict:
     return {}
 
 
-async def broker_rdy(broker: Proc, topic: str, channel: str) -> list[int]:
+async def broker_rdy(broker: BrokerProcess, topic: str, channel: str) -> list[int]:
     """The RDY counts nsqd holds for the channel's clients."""
     return [c["ready_count"] for c in (await channel_stats(broker, topic, channel)).get("clients", [])]
 
@@ -294,7 +239,7 @@ async def test_a_refused_pub_fails_alone_and_the_pipeline_behind_it_is_resent(cl
 
 async def test_producer_gives_up_after_reconnect_timeout_without_a_broker():
     start = trio.current_time()
-    async with Producer(f"127.0.0.1:{_free_port()}", reconnect_timeout=0.5) as producer:
+    async with Producer(f"127.0.0.1:{free_port()}", reconnect_timeout=0.5) as producer:
         with pytest.raises(NSQConnectionError) as err:
             await producer.pub("t", b"x")
     assert not err.value.maybe_processed
@@ -545,6 +490,6 @@ async def test_tail_prints_bodies_in_order(cluster):
         await producer.mpub("tour", [b"hello", b"new\nline", b"world", b"not printed"])
     result = await trio.run_process(
         [sys.executable, "-m", "shared.client.tail", "--nsqd-tcp-address", broker.tcp_address, "--topic", "tour",
-         "-n", "3"], cwd=REPO, env=ENV, capture_stdout=True, capture_stderr=True, check=False)
+         "-n", "3"], cwd=REPO_ROOT, env=repo_env(), capture_stdout=True, capture_stderr=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == b"hello\nnew\nline\nworld\n"

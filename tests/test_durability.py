@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 
-from conftest import REPO_ROOT, Broker
+from processes import BrokerProcess, REPO_ROOT
 from shared.protocol import (
     MAGIC_V2,
     FrameParser,
@@ -33,7 +33,7 @@ from shared.protocol import (
 OK_FRAME = struct.pack(">ii", 6, 0) + b"OK"
 
 
-def _connect(broker: Broker) -> socket.socket:
+def _connect(broker: BrokerProcess) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", broker.tcp_port), timeout=10)
     sock.sendall(MAGIC_V2)
     return sock
@@ -50,13 +50,13 @@ def _read_frame(sock: socket.socket, parser: FrameParser, timeout: float = 10) -
         parser.feed(data)
 
 
-def _create_channel(broker: Broker, topic: str, channel: str) -> None:
+def _create_channel(broker: BrokerProcess, topic: str, channel: str) -> None:
     with _connect(broker) as sock:
         sock.sendall(encode_sub(topic, channel))
         assert _read_frame(sock, FrameParser()) == (0, b"OK")
 
 
-def consume(broker: Broker, topic: str, channel: str, want: set[bytes], timeout: float = 60) -> dict[bytes, int]:
+def consume(broker: BrokerProcess, topic: str, channel: str, want: set[bytes], timeout: float = 60) -> dict[bytes, int]:
     """FIN everything; stop once every body in `want` was seen (or timeout). Returns body -> times seen."""
     seen: dict[bytes, int] = {}
     with _connect(broker) as sock:
@@ -183,7 +183,7 @@ def test_corrupt_and_truncated_files_are_survived(broker_factory):
     assert broker.is_alive()
     assert len(seen) >= len(bodies) // 3, "the undamaged files must still be delivered"
     assert all(n == 1 for n in seen.values())
-    assert "bad" in broker.stderr_text().lower() or list(broker.data_path.glob("*.bad"))
+    assert "bad" in broker.log_text().lower() or list(broker.data_path.glob("*.bad"))
     # and it keeps serving
     with _connect(broker) as pub:
         pub.sendall(encode_pub("corrupt", b"after"))
@@ -194,7 +194,7 @@ def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
-    broker = Broker(mnt, mem_queue_size=0)
+    broker = BrokerProcess(mnt, mem_queue_size=0)
     try:
         broker.start()
         _create_channel(broker, "full", "ch")
@@ -212,7 +212,7 @@ def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(tmp_path):
                 accepted.extend(bodies)
         assert failed is not None and failed[0] == 1 and failed[1].startswith(b"E_MPUB_FAILED"), failed
         assert broker.is_alive()
-        assert "failed to write" in broker.stderr_text()
+        assert "failed to write" in broker.log_text()
         seen = consume(broker, "full", "ch", set(accepted), timeout=60)
         assert set(accepted) <= seen.keys(), f"lost {len(set(accepted) - seen.keys())} accepted messages"
     finally:

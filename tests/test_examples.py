@@ -10,7 +10,7 @@ import tomllib
 
 import yaml
 
-from conftest import REPO_ROOT
+from processes import REPO_ROOT
 from test_lookupd_discovery import Lookupd
 
 

@@ -24,9 +24,8 @@ import pytest
 import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from nsq_raw import RawNSQ
-from test_lookupd_process import LookupdProcess
+from processes import LookupdProcess
 from wire_fuzz import (
     MAGIC_V2,
     MUTATIONS,
@@ -67,8 +66,8 @@ def fuzz_broker(broker_factory, tmp_path):
 
 
 def assert_still_serving(broker) -> None:
-    assert broker.is_alive(), broker.stderr_text()[-3000:]
-    log = broker.stderr_text()
+    assert broker.is_alive(), broker.log_text()[-3000:]
+    log = broker.log_text()
     assert "internal error" not in log and "Traceback" not in log, excerpt(log, ("internal error", "Traceback"))
     # every fuzzing connection is gone from the broker's books
     deadline = time.monotonic() + 10
@@ -188,7 +187,7 @@ def test_long_lines_and_huge_sizes_are_refused_without_buffering(fuzz_broker):
     assert all(o.closed and o.seconds < 5 for o in outcomes), outcomes
     growth = _rss_mb(broker.proc.pid) - rss_before
     assert growth < 30, f"broker RSS grew {growth:.0f} MB"
-    assert "line too long" in broker.stderr_text()
+    assert "line too long" in broker.log_text()
     assert_still_serving(broker)
 
 
@@ -207,7 +206,7 @@ def _rss_mb(pid: int) -> float:
 
 @pytest.fixture
 def lookupd(tmp_path):
-    process = LookupdProcess(tmp_path / "lookupd.log", broadcast_address="127.0.0.1")
+    process = LookupdProcess(tmp_path, broadcast_address="127.0.0.1").start()
     yield process
     process.stop()
 
@@ -283,7 +282,7 @@ def test_fuzzed_lookupd_v1_streams(lookupd, broker_factory):
     batch()
     report("lookupd V1 cases", played["cases"])
     assert lookupd.proc.poll() is None
-    log = lookupd.log()
+    log = lookupd.log_text()
     assert "internal error" not in log and "Traceback" not in log, excerpt(log, ("internal error", "Traceback"))
     assert lookupd.http.get("/ping").text == "OK"
     # every fuzzing peer closed, so none is left registered

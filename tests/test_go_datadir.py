@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from conftest import Broker
+from processes import BrokerProcess
 from nsq_raw import RawNSQ
 
 GO_EMPTY_NSQD_DAT = b'{"topics":null,"version":"1.3.0"}'
@@ -54,19 +54,19 @@ def go_data_dir(data: Path) -> dict[tuple[str, str], list[bytes]]:
             ("withch", "c1"): [b"w1", b"w2", b"w3"], ("withch", "c2"): [b"w1", b"w2", b"w3"]}
 
 
-def http(broker: Broker, path: str, body: bytes | None = None) -> bytes:
+def http(broker: BrokerProcess, path: str, body: bytes | None = None) -> bytes:
     request = urllib.request.Request(f"http://{broker.http_address}{path}", data=body,
                                      method="POST" if body is not None else "GET")
     with urllib.request.urlopen(request, timeout=10) as resp:
         return resp.read()
 
 
-def stats(broker: Broker) -> dict[str, dict]:
+def stats(broker: BrokerProcess) -> dict[str, dict]:
     doc = json.loads(http(broker, "/stats?format=json"))
     return {t["topic_name"]: t for t in doc["topics"]}
 
 
-def drain(broker: Broker, topic: str, channel: str, count: int) -> list[bytes]:
+def drain(broker: BrokerProcess, topic: str, channel: str, count: int) -> list[bytes]:
     with RawNSQ(broker.tcp_address) as conn:
         conn.sub(topic, channel)
         conn.rdy(count)
@@ -78,7 +78,7 @@ def drain(broker: Broker, topic: str, channel: str, count: int) -> list[bytes]:
 
 
 def test_a_go_data_dir_with_nulls_loads_and_drains(tmp_path):
-    broker = Broker(tmp_path)
+    broker = BrokerProcess(tmp_path)
     want = go_data_dir(broker.data_path)
     broker.start()
     try:
@@ -97,7 +97,7 @@ def test_a_go_data_dir_with_nulls_loads_and_drains(tmp_path):
 
 
 def test_an_empty_go_data_dir_loads(tmp_path):
-    broker = Broker(tmp_path)
+    broker = BrokerProcess(tmp_path)
     (broker.data_path / "nsqd.dat").write_bytes(GO_EMPTY_NSQD_DAT)
     broker.start()
     try:
@@ -111,7 +111,7 @@ def test_an_empty_go_data_dir_loads(tmp_path):
 def test_our_data_dir_is_what_go_nsqd_writes(tmp_path):
     """The same steps Go nsqd was given; nsqd.dat byte for byte, and the queues in go-diskqueue's format
     (Go nsqd 1.3.0 loaded such a directory and delivered every message, checked by hand)."""
-    broker = Broker(tmp_path, mem_queue_size=0)
+    broker = BrokerProcess(tmp_path, mem_queue_size=0)
     broker.start()
     try:
         http(broker, "/topic/create?topic=empty", b"")

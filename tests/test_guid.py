@@ -204,3 +204,32 @@ def test_invalid_node_id_raises(node_id):
 @pytest.mark.parametrize("node_id", [0, 1023])
 def test_node_id_range_edges_are_valid(node_id):
     assert GUIDFactory(node_id).node_id == node_id
+
+
+# --- merged from test_unit_core.py -----------------------------------------------------------
+
+
+def test_guids_unique_increasing_even_when_the_sequence_runs_out():
+    factory = GUIDFactory(513)
+    ids = [factory.new_guid() for _ in range(100_000)]
+    assert all(a < b for a, b in zip(ids, ids[1:]))
+    assert all((i >> NODE_ID_SHIFT) & 0x3FF == 513 for i in ids[:1000])
+    assert all(i & ((1 << SEQUENCE_BITS) - 1) < 4096 for i in ids[:1000])
+    text = factory.new_id()
+    assert len(text) == 16 and re.fullmatch(rb"[0-9a-f]{16}", text)
+
+
+def test_batched_ids_continue_the_same_sequence():
+    factory = GUIDFactory(3)
+    ids = [factory.new_guid()]
+    for n in (1, 5000, 3, 10000):
+        ids += [int(x, 16) for x in factory.new_ids(n)]
+        ids.append(factory.new_guid())
+    assert all(a < b for a, b in zip(ids, ids[1:]))
+    assert all((i >> NODE_ID_SHIFT) & 0x3FF == 3 for i in ids)
+
+
+@pytest.mark.parametrize("node", [-1, 1024])
+def test_guid_node_id_range(node):
+    with pytest.raises(ValueError):
+        GUIDFactory(node)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Broker
+from processes import BrokerProcess
 from shared.protocol import FrameParser, encode_mpub, encode_pub
 from test_durability import _connect, _create_channel, _read_frame, consume
 
@@ -51,7 +51,7 @@ int fdatasync(int fd) {
 """
 
 
-def http_get(broker: Broker, path: str) -> tuple[int, bytes]:
+def http_get(broker: BrokerProcess, path: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(f"http://{broker.http_address}{path}", timeout=10) as resp:
             return resp.status, resp.read()
@@ -59,7 +59,7 @@ def http_get(broker: Broker, path: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def health(broker: Broker) -> str:
+def health(broker: BrokerProcess) -> str:
     return json.loads(http_get(broker, "/stats?format=json")[1])["health"]
 
 
@@ -77,7 +77,7 @@ def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(tmp_pa
     mnt = tmp_path / "small"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    broker = Broker(mnt, mem_queue_size=0)
+    broker = BrokerProcess(mnt, mem_queue_size=0)
     try:
         broker.start()
         _create_channel(broker, "h", "ch")
@@ -127,7 +127,7 @@ def fail_fsync_library(tmp_path) -> Path:
 
 def test_no_publish_is_answered_ok_when_its_fsync_fails(tmp_path, fail_fsync_library):
     flag = tmp_path / "fsync-fails"
-    broker = Broker(tmp_path, mem_queue_size=0, sync_every=1)
+    broker = BrokerProcess(tmp_path, mem_queue_size=0, sync_every=1)
     broker.env = {"LD_PRELOAD": str(fail_fsync_library), "FAIL_FSYNC_FLAG": str(flag)}
     try:
         broker.start()

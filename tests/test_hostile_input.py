@@ -87,7 +87,7 @@ def fuzz_case(address: tuple[str, int], seed: int) -> str:
 
 
 def assert_serving(broker) -> None:
-    assert broker.is_alive(), broker.stderr_text()[-3000:]
+    assert broker.is_alive(), broker.log_text()[-3000:]
     with RawNSQ(broker.tcp_address) as consumer, RawNSQ(broker.tcp_address) as producer:
         consumer.identify(heartbeat_interval=5000)
         consumer.sub("alive", "ch")
@@ -104,7 +104,7 @@ def test_fuzzed_tcp_streams(broker):
     with ThreadPoolExecutor(16) as pool:
         failures = [f for f in pool.map(lambda s: fuzz_case(address, s), range(FUZZ_CASES)) if f]
     assert not failures, failures[:5]
-    assert "internal error" not in broker.stderr_text()
+    assert "internal error" not in broker.log_text()
     assert_serving(broker)
 
 
@@ -182,10 +182,10 @@ def test_a_consumer_that_never_reads_does_not_stall_others(broker):
             elapsed = time.monotonic() - start
         # the stuck consumer is cut off once a write to it takes longer than its heartbeat interval
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and "write timeout" not in broker.stderr_text():
+        while time.monotonic() < deadline and "write timeout" not in broker.log_text():
             time.sleep(0.1)
     assert elapsed < 10, f"other consumers were stalled: {elapsed:.1f}s for 100 messages"
-    assert "write timeout after 1s" in broker.stderr_text()
+    assert "write timeout after 1s" in broker.log_text()
     assert_serving(broker)
 
 

@@ -17,7 +17,8 @@ import time
 import httpx
 import pytest
 
-from http_helpers import BrokerProcess, consume, free_port, wait_for
+from http_helpers import consume
+from processes import BrokerProcess, free_port, wait_for
 from nsq_raw import RawNSQ, publish, subscribe
 
 NSQ_HEADER = "nsq; version=1.0"

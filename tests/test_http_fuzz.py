@@ -18,10 +18,8 @@ import urllib.request
 
 import pytest
 import trio
-
-from conftest import Broker
 from nsq_raw import RawNSQ
-from test_lookupd_process import LookupdProcess
+from processes import LookupdProcess
 
 SEED = 20261124
 RANDOM_CASES = 1500  # per daemon, on top of the hand-written ones
@@ -168,7 +166,7 @@ def http_get(port: int, path: str) -> tuple[int, bytes]:
 
 @pytest.fixture
 def lookupd_process(tmp_path):
-    lk = LookupdProcess(tmp_path / "lookupd.log")
+    lk = LookupdProcess(tmp_path).start()
     yield lk
     lk.stop()
 
@@ -181,8 +179,8 @@ async def test_no_malformed_http_ends_either_daemon(broker_factory, lookupd_proc
     for port in (broker.http_port, lookupd_process.http_port):
         await fuzz(port, cases, rng)
 
-    assert broker.is_alive(), broker.stderr_text()[-3000:]
-    assert lookupd_process.proc.poll() is None, lookupd_process.log()[-3000:]
+    assert broker.is_alive(), broker.log_text()[-3000:]
+    assert lookupd_process.proc.poll() is None, lookupd_process.log_text()[-3000:]
     assert http_get(broker.http_port, "/ping") == (200, b"OK")
     assert http_get(lookupd_process.http_port, "/ping") == (200, b"OK")
     # the broker still publishes and delivers
@@ -194,5 +192,5 @@ async def test_no_malformed_http_ends_either_daemon(broker_factory, lookupd_proc
         assert conn.expect_message(timeout=10).body == b"still here"
     # bad input is the client's error: never a 500 from an unhandled error of ours
     assert not SERVER_ERRORS, SERVER_ERRORS[:5]
-    for log in (broker.stderr_text(), lookupd_process.log()):
+    for log in (broker.log_text(), lookupd_process.log_text()):
         assert "Traceback" not in log, log[log.index("Traceback") - 500 : log.index("Traceback") + 3000]

@@ -9,22 +9,22 @@ import time
 
 import httpx
 
-from conftest import Broker
+from processes import BrokerProcess
 from test_durability import _connect, _create_channel, _read_frame
 from shared.protocol import FrameParser, encode_pub
 
 
-def _url(broker: Broker, path: str) -> str:
+def _url(broker: BrokerProcess, path: str) -> str:
     return f"http://{broker.http_address}{path}"
 
 
-def _pub(broker: Broker, topic: str, body: bytes, key: str | None = None, *, multi: bool = False) -> httpx.Response:
+def _pub(broker: BrokerProcess, topic: str, body: bytes, key: str | None = None, *, multi: bool = False) -> httpx.Response:
     headers = {} if key is None else {"Idempotency-Key": key}
     path = "/mpub" if multi else "/pub"
     return httpx.post(_url(broker, f"{path}?topic={topic}"), content=body, headers=headers, timeout=30)
 
 
-def _topic(broker: Broker, topic: str) -> dict:
+def _topic(broker: BrokerProcess, topic: str) -> dict:
     doc = httpx.get(_url(broker, f"/stats?format=json&topic={topic}"), timeout=30).json()
     return next(t for t in doc["topics"] or [] if t["topic_name"] == topic)
 
@@ -75,7 +75,7 @@ def test_invalid_key_is_400(broker_factory):
     assert _pub(broker, "t", b"x", "k" * 256).status_code == 200
     assert _pub(broker, "t", b"x", "a b!~{}").status_code == 200
     assert _topic(broker, "t")["message_count"] == 2
-    assert "Traceback" not in broker.stderr_text()
+    assert "Traceback" not in broker.log_text()
 
 
 def test_concurrent_same_key_publishes_once(broker_factory):
@@ -153,7 +153,7 @@ def test_bound_forgets_the_oldest(broker_factory):
     assert _topic(broker, "t")["message_count"] == 4
     assert _pub(broker, "t", b"x", "k1").status_code == 200  # forgotten: publishes again
     assert _topic(broker, "t")["message_count"] == 5
-    assert broker.stderr_text().count("idempotency key table full") == 1
+    assert broker.log_text().count("idempotency key table full") == 1
     # the journal stays bounded too: many keys, then a restart loads only the newest
     for i in range(20):
         assert _pub(broker, "t", b"x", f"n{i}").status_code == 200
@@ -223,7 +223,7 @@ def test_failed_publish_leaves_its_key_free(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
-    broker = Broker(mnt, mem_queue_size=0, sync_every=1)
+    broker = BrokerProcess(mnt, mem_queue_size=0, sync_every=1)
     try:
         ballast = mnt / "ballast"
         ballast.write_bytes(b"\0" * 512 * 1024)
@@ -247,7 +247,7 @@ def test_failed_publish_leaves_its_key_free(tmp_path):
         assert _pub(broker, "t", body, "k0", multi=True).status_code == 200
         t = _topic(broker, "t")
         assert (t["depth"], t["idempotency_keys"]) == (depth + 50, accepted + 1)
-        assert broker.is_alive() and "Traceback" not in broker.stderr_text()
+        assert broker.is_alive() and "Traceback" not in broker.log_text()
     finally:
         broker.kill()
         subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import struct
 import subprocess
@@ -13,66 +11,31 @@ import time
 
 import httpx
 import pytest
+from processes import LookupdProcess
 
-from conftest import REPO_ROOT, free_port
 from lookupd.protocol_v1 import ClientV1, LookupProtocolV1
-from lookupd.registration_db import PeerInfo, Producer, Registration, RegistrationDB, filter_active
+from lookupd.registration_db import (
+    PeerInfo,
+    Producer,
+    Registration,
+    RegistrationDB,
+    filter_active,
+)
 from shared.protocol import Command, FatalClientError
-
-
-class Lookupd:
-    def __init__(self, tmp_path, **flags):
-        self.tcp_port, self.http_port = free_port(), free_port()
-        self.flags = flags
-        self.log = tmp_path / f"lookupd-{self.tcp_port}.log"
-        self.proc = None
-
-    @property
-    def tcp_address(self) -> str:
-        return f"127.0.0.1:{self.tcp_port}"
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def start(self) -> Lookupd:
-        argv = [sys.executable, "-m", "lookupd", f"--tcp-address={self.tcp_address}",
-                f"--http-address=127.0.0.1:{self.http_port}"]
-        argv += [f"--{k.replace('_', '-')}={v}" for k, v in self.flags.items()]
-        self.proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), stderr=open(self.log, "ab"),
-                                     env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                socket.create_connection(("127.0.0.1", self.tcp_port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("lookupd did not start")
-
-    def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            return self.proc.wait(10)
-        return self.proc.returncode if self.proc else 0
-
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.http + path, timeout=5)
 
 
 @pytest.fixture
 def lookupd_factory(tmp_path):
     started = []
 
-    def make(**flags) -> Lookupd:
-        lk = Lookupd(tmp_path, **flags).start()
+    def make(**flags) -> LookupdProcess:
+        lk = LookupdProcess(tmp_path, **flags).start()
         started.append(lk)
         return lk
 
     yield make
     for lk in started:
-        lk.stop(signal.SIGKILL)
+        lk.kill()
 
 
 def eventually(fn, timeout: float = 5.0):
@@ -155,7 +118,7 @@ def test_registration_db_inactivity_and_tombstones():
 # --- processes ----------------------------------------------------------------------------------
 
 
-def _v1(lk: Lookupd) -> socket.socket:
+def _v1(lk: LookupdProcess) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", lk.tcp_port), timeout=5)
     sock.sendall(b"  V1")
     return sock
@@ -195,19 +158,19 @@ def test_v1_over_a_socket_and_http(lookupd_factory):
     assert lk.get("/ping").text == "OK"
     assert lk.get("/info").json()["version"]
     assert lk.get("/nope").json() == {"message": "NOT_FOUND"}
-    assert httpx.get(lk.http + "/topic/create?topic=x", timeout=5).status_code == 405
+    assert httpx.get(lk.http_url + "/topic/create?topic=x", timeout=5).status_code == 405
     # tombstone hides the producer of t1, and it comes back after the lifetime
-    r = httpx.post(lk.http + "/topic/tombstone?topic=t1&node=b1:4151", timeout=5)
+    r = httpx.post(lk.http_url + "/topic/tombstone?topic=t1&node=b1:4151", timeout=5)
     assert r.status_code == 200
     assert lk.get("/lookup?topic=t1").json()["producers"] == []
     assert lk.get("/nodes").json()["producers"][0]["tombstones"][sorted(nodes[0]["topics"]).index("t1")] is True
     eventually(lambda: lk.get("/lookup?topic=t1").json()["producers"], timeout=3)
     # admin endpoints
-    assert httpx.post(lk.http + "/channel/create?topic=t3&channel=c3", timeout=5).status_code == 200
+    assert httpx.post(lk.http_url + "/channel/create?topic=t3&channel=c3", timeout=5).status_code == 200
     assert lk.get("/channels?topic=t3").json() == {"channels": ["c3"]}
-    assert httpx.post(lk.http + "/channel/delete?topic=t3&channel=zz", timeout=5).json() == {"message": "CHANNEL_NOT_FOUND"}
-    assert httpx.post(lk.http + "/topic/create?topic=bad*", timeout=5).json() == {"message": "INVALID_ARG_TOPIC"}
-    assert httpx.post(lk.http + "/topic/delete?topic=t3", timeout=5).status_code == 200
+    assert httpx.post(lk.http_url + "/channel/delete?topic=t3&channel=zz", timeout=5).json() == {"message": "CHANNEL_NOT_FOUND"}
+    assert httpx.post(lk.http_url + "/topic/create?topic=bad*", timeout=5).json() == {"message": "INVALID_ARG_TOPIC"}
+    assert httpx.post(lk.http_url + "/topic/delete?topic=t3", timeout=5).status_code == 200
     assert "t3" not in lk.get("/topics").json()["topics"]
     # a peer that disconnects takes its registrations with it
     sock.close()
@@ -270,17 +233,11 @@ def test_brokers_register_and_go_away(lookupd_factory, broker_factory):
     b2.kill()
     eventually(lambda: [p["tcp_port"] for p in lk.get("/nodes").json()["producers"]] == [b1.tcp_port], timeout=3)
     # restarting lookupd gets everything re-registered
-    port_tcp, port_http = lk.tcp_port, lk.http_port
-    lk.stop(signal.SIGKILL)
-    lk2 = Lookupd(lk.log.parent)
-    lk2.tcp_port, lk2.http_port = port_tcp, port_http
-    lk2.start()
-    try:
-        eventually(lambda: [p["tcp_port"] for p in lk2.get("/lookup?topic=shared").json()["producers"]] == [b1.tcp_port],
-                   timeout=8)
-        assert lk2.get("/channels?topic=shared").json()["channels"] == ["c1"]
-    finally:
-        lk2.stop(signal.SIGKILL)
+    lk.kill()
+    lk.start()  # the same ports: the brokers find it where it was
+    eventually(lambda: [p["tcp_port"] for p in lk.get("/lookup?topic=shared").json()["producers"]] == [b1.tcp_port],
+               timeout=8)
+    assert lk.get("/channels?topic=shared").json()["channels"] == ["c1"]
 
 
 def test_put_config_changes_lookupd_peers(lookupd_factory, broker_factory):
@@ -323,7 +280,7 @@ nsq.Reader(spec["topic"], "ch", message_handler=handler, lookupd_http_addresses=
 loop.call_later(30, loop.stop)
 loop.start()
 '''
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps({"topic": "found", "lookupd": lk.http, "expect": 40})],
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps({"topic": "found", "lookupd": lk.http_url, "expect": 40})],
                           capture_output=True, text=True, timeout=45)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]

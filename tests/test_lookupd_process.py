@@ -17,56 +17,11 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
+from processes import REPO_ROOT, LookupdProcess
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-_LISTENING = re.compile(r"(TCP|HTTP): listening on (\S+):(\d+)")
 _LINE = re.compile(r"^\[nsqlookupd\] \d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d{6} (DEBUG|INFO|WARNING|ERROR|FATAL): ")
-
-
-class LookupdProcess:
-    def __init__(self, log_path: Path, *flags: str, broadcast_address: str | None = "lookupd.test") -> None:
-        self.log_path = log_path
-        argv = [sys.executable, "-m", "lookupd", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
-        if broadcast_address:
-            argv.append(f"--broadcast-address={broadcast_address}")
-        argv += flags
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), stdout=subprocess.DEVNULL, stderr=self._log,
-                                     env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-        self.tcp_port = self.http_port = 0
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            found = {kind: int(port) for kind, _, port in _LISTENING.findall(self.log())}
-            if len(found) == 2:
-                self.tcp_port, self.http_port = found["TCP"], found["HTTP"]
-                break
-            assert self.proc.poll() is None, self.log()
-            time.sleep(0.02)
-        else:
-            raise AssertionError(f"lookupd did not start:\n{self.log()}")
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=5)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def connect(self) -> V1Peer:
-        return V1Peer(self.tcp_port)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 class V1Peer:
@@ -115,23 +70,25 @@ class V1Peer:
 
 @pytest.fixture(scope="module")
 def lookupd(tmp_path_factory):
-    lk = LookupdProcess(tmp_path_factory.mktemp("lookupd") / "lookupd.log", "--tombstone-lifetime=1s")
+    lk = LookupdProcess(tmp_path_factory.mktemp("lookupd"), tombstone_lifetime="1s",
+                        broadcast_address="lookupd.test").start()
     yield lk
-    assert lk.stop() == 0, lk.log()
+    assert lk.stop() == 0, lk.log_text()
 
 
 @pytest.fixture
 def start_lookupd(tmp_path):
     started: list[LookupdProcess] = []
 
-    def start(*flags: str, **kwargs) -> LookupdProcess:
-        lk = LookupdProcess(tmp_path / f"lookupd{len(started)}.log", *flags, **kwargs)
+    def start(*flags: str, broadcast_address: str | None = "lookupd.test") -> LookupdProcess:
+        named = {"broadcast_address": broadcast_address} if broadcast_address else {}
+        lk = LookupdProcess(tmp_path, *flags, **named)
         started.append(lk)
-        return lk
+        return lk.start()
 
     yield start
     for lk in started:
-        lk.stop(signal.SIGKILL)
+        lk.kill()
 
 
 def eventually(check, timeout: float = 5.0):
@@ -158,14 +115,14 @@ def node(lk: LookupdProcess, remote_address: str) -> dict | None:
 
 
 def test_startup_log_is_nsq_style(lookupd):
-    lines = lookupd.log().splitlines()
+    lines = lookupd.log_text().splitlines()
     assert any(f"TCP: listening on 127.0.0.1:{lookupd.tcp_port}" in line for line in lines)
     assert any(f"HTTP: listening on 127.0.0.1:{lookupd.http_port}" in line for line in lines)
     assert all(_LINE.match(line) for line in lines[:3]), lines[:3]
 
 
 def test_identify_register_ping_unregister(lookupd):
-    peer = lookupd.connect()
+    peer = V1Peer(lookupd.tcp_port)
     answer = peer.identify(http_port=5151, tcp_port=5150)
     assert answer["tcp_port"] == lookupd.tcp_port and answer["http_port"] == lookupd.http_port
     assert answer["broadcast_address"] == "lookupd.test" and answer["version"] and answer["hostname"]
@@ -239,7 +196,7 @@ def test_a_third_party_client_reads_the_api(lookupd):
     """gnsq's LookupdClient (a client of Go nsqlookupd) against ours."""
     gnsq = pytest.importorskip("gnsq")
     client = gnsq.LookupdClient(host="127.0.0.1", port=lookupd.http_port)
-    peer = lookupd.connect()
+    peer = V1Peer(lookupd.tcp_port)
     peer.identify()
     assert peer.command(b"REGISTER g_topic g_chan\n") == b"OK"
     assert client.ping() == b"OK"
@@ -256,7 +213,7 @@ def test_a_third_party_client_reads_the_api(lookupd):
 
 
 def test_tombstone_hides_a_producer_until_its_lifetime_ends(lookupd):
-    peer = lookupd.connect()
+    peer = V1Peer(lookupd.tcp_port)
     peer.identify(broadcast_address="tomb.host", http_port=7151)
     peer.send(b"REGISTER tomb_a\nREGISTER tomb_b\n")
     assert [peer.response(), peer.response()] == [b"OK", b"OK"]
@@ -275,7 +232,7 @@ def test_tombstone_hides_a_producer_until_its_lifetime_ends(lookupd):
 
 
 def test_a_disconnected_peer_is_removed(lookupd):
-    stays, leaves = lookupd.connect(), lookupd.connect()
+    stays, leaves = V1Peer(lookupd.tcp_port), V1Peer(lookupd.tcp_port)
     for peer in (stays, leaves):
         peer.identify()
         assert peer.command(b"REGISTER gone_topic gone_chan\n") == b"OK"
@@ -286,7 +243,7 @@ def test_a_disconnected_peer_is_removed(lookupd):
     assert node(lookupd, leaves.local_address) is None
     assert not any(e["id"] == leaves.local_address for entries in lookupd.http.get("/debug").json().values()
                    for e in entries)
-    assert f"PROTOCOL(V1): [{leaves.local_address}] exiting ioloop" in lookupd.log()
+    assert f"PROTOCOL(V1): [{leaves.local_address}] exiting ioloop" in lookupd.log_text()
     # the registration itself stays listed, as in nsqlookupd
     assert lookupd.http.get("/channels?topic=gone_topic").json() == {"channels": ["gone_chan"]}
     stays.close()
@@ -312,7 +269,7 @@ def _identify_frame(body: bytes) -> bytes:
     (b"  V1" + b"A" * 10_000, b"E_INVALID failed to read command - line too long"),
 ])
 def test_bad_input_gets_gos_error_and_the_connection_closes(lookupd, data, answer):
-    witness = lookupd.connect()
+    witness = V1Peer(lookupd.tcp_port)
     witness.identify()
     assert witness.command(b"REGISTER bad_witness\n") == b"OK"
     peer = V1Peer(lookupd.tcp_port, magic=b"")
@@ -326,17 +283,17 @@ def test_bad_input_gets_gos_error_and_the_connection_closes(lookupd, data, answe
 
 
 def test_errors_after_registering_remove_the_peer(lookupd):
-    peer = lookupd.connect()
+    peer = V1Peer(lookupd.tcp_port)
     peer.identify()
     peer.send(b"REGISTER err_topic\nREGISTER bad*topic\nPING\n")
     assert peer.response() == b"OK"
     assert peer.response() == b"E_BAD_TOPIC REGISTER topic name 'bad*topic' is not valid"
     assert peer.closed_by_peer()  # the PING after the error is never answered
     eventually(lambda: producers(lookupd, "err_topic") == [])
-    second = lookupd.connect()
+    second = V1Peer(lookupd.tcp_port)
     second.identify()
     assert second.command(b"REGISTER err_chan_topic bad*chan\n") == b"E_BAD_CHANNEL REGISTER channel name 'bad*chan' is not valid"
-    third = lookupd.connect()
+    third = V1Peer(lookupd.tcp_port)
     third.identify()
     body = b'{"broadcast_address":"b","tcp_port":1,"http_port":2,"version":"1"}'
     assert third.command(_identify_frame(body)) == b"E_INVALID cannot IDENTIFY again"
@@ -346,7 +303,7 @@ def test_errors_after_registering_remove_the_peer(lookupd):
 
 def test_random_bytes_never_hurt_the_server(lookupd):
     rng = random.Random(4160)
-    witness = lookupd.connect()
+    witness = V1Peer(lookupd.tcp_port)
     witness.identify()
     assert witness.command(b"REGISTER fuzz_witness\n") == b"OK"
     for i in range(60):
@@ -381,7 +338,7 @@ def test_a_peer_hanging_up_inside_identify_hears_gos_read_error(lookupd):
 
 def test_inactive_producers_drop_out_until_they_ping(start_lookupd):
     lk = start_lookupd("--inactive-producer-timeout=500ms")
-    peer = lk.connect()
+    peer = V1Peer(lk.tcp_port)
     peer.identify()
     assert peer.command(b"REGISTER idle_topic\n") == b"OK"
     assert len(producers(lk, "idle_topic")) == 1 and node(lk, peer.local_address)
@@ -398,8 +355,8 @@ def test_config_file_with_flags_over_it(start_lookupd, tmp_path):
                       'http_address = "127.0.0.1:1"\n')
     # the flag wins over the file (port 1 could not be bound)
     lk = start_lookupd(f"--config={config}", "--http-address=127.0.0.1:0", broadcast_address=None)
-    assert lk.log().startswith("[cfg] ")
-    peer = lk.connect()
+    assert lk.log_text().startswith("[cfg] ")
+    peer = V1Peer(lk.tcp_port)
     assert peer.identify(broadcast_address="cfg.host")["broadcast_address"] == "from.config"
     assert peer.command(b"REGISTER cfg_topic\n") == b"OK"
     lk.http.post("/topic/tombstone?topic=cfg_topic&node=cfg.host:4151")
@@ -411,11 +368,11 @@ def test_config_file_with_flags_over_it(start_lookupd, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_it_cleanly(start_lookupd, sig):
     lk = start_lookupd()
-    peer = lk.connect()
+    peer = V1Peer(lk.tcp_port)
     peer.identify()
     assert peer.command(b"REGISTER sig_topic\n") == b"OK"
     assert lk.stop(sig) == 0
-    log = lk.log()
+    log = lk.log_text()
     assert f"received signal {signal.Signals(sig).name}, exiting" in log
     assert "Traceback" not in log
     assert peer.closed_by_peer()

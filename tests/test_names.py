@@ -131,3 +131,25 @@ def test_bytes_names_match_go(name):
     expected = go_is_valid_name(name)
     assert is_valid_topic_name(name) == expected
     assert is_valid_channel_name(name) == expected
+
+
+# --- merged from test_unit_core.py -----------------------------------------------------------
+
+
+_REFERENCE = re.compile(r"^[.a-zA-Z0-9_-]+(#ephemeral)?$")
+
+
+@given(st.text(alphabet="abcXYZ019._-#ephemral\n ", max_size=80))
+def test_names_follow_nsqd(name):
+    expected = 1 <= len(name) <= 64 and _REFERENCE.fullmatch(name) is not None and "\n" not in name
+    assert is_valid_topic_name(name) == expected
+    assert is_valid_channel_name(name) == expected
+
+
+def test_name_edges():
+    assert is_valid_topic_name("a" * 64) and not is_valid_topic_name("a" * 65)
+    assert is_valid_topic_name("a" * 54 + "#ephemeral")  # the suffix counts toward 64
+    assert not is_valid_topic_name("a" * 55 + "#ephemeral")
+    assert not is_valid_topic_name("topic\n") and not is_valid_topic_name("")
+    assert is_valid_topic_name(b"bytes.ok") and not is_valid_topic_name(b"\xff")
+    assert is_ephemeral("x#ephemeral") and not is_ephemeral("x")

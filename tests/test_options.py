@@ -475,3 +475,39 @@ def test_nsqds_start_checks():
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_options(argv).check()
     parse_options(["-node-id=1023", "-max-deflate-level=9", "-e2e-processing-latency-percentile=1.0"]).check()
+
+
+# --- merged from test_unit_core.py -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, seconds", [("1m30s", 90), ("250ms", 0.25), ("2h", 7200), ("1.5s", 1.5), ("10", 10)])
+def test_parse_duration_common_forms(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "10x", "1m-"])
+def test_parse_duration_refuses(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_defaults_of_the_main_limits_are_nsqds():
+    o = parse_options([])
+    assert (o.mem_queue_size, o.msg_timeout, o.max_msg_size, o.max_body_size, o.max_rdy_count) == (
+        10000, 60.0, 1048576, 5242880, 2500)
+    assert (o.max_req_timeout, o.max_msg_timeout, o.sync_every, o.sync_timeout) == (3600.0, 900.0, 2500, 2.0)
+    assert (o.tcp_address, o.http_address, o.output_buffer_timeout) == ("0.0.0.0:4150", "0.0.0.0:4151", 0.25)
+
+
+def test_flags_win_over_config_which_wins_over_defaults(tmp_path):
+    cfg = tmp_path / "nsqd.toml"
+    cfg.write_text('id = 7\nmem_queue_size = 5\nmsg_timeout = "30s"\nnsqlookupd_tcp_addresses = ["a:4160", "b:4160"]\n')
+    o = parse_options([f"--config={cfg}", "--mem-queue-size=9"])
+    assert (o.node_id, o.mem_queue_size, o.msg_timeout, o.nsqlookupd_tcp_addresses) == (7, 9, 30.0, ["a:4160", "b:4160"])
+
+
+def test_config_file_reads_like_go_options(tmp_path):
+    cfg = tmp_path / "nsqd.toml"
+    # an integer duration is milliseconds, and a key of no option is ignored, as go-options does
+    cfg.write_text("msg_timeout = 30000\nno_such_key = 1\n")
+    assert parse_options([f"--config={cfg}"]).msg_timeout == 30.0

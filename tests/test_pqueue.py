@@ -392,3 +392,53 @@ def test_a_push_out_of_lane_order_goes_to_the_heap_and_still_comes_out_in_order(
     q.push(c, 61.0)
     assert q.next_deadline() == 61.0
     assert _ids(q.pop_expired(100.0)) == [c.id, b.id, a.id]
+
+
+# --- merged from test_unit_core.py -----------------------------------------------------------
+
+
+def _plain_msg(i: int) -> Message:
+    return Message(b"%016x" % i, b"body")
+
+
+def test_pqueue_expiry_order_and_stale_entries():
+    q = MessagePQueue()
+    msgs = [_plain_msg(i) for i in range(5)]
+    for i, m in enumerate(msgs):
+        q.push(m, 10.0 - i)
+    q.pop(msgs[2].id)  # FIN
+    q.push(msgs[4], 20.0)  # TOUCH moves the earliest one later
+    assert [m.id for m in q.pop_expired(9.5)] == [msgs[3].id, msgs[1].id]
+    assert [m.id for m in q.pop_expired(100)] == [msgs[0].id, msgs[4].id]
+    assert len(q) == 0 and q.next_deadline() is None
+
+
+def test_pqueue_memory_stays_bounded():
+    q = MessagePQueue()
+    for i in range(100_000):
+        m = _plain_msg(i)
+        q.push(m, float(i))
+        q.pop(m.id)
+        assert len(q._heap) <= 2 * len(q) + 1024
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["push", "pop", "expire"]), st.integers(0, 20), st.integers(0, 100))))
+def test_pqueue_against_a_model(ops):
+    q, model, msgs = MessagePQueue(), {}, {}
+    for op, key, t in ops:
+        m = msgs.setdefault(key, _plain_msg(key))
+        if op == "push":
+            q.push(m, float(t))
+            model[m.id] = float(t)
+        elif op == "pop":
+            assert (q.pop(m.id) is not None) == (m.id in model)
+            model.pop(m.id, None)
+        else:
+            got = [x.id for x in q.pop_expired(float(t))]
+            due = sorted((p, k) for k, p in model.items() if p <= t)
+            assert sorted(got) == sorted(k for _, k in due)
+            assert [model[k] for k in got] == sorted(model[k] for k in got)
+            for k in got:
+                del model[k]
+        assert len(q) == len(model)

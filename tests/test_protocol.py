@@ -641,7 +641,7 @@ def test_identify_maps_legacy_short_and_long_id(raw, client_id, hostname):
         b'{"msg_timeout": [1]}', b'{"sample_rate": {}}',
         b'{"feature_negotiation": 1}', b'{"tls_v1": "true"}', b'{"snappy": 0}',
         b'{"client_id": 5}', b'{"hostname": ["h"]}', b'{"user_agent": false}',
-        b'{"short_id": 5}',
+        b'{"short_id": 5}', b"[1,2]", b'{"tls_v1": 3}',
     ],
 )
 def test_identify_refuses_with_nsqds_error(body):
@@ -649,6 +649,15 @@ def test_identify_refuses_with_nsqds_error(body):
         IdentifyData.from_json(body)
     assert _fatal(err) == BAD_JSON
     assert err.value.frame_data() == b"E_BAD_BODY IDENTIFY failed to decode JSON body"
+
+
+def test_identify_takes_legacy_names_and_a_whole_float_as_an_int():
+    data = IdentifyData.from_json(json.dumps({
+        "short_id": "c", "long_id": "h", "feature_negotiation": True, "heartbeat_interval": 1000,
+        "msg_timeout": 5000.0, "unknown_key": [1, 2],
+    }).encode())
+    assert (data.client_id, data.hostname, data.feature_negotiation, data.heartbeat_interval, data.msg_timeout) == (
+        "c", "h", True, 1000, 5000)
 
 
 @settings(max_examples=150, deadline=None)

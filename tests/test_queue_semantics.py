@@ -8,25 +8,26 @@ import time
 import urllib.parse
 import urllib.request
 
-from conftest import Broker
 from nsq_raw import Message, RawNSQ
-from shared.protocol import FrameParser, encode_mpub
+from processes import BrokerProcess, LookupdProcess
 from test_durability import _connect, _read_frame
 
+from shared.protocol import FrameParser, encode_mpub
 
-def http(broker: Broker, path: str, body: bytes | None = None) -> bytes:
+
+def http(broker: BrokerProcess, path: str, body: bytes | None = None) -> bytes:
     request = urllib.request.Request(f"http://{broker.http_address}{path}", data=body,
                                      method="POST" if body is not None else "GET")
     with urllib.request.urlopen(request, timeout=10) as resp:
         return resp.read()
 
 
-def topic_stats(broker: Broker, topic: str) -> dict | None:
+def topic_stats(broker: BrokerProcess, topic: str) -> dict | None:
     doc = json.loads(http(broker, f"/stats?format=json&topic={urllib.parse.quote(topic)}"))
     return next((t for t in doc["topics"] if t["topic_name"] == topic), None)
 
 
-def read_all(broker: Broker, topic: str, channel: str, quiet: float = 0.5) -> list[bytes]:
+def read_all(broker: BrokerProcess, topic: str, channel: str, quiet: float = 0.5) -> list[bytes]:
     """Every message the channel delivers until it is quiet for `quiet` seconds, FIN'd."""
     with RawNSQ(broker.tcp_address) as conn:
         conn.sub(topic, channel)
@@ -130,9 +131,8 @@ def test_a_new_topic_gets_the_channels_lookupd_knows(broker_factory, tmp_path):
     """Consumers subscribed through lookupd on broker A; the topic's first message lands on broker B.
     As nsqd does, B asks its lookupds for the topic's channels when it creates the topic, so the
     message is kept for those consumers' channel."""
-    from test_lookupd_process import LookupdProcess
 
-    lookupd = LookupdProcess(tmp_path / "lookupd.log", broadcast_address="127.0.0.1")
+    lookupd = LookupdProcess(tmp_path, broadcast_address="127.0.0.1").start()
     try:
         flags = {"lookupd_tcp_address": f"127.0.0.1:{lookupd.tcp_port}", "broadcast_address": "127.0.0.1"}
         a = broker_factory(**flags)
@@ -157,6 +157,6 @@ def test_a_new_topic_gets_the_channels_lookupd_knows(broker_factory, tmp_path):
                 time.sleep(0.05)
             assert [(c["channel_name"], c["depth"]) for c in stats["channels"]] == [("remote", 5)]
         # the lookupd query is nsqd's business, not a library's: no httpx "HTTP Request: ..." lines
-        assert "HTTP Request:" not in b.stderr_text()
+        assert "HTTP Request:" not in b.log_text()
     finally:
         lookupd.stop()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, Broker, free_port
+from processes import BrokerProcess, REPO_ROOT, free_port
 
 from shared.protocol import MAGIC_V2, FrameParser, decode_message, encode_fin, encode_identify, encode_rdy, encode_sub
 from shared.spark.publisher import (
@@ -316,13 +316,13 @@ def test_commit_logs_the_total(caplog):
 
 @pytest.fixture(scope="module")
 def nsqd(tmp_path_factory):
-    broker = Broker(tmp_path_factory.mktemp("spark-broker"))
+    broker = BrokerProcess(tmp_path_factory.mktemp("spark-broker"))
     broker.start()
     yield broker
     broker.stop()
 
 
-def consume(broker: Broker, topic: str, expected: int, timeout: float = 60, quiet: float = 0.3) -> list[bytes]:
+def consume(broker: BrokerProcess, topic: str, expected: int, timeout: float = 60, quiet: float = 0.3) -> list[bytes]:
     """Every message of `topic` (each FIN'd): reads until `expected` arrived and then `quiet` seconds pass
     without another (a duplicate would show up then), or until `timeout`."""
     bodies: list[bytes] = []
@@ -361,7 +361,7 @@ def consume(broker: Broker, topic: str, expected: int, timeout: float = 60, quie
     return bodies
 
 
-def nsq_write(df, broker: Broker | str, **options):
+def nsq_write(df, broker: BrokerProcess | str, **options):
     address = broker if isinstance(broker, str) else broker.http_address
     w = df.write.format("nsq").option("nsqd_http_address", address).mode("append")
     for key, value in options.items():
@@ -447,7 +447,7 @@ def test_an_oversize_row_fails_the_job_with_the_brokers_error(spark, nsqd):
 
 
 def test_a_broker_down_for_the_first_attempts_still_gets_everything(spark, tmp_path):
-    late = Broker(tmp_path)  # its ports are chosen now; it starts 3 s after the job
+    late = BrokerProcess(tmp_path)  # its ports are chosen now; it starts 3 s after the job
     timer = threading.Timer(3.0, late.start)
     df = spark.range(2000, numPartitions=2).selectExpr("CAST(id AS STRING) AS value")
     timer.start()
@@ -468,7 +468,7 @@ def test_brokers_from_lookupd_or_a_list_share_the_partitions(spark, tmp_path):
     brokers = []
     try:
         for _ in range(2):
-            brokers.append(Broker(tmp_path, lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1"))
+            brokers.append(BrokerProcess(tmp_path, lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1"))
             brokers[-1].start()
         eventually(lambda: len(lookupd.get("/nodes").json()["producers"]) == 2)
         df = spark.range(400, numPartitions=4).selectExpr("CAST(id AS STRING) AS value")

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import Broker
+from processes import BrokerProcess
 from test_spark import Scripted, consume, nsq_write, scripted  # noqa: F401 - scripted is a fixture
 
 from shared.spark.publisher import MPubClient
@@ -76,7 +76,7 @@ def test_a_broker_without_the_flag_gets_no_key_and_it_is_logged_once(scripted, c
 
 @pytest.fixture(scope="module")
 def idem_nsqd(tmp_path_factory):
-    broker = Broker(tmp_path_factory.mktemp("spark-idem-broker"))
+    broker = BrokerProcess(tmp_path_factory.mktemp("spark-idem-broker"))
     broker.start()
     yield broker
     broker.stop()
@@ -98,7 +98,7 @@ def value_failing_once(fail_at: int):
     return value
 
 
-def write_failing_once(spark, broker: Broker, topic: str, idempotent: str) -> None:
+def write_failing_once(spark, broker: BrokerProcess, topic: str, idempotent: str) -> None:
     from pyspark.sql.functions import udf
 
     value = udf(value_failing_once(6000), "string")

@@ -13,26 +13,26 @@ import urllib.request
 
 import pytest
 
-from conftest import Broker
+from processes import BrokerProcess
 
 from shared.spark.publisher import MPubClient
 
 
 @pytest.fixture(scope="module")
 def source_nsqd(tmp_path_factory):
-    broker = Broker(tmp_path_factory.mktemp("spark-source-broker"))
+    broker = BrokerProcess(tmp_path_factory.mktemp("spark-source-broker"))
     broker.start()
     yield broker
     broker.stop()
 
 
-def publish(broker: Broker, topic: str, bodies: list[bytes]) -> None:
+def publish(broker: BrokerProcess, topic: str, bodies: list[bytes]) -> None:
     with MPubClient([broker.http_address]) as client:
         for i in range(0, len(bodies), 5000):
             client.publish(topic, bodies[i:i + 5000])
 
 
-def channel_stats(broker: Broker, topic: str, channel: str) -> dict:
+def channel_stats(broker: BrokerProcess, topic: str, channel: str) -> dict:
     url = f"http://{broker.http_address}/stats?format=json&topic={topic}&channel={channel}"
     with urllib.request.urlopen(url, timeout=10) as response:
         stats = json.load(response)
@@ -55,7 +55,7 @@ def eventually(check, what: str, timeout: float = 120.0, query=None):
         time.sleep(0.2)
 
 
-def read_stream(spark, broker: Broker, topic: str, channel: str, **options):
+def read_stream(spark, broker: BrokerProcess, topic: str, channel: str, **options):
     reader = spark.readStream.format("nsq").option("topic", topic).option("channel", channel) \
         .option("nsqd_tcp_address", broker.tcp_address)
     for key, value in options.items():

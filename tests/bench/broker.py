@@ -1,56 +1,38 @@
-"""A trio-nsqd process for one benchmark scenario: fresh data directory, free loopback ports.
-
-The broker binds HTTP before TCP, so once its TCP port accepts connections both are up.
-"""
+"""A trio-nsqd (or Go nsqd) process for one benchmark scenario: fresh data directory, free loopback ports,
+started by tests/processes.py as the tests start theirs; `startup` is how long it took to accept."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
+from pathlib import Path
 
 from shared.protocol import MAGIC_V2, encode_sub
+from tests.processes import BrokerProcess
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Broker:
+class Broker(BrokerProcess):
     """`command` is the nsqd to run: trio-nsqd by default, or a Go nsqd binary (same flags)."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
-        self.data = tempfile.mkdtemp(prefix="trio-nsq-bench-")
-        self.tcp = ("127.0.0.1", free_port())
-        self.http = ("127.0.0.1", free_port())
-        self.log = open(os.path.join(self.data, "broker.log"), "wb")
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [*(command or [sys.executable, "-m", "broker"]), f"--tcp-address={self.tcp[0]}:{self.tcp[1]}",
-             f"--http-address={self.http[0]}:{self.http[1]}", f"--data-path={self.data}",
-             "--log-level=warn", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
-        )
-        self.url = f"http://{self.http[0]}:{self.http[1]}"
-        self.startup = self._wait_ready(started)
+    ready_by_log = False  # --log-level=warn hides the listening lines
+    poll_interval = 0.005  # `startup` is a figure of the bench
 
-    def _wait_ready(self, started: float) -> float:
-        deadline = started + 15
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited: {open(self.log.name).read()[-2000:]}")
-            try:
-                socket.create_connection(self.tcp, timeout=0.2).close()
-                return time.perf_counter() - started
-            except OSError:
-                time.sleep(0.005)
-        raise RuntimeError("broker did not start")
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="trio-nsq-bench-"))
+        super().__init__(self.tmp, "--log-level=warn", *flags, env=env)
+        self._command = command
+        started = time.perf_counter()
+        self.start()
+        self.startup = time.perf_counter() - started
+
+    def command(self) -> list[str]:
+        return self._command or super().command()
+
+    @property
+    def tcp(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.tcp_port)
 
     def create_channel(self, topic: str, channel: str) -> None:
         with socket.create_connection(self.tcp) as sock:
@@ -58,18 +40,8 @@ class Broker:
             sock.recv(100)
 
     def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
+        return self.memory()["VmRSS"] / (1024 * 1024)
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.data, ignore_errors=True)
+        self.stop(timeout=20)
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = ["pub", "mpub"] if args.mode == "both" else [args.mode]
     for mode in modes:
         broker = spawn_broker(bool(args.fast_path), args.broker_flag) if args.spawn else None
-        url = broker.url if broker else args.url
+        url = broker.http_url if broker else args.url
         try:
             figures = load(url, mode, connections=args.connections, seconds=args.seconds, size=args.size,
                            batch=args.batch, topic=args.topic)

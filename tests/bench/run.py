@@ -195,7 +195,7 @@ def _with_broker(fn: Callable, duration: float) -> dict:
     broker = Broker()
     try:
         broker.create_channel("bench", "ch")
-        return fn(f"http://{broker.http[0]}:{broker.http[1]}", duration)
+        return fn(broker.http_url, duration)
     finally:
         broker.close()
 

@@ -67,10 +67,10 @@ def main() -> None:
              .config("spark.ui.enabled", "false").config("spark.local.dir", scratch).getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(NSQDataSource)
-    http = f"{broker.http[0]}:{broker.http[1]}"
-    tcp = f"{broker.tcp[0]}:{broker.tcp[1]}"
+    http = broker.http_address
+    tcp = broker.tcp_address
     try:
-        with urllib.request.urlopen(f"{broker.url}/info", timeout=10) as r:
+        with urllib.request.urlopen(f"{broker.http_url}/info", timeout=10) as r:
             supported = json.load(r).get("idempotent_publish") is True
         df = spark.range(args.rows, numPartitions=args.partitions) \
             .selectExpr("concat('row-', CAST(id AS STRING)) AS value").cache()
@@ -105,7 +105,7 @@ def main() -> None:
         try:
             while True:
                 assert query.isActive, query.exception()
-                s = channel_stats(broker.url, "read", "bench")
+                s = channel_stats(broker.http_url, "read", "bench")
                 if s and s["message_count"] == args.messages and s["depth"] == 0 and s["in_flight_count"] == 0:
                     break
                 time.sleep(0.05)

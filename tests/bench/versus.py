@@ -50,8 +50,8 @@ def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runf
     command = [os.path.join(reference, "nsqd")] if side == "go" else None
     broker = Broker(*flags, command=command)
     try:
-        _post(f"{broker.url}/topic/create?topic=bench")
-        _post(f"{broker.url}/channel/create?topic=bench&channel=ch")
+        _post(f"{broker.http_url}/topic/create?topic=bench")
+        _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
         common = (address, "--topic=bench", "--size=200", f"--runfor={runfor}s")
         figures = {"writer": _tool(os.path.join(reference, "bench_writer"), *common, "--batch-size=200")}
