@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from processes import REPO_ROOT, BrokerProcess
@@ -34,6 +35,14 @@ def broker_factory(tmp_path):
     yield factory
     for b in started:
         b.stop()
+
+
+@pytest.fixture(scope="module")
+def module_broker(tmp_path_factory) -> Iterator[BrokerProcess]:
+    """One broker with default flags shared by the tests of a module (each uses its own topics)."""
+    broker = BrokerProcess(tmp_path_factory.mktemp("module-broker")).start()
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture

@@ -9,9 +9,7 @@ import sys
 import tomllib
 
 import yaml
-
-from processes import REPO_ROOT
-from test_lookupd_discovery import Lookupd
+from processes import REPO_ROOT, LookupdProcess
 
 
 def run(argv, env, timeout=60):
@@ -35,7 +33,7 @@ def test_curl_then_pynsq_examples(broker):
 
 
 def test_multi_broker_example(tmp_path, broker_factory):
-    lk = Lookupd(tmp_path).start()
+    lk = LookupdProcess(tmp_path).start()
     try:
         brokers = [broker_factory(lookupd_tcp_address=lk.tcp_address, broadcast_address="127.0.0.1") for _ in range(2)]
         proc = run([sys.executable, "examples/multi_broker.py"],

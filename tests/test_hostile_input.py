@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from nsq_raw import RawNSQ
+from processes import LookupdProcess
+
 from shared.protocol import (
     MAGIC_V2,
     encode_dpub,
@@ -240,9 +241,7 @@ V1_SEEDS = [
 
 
 def test_fuzzed_lookupd_streams(tmp_path):
-    from test_lookupd_discovery import Lookupd
-
-    lk = Lookupd(tmp_path).start()
+    lk = LookupdProcess(tmp_path).start()
     try:
         address = ("127.0.0.1", lk.tcp_port)
 
@@ -265,7 +264,7 @@ def test_fuzzed_lookupd_streams(tmp_path):
             failures = [f for f in pool.map(case, range(5_000)) if f]
         assert not failures, failures[:5]
         assert lk.proc.poll() is None
-        assert "internal error" not in lk.log.read_text()
+        assert "internal error" not in lk.log_text()
         assert lk.get("/ping").text == "OK"
         assert lk.get("/nodes").json() == {"producers": []}  # every fuzzing peer was removed again
     finally:

@@ -22,10 +22,17 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import REPO_ROOT, BrokerProcess, LookupdProcess, free_port
 
-from processes import BrokerProcess, REPO_ROOT, free_port
-
-from shared.protocol import MAGIC_V2, FrameParser, decode_message, encode_fin, encode_identify, encode_rdy, encode_sub
+from shared.protocol import (
+    MAGIC_V2,
+    FrameParser,
+    decode_message,
+    encode_fin,
+    encode_identify,
+    encode_rdy,
+    encode_sub,
+)
 from shared.spark.publisher import (
     Batcher,
     MPubClient,
@@ -152,7 +159,14 @@ def test_rows_without_a_value_column_are_json_like_to_json():
 
 
 def test_options_are_checked_against_the_schema():
-    from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
+    from pyspark.sql.types import (
+        BinaryType,
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+    )
 
     from shared.spark.options import write_settings
 
@@ -314,14 +328,6 @@ def test_commit_logs_the_total(caplog):
 # --- with Spark ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def nsqd(tmp_path_factory):
-    broker = BrokerProcess(tmp_path_factory.mktemp("spark-broker"))
-    broker.start()
-    yield broker
-    broker.stop()
-
-
 def consume(broker: BrokerProcess, topic: str, expected: int, timeout: float = 60, quiet: float = 0.3) -> list[bytes]:
     """Every message of `topic` (each FIN'd): reads until `expected` arrived and then `quiet` seconds pass
     without another (a duplicate would show up then), or until `timeout`."""
@@ -382,66 +388,66 @@ def test_workers_import_the_installed_connector_outside_the_repo(spark):
     assert Path(module).name == "datasource.py"
 
 
-def test_100k_rows_in_8_partitions_arrive_exactly_once(spark, nsqd):
+def test_100k_rows_in_8_partitions_arrive_exactly_once(spark, module_broker):
     df = spark.range(100_000, numPartitions=8).selectExpr("concat('row-', CAST(id AS STRING)) AS value")
     # warm up: Spark's side of the plan, and the Python workers (their first use imports pyspark and pyarrow)
     df.write.format("noop").mode("append").save()
-    nsq_write(df.limit(1000).repartition(2), nsqd, topic="warm-up").save()
+    nsq_write(df.limit(1000).repartition(2), module_broker, topic="warm-up").save()
     start = time.perf_counter()
     df.write.format("noop").mode("append").save()
     noop = time.perf_counter() - start
 
     start = time.perf_counter()
-    nsq_write(df, nsqd, topic="bulk").save()
+    nsq_write(df, module_broker, topic="bulk").save()
     elapsed = time.perf_counter() - start
 
-    bodies = consume(nsqd, "bulk", 100_000)
+    bodies = consume(module_broker, "bulk", 100_000)
     assert len(bodies) == 100_000, f"{len(bodies)} messages, {len(set(bodies))} distinct"
     assert set(bodies) == {b"row-%d" % i for i in range(100_000)}
     print(f"\n100k rows: nsq {elapsed:.2f}s = {100_000 / elapsed:,.0f} rows/s; "
           f"noop {noop:.2f}s = {100_000 / noop:,.0f} rows/s")
 
 
-def test_json_rows_binary_values_newlines_and_topic_routing(spark, nsqd):
+def test_json_rows_binary_values_newlines_and_topic_routing(spark, module_broker):
     json_df = spark.createDataFrame([(1, "a", None), (2, "b\nc", b"\x01")], "id long, name string, raw binary")
-    nsq_write(json_df, nsqd, topic="json").save()
-    got = sorted(map(json.loads, consume(nsqd, "json", 2)), key=lambda row: row["id"])
+    nsq_write(json_df, module_broker, topic="json").save()
+    got = sorted(map(json.loads, consume(module_broker, "json", 2)), key=lambda row: row["id"])
     assert got == [{"id": 1, "name": "a", "raw": None}, {"id": 2, "name": "b\nc", "raw": "AQ=="}]
 
     bin_df = spark.createDataFrame([(bytearray(b"\x00line1\nline2\xff"),), (bytearray(b"\n"),)], "value binary")
-    nsq_write(bin_df, nsqd, topic="bin").save()
-    assert sorted(consume(nsqd, "bin", 2)) == [b"\x00line1\nline2\xff", b"\n"]
+    nsq_write(bin_df, module_broker, topic="bin").save()
+    assert sorted(consume(module_broker, "bin", 2)) == [b"\x00line1\nline2\xff", b"\n"]
 
     routed = spark.createDataFrame([("t-one", "1"), ("t-two", "2\n2"), ("t-one", "3")], "topic string, value string")
-    nsq_write(routed, nsqd).save()
-    assert sorted(consume(nsqd, "t-one", 2)) == [b"1", b"3"]
-    assert consume(nsqd, "t-two", 1) == [b"2\n2"]
-    nsq_write(routed, nsqd, topic="t-opt").save()  # the option wins over the column
-    assert sorted(consume(nsqd, "t-opt", 3)) == [b"1", b"2\n2", b"3"]
-    assert consume(nsqd, "t-one", 0, quiet=0.3) == []
+    nsq_write(routed, module_broker).save()
+    assert sorted(consume(module_broker, "t-one", 2)) == [b"1", b"3"]
+    assert consume(module_broker, "t-two", 1) == [b"2\n2"]
+    nsq_write(routed, module_broker, topic="t-opt").save()  # the option wins over the column
+    assert sorted(consume(module_broker, "t-opt", 3)) == [b"1", b"2\n2", b"3"]
+    assert consume(module_broker, "t-one", 0, quiet=0.3) == []
 
 
-def test_planning_errors_say_what_to_change(spark, nsqd):
+def test_planning_errors_say_what_to_change(spark, module_broker):
     df = spark.createDataFrame([("x",)], "value string")
 
     def fails(write, pattern):
         with pytest.raises(Exception, match=pattern):
             write.save()
 
-    fails(nsq_write(df, nsqd), r"no topic: set \.option\('topic'")
-    fails(nsq_write(spark.createDataFrame([(1,)], "value int"), nsqd, topic="t"), "must be string or binary")
-    fails(nsq_write(spark.createDataFrame([(1, "x")], "topic int, value string"), nsqd), "must be a string")
-    fails(nsq_write(df, nsqd, topic="t").mode("overwrite"), r"use \.mode\('append'\)")
+    fails(nsq_write(df, module_broker), r"no topic: set \.option\('topic'")
+    fails(nsq_write(spark.createDataFrame([(1,)], "value int"), module_broker, topic="t"), "must be string or binary")
+    fails(nsq_write(spark.createDataFrame([(1, "x")], "topic int, value string"), module_broker), "must be a string")
+    fails(nsq_write(df, module_broker, topic="t").mode("overwrite"), r"use \.mode\('append'\)")
     fails(df.write.format("nsq").option("topic", "t").mode("append"), "nsqd_http_address")
-    fails(nsq_write(df, nsqd, topic="t", batchsize="9"), "did you mean 'batch_size'")
+    fails(nsq_write(df, module_broker, topic="t", batchsize="9"), "did you mean 'batch_size'")
     # Spark itself refuses the default mode (errorifexists) before asking the data source
-    fails(df.write.format("nsq").option("topic", "t").option("nsqd_http_address", nsqd.http_address), "(?i)append")
+    fails(df.write.format("nsq").option("topic", "t").option("nsqd_http_address", module_broker.http_address), "(?i)append")
 
 
-def test_an_oversize_row_fails_the_job_with_the_brokers_error(spark, nsqd):
+def test_an_oversize_row_fails_the_job_with_the_brokers_error(spark, module_broker):
     df = spark.createDataFrame([("small",), ("x" * (1024 * 1024 + 10),)], "value string").coalesce(1)
     with pytest.raises(Exception) as failure:
-        nsq_write(df, nsqd, topic="big").save()
+        nsq_write(df, module_broker, topic="big").save()
     text = str(failure.value)
     assert "413 BAD_MESSAGE" in text and "larger than the broker's --max-msg-size of 1048576" in text, text[-3000:]
 
@@ -462,9 +468,9 @@ def test_a_broker_down_for_the_first_attempts_still_gets_everything(spark, tmp_p
 
 
 def test_brokers_from_lookupd_or_a_list_share_the_partitions(spark, tmp_path):
-    from test_lookupd_discovery import Lookupd, eventually
+    from test_lookupd_discovery import eventually
 
-    lookupd = Lookupd(tmp_path).start()
+    lookupd = LookupdProcess(tmp_path).start()
     brokers = []
     try:
         for _ in range(2):
@@ -488,10 +494,10 @@ def test_brokers_from_lookupd_or_a_list_share_the_partitions(spark, tmp_path):
         lookupd.stop()
 
 
-def test_a_stream_from_the_rate_source_delivers_its_micro_batches(spark, nsqd, tmp_path):
+def test_a_stream_from_the_rate_source_delivers_its_micro_batches(spark, module_broker, tmp_path):
     stream = spark.readStream.format("rate").option("rowsPerSecond", 500).option("numPartitions", 2).load() \
         .selectExpr("value AS n", "timestamp AS at")  # no `value` column: each row is sent as JSON
-    query = (stream.writeStream.format("nsq").option("topic", "stream").option("nsqd_http_address", nsqd.http_address)
+    query = (stream.writeStream.format("nsq").option("topic", "stream").option("nsqd_http_address", module_broker.http_address)
              .option("key_field", "_key").option("checkpointLocation", str(tmp_path / "checkpoint"))
              .trigger(processingTime="300 milliseconds").start())
     try:
@@ -507,7 +513,7 @@ def test_a_stream_from_the_rate_source_delivers_its_micro_batches(spark, nsqd, t
     progress = [p for p in query.recentProgress if p["numInputRows"]]
     published = sum(p["numInputRows"] for p in progress)
     assert published >= 1000 and len(progress) >= 3, progress
-    rows = [json.loads(b) for b in consume(nsqd, "stream", published, timeout=30)]
+    rows = [json.loads(b) for b in consume(module_broker, "stream", published, timeout=30)]
     # every committed row arrived once (a batch cut short by stop() may have been sent, never committed)
     values = sorted(row["n"] for row in rows)
     assert values == list(range(len(values))) and len(values) >= published
@@ -519,20 +525,20 @@ def test_a_stream_from_the_rate_source_delivers_its_micro_batches(spark, nsqd, t
     assert all(datetime.datetime.fromisoformat(row["at"]).year >= 2024 for row in rows[:10])
 
 
-def test_the_example_publishes_a_dataframe(spark, nsqd):
+def test_the_example_publishes_a_dataframe(spark, module_broker):
     spec = importlib.util.spec_from_file_location("spark_publish", REPO_ROOT / "examples" / "spark_publish.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)  # defines main(); its __main__ block makes its own SparkSession
-    assert example.main(spark, nsqd.http_address, "spark-example", rows=500) == 500
-    rows = [json.loads(b) for b in consume(nsqd, "spark-example", 500)]
+    assert example.main(spark, module_broker.http_address, "spark-example", rows=500) == 500
+    rows = [json.loads(b) for b in consume(module_broker, "spark-example", 500)]
     assert sorted(row["id"] for row in rows) == list(range(500)) and rows[0]["name"].startswith("event-")
 
 
-def test_registering_is_one_call(spark, nsqd):
+def test_registering_is_one_call(spark, module_broker):
     # last in the file: every test above used the format Spark discovered by itself
     from shared.spark import NSQDataSource
 
     spark.dataSource.register(NSQDataSource)  # what a user does without the auto-discovered module
-    nsq_write(spark.createDataFrame([("registered",)], "value string"), nsqd, topic="registered").save()
-    assert consume(nsqd, "registered", 1) == [b"registered"]
+    nsq_write(spark.createDataFrame([("registered",)], "value string"), module_broker, topic="registered").save()
+    assert consume(module_broker, "registered", 1) == [b"registered"]
 

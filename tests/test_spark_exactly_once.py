@@ -12,7 +12,6 @@ import logging
 from collections import Counter
 
 import pytest
-
 from processes import BrokerProcess
 from test_spark import Scripted, consume, nsq_write, scripted  # noqa: F401 - scripted is a fixture
 
@@ -74,14 +73,6 @@ def test_a_broker_without_the_flag_gets_no_key_and_it_is_logged_once(scripted, c
 # --- with Spark, against a real broker ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def idem_nsqd(tmp_path_factory):
-    broker = BrokerProcess(tmp_path_factory.mktemp("spark-idem-broker"))
-    broker.start()
-    yield broker
-    broker.stop()
-
-
 def value_failing_once(fail_at: int):
     """A UDF: the row's body, except that on the task's first attempt row `fail_at` of each partition of
     12,500 gets none. The writer refuses a null value (NSQRowError) at the record batch holding it, after
@@ -111,18 +102,18 @@ def write_failing_once(spark, broker: BrokerProcess, topic: str, idempotent: str
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
 
 
-def test_a_task_failing_part_way_publishes_each_row_once_with_idempotent_writes(spark, idem_nsqd):
-    write_failing_once(spark, idem_nsqd, "once", "true")
-    bodies = consume(idem_nsqd, "once", 100_000, quiet=1.0)
+def test_a_task_failing_part_way_publishes_each_row_once_with_idempotent_writes(spark, module_broker):
+    write_failing_once(spark, module_broker, "once", "true")
+    bodies = consume(module_broker, "once", 100_000, quiet=1.0)
     counts = Counter(bodies)
     assert set(counts) == {b"row-%d" % i for i in range(100_000)}
     twice = sum(1 for c in counts.values() if c > 1)
     assert len(bodies) == 100_000 and twice == 0, f"{len(bodies)} messages, {twice} rows more than once"
 
 
-def test_the_same_job_without_idempotent_writes_publishes_duplicates(spark, idem_nsqd):
-    write_failing_once(spark, idem_nsqd, "twice", "false")
-    bodies = consume(idem_nsqd, "twice", 100_000, quiet=1.0)
+def test_the_same_job_without_idempotent_writes_publishes_duplicates(spark, module_broker):
+    write_failing_once(spark, module_broker, "twice", "false")
+    bodies = consume(module_broker, "twice", 100_000, quiet=1.0)
     counts = Counter(bodies)
     assert set(counts) == {b"row-%d" % i for i in range(100_000)}
     twice = sum(1 for c in counts.values() if c > 1)
@@ -130,7 +121,7 @@ def test_the_same_job_without_idempotent_writes_publishes_duplicates(spark, idem
     assert twice == 8 * 5000 and len(bodies) == 100_000 + twice
 
 
-def test_idempotent_option_is_checked(spark, idem_nsqd):
+def test_idempotent_option_is_checked(spark, module_broker):
     df = spark.createDataFrame([("x",)], "value string")
     with pytest.raises(Exception, match="idempotent='maybe' must be true or false"):
-        nsq_write(df, idem_nsqd, topic="t", idempotent="maybe").save()
+        nsq_write(df, module_broker, topic="t", idempotent="maybe").save()

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import trio
 
 from shared.http import split_host_port
@@ -151,6 +152,23 @@ def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_fi
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+@attrs.frozen
+class ConnectOptions:
+    """How a Producer or a Consumer opens each of its connections (IDENTIFY fields, AUTH secret, TLS,
+    compression, connect timeout); `open` makes the Connection."""
+
+    identify: dict[str, Any] = attrs.Factory(dict)
+    auth_secret: bytes | str | None = None
+    tls: ssl.SSLContext | None = None
+    snappy: bool = False
+    deflate: bool = False
+    connect_timeout: float = 5.0
+
+    def open(self, address: str, **extra: Any) -> Connection:
+        return Connection(address, identify=self.identify, auth_secret=self.auth_secret, tls=self.tls,
+                          snappy=self.snappy, deflate=self.deflate, connect_timeout=self.connect_timeout, **extra)
 
 
 class Connection:

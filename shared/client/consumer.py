@@ -45,7 +45,7 @@ import httpx
 import trio
 
 from shared.client.backoff import backoff_delay, requeue_delay_ms
-from shared.client.connection import Connection, NSQConnectionError, NSQError, OwnedNursery
+from shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
 from shared.client.lookupd import lookup_producers
 from shared.protocol import DecodedMessage, encode_sub
 
@@ -154,11 +154,8 @@ class Consumer:
         self.rdy_redistribute_interval = rdy_redistribute_interval
         self.max_reconnect_delay = max_reconnect_delay
         self.close_timeout = close_timeout
-        self.connect_timeout = connect_timeout
-        self.identify = identify or {}
-        self.auth_secret = auth_secret
-        # TLS/compression for every connection (see shared.client.connection.tls_context)
-        self.upgrades: dict[str, Any] = {"tls": tls, "snappy": snappy, "deflate": deflate}
+        # IDENTIFY, AUTH, TLS and compression of every connection (see connection.tls_context)
+        self.connect_options = ConnectOptions(identify or {}, auth_secret, tls, snappy, deflate, connect_timeout)
 
         self.connections: dict[str, Connection] = {}  # subscribed connections by address
         self.backoff_counter = 0
@@ -273,8 +270,7 @@ class Consumer:
         failures = 0
         while not self.closing:
             try:
-                async with Connection(address, identify=self.identify, auth_secret=self.auth_secret, **self.upgrades,
-                                      on_message=self._on_message, connect_timeout=self.connect_timeout) as conn:
+                async with self.connect_options.open(address, on_message=self._on_message) as conn:
                     await conn.command(encode_sub(self.topic, self.channel))
                     if self.closing:
                         await conn.close_gracefully(self.close_timeout)
@@ -307,7 +303,7 @@ class Consumer:
         self._apply_rdy()
 
     async def _poll_lookupd(self) -> None:
-        async with httpx.AsyncClient(timeout=self.connect_timeout) as client:
+        async with httpx.AsyncClient(timeout=self.connect_options.connect_timeout) as client:
             while True:
                 await self._query_lookupd(client)
                 # jitter, so that many consumers do not ask at the same instant

@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from shared.client.backoff import backoff_delay
-from shared.client.connection import Connection, NSQConnectionError, NSQError, OwnedNursery
+from shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
 from shared.protocol import encode_dpub, encode_mpub, encode_pub
 
 log = logging.getLogger("trio_nsq.client")
@@ -46,12 +46,9 @@ class Producer:
     ) -> None:
         self.address = address
         self.reconnect_timeout = reconnect_timeout
-        self.connect_timeout = connect_timeout
         self.max_reconnect_delay = max_reconnect_delay
-        self.identify = identify or {}
-        self.auth_secret = auth_secret
-        # TLS/compression for every connection (see shared.client.connection.tls_context)
-        self.upgrades: dict[str, Any] = {"tls": tls, "snappy": snappy, "deflate": deflate}
+        # IDENTIFY, AUTH, TLS and compression of every connection (see connection.tls_context)
+        self.connect_options = ConnectOptions(identify or {}, auth_secret, tls, snappy, deflate, connect_timeout)
         self.conn: Connection | None = None
         self.connects = 0  # how many connections were made (1 + reconnects)
         self.last_error: BaseException | None = None
@@ -70,8 +67,7 @@ class Producer:
         failures = 0
         while True:
             try:
-                async with Connection(self.address, identify=self.identify, auth_secret=self.auth_secret, **self.upgrades,
-                                      connect_timeout=self.connect_timeout) as conn:
+                async with self.connect_options.open(self.address) as conn:
                     self.conn = conn
                     self.connects += 1
                     failures = 0
