@@ -17,12 +17,12 @@ run: $(STAMP)
 	@mkdir -p data
 	@echo "trio-nsq: nsqlookupd on 127.0.0.1:4160/4161, nsqd on 127.0.0.1:4150/4151 (data in ./data)"
 	@echo "  publish: curl -d 'hello' 'http://127.0.0.1:4151/pub?topic=test'"
-	@echo "  consume: $(BIN)/python -m shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
+	@echo "  consume: $(BIN)/python -m trio_nsq.shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
 	@echo "  stats:   curl 'http://127.0.0.1:4151/stats?format=json'"
 	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
-	@$(BIN)/python -m lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
+	@$(BIN)/python -m trio_nsq.lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
 	trap 'kill $$LOOKUPD 2>/dev/null; wait $$LOOKUPD' EXIT INT TERM; \
-	$(BIN)/python -m broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
+	$(BIN)/python -m trio_nsq.broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
 
 test: $(STAMP)
 	$(BIN)/python -m mypy

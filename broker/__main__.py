@@ -1,15 +1,15 @@
-"""trio-nsqd / python -m broker: run the broker until SIGTERM or SIGINT."""
+"""trio-nsqd / python -m trio_nsq.broker: run the broker until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import gc
 import logging
 
-from broker.nsqd import NSQD
-from broker.options import DEPRECATED, parse_command_line
-from shared.logs import setup_logging
-from shared.service import run_service
-from shared.version import version_line
+from trio_nsq.broker.nsqd import NSQD
+from trio_nsq.broker.options import DEPRECATED, parse_command_line
+from trio_nsq.shared.logs import setup_logging
+from trio_nsq.shared.service import run_service
+from trio_nsq.shared.version import version_line
 
 log = logging.getLogger("nsqd")
 

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from broker.backend import BackendError, BackendQueue
-from broker.message import Message
-from broker.message_queue import MessageQueue
-from broker.pqueue import MessagePQueue
-from broker.quantile import Quantile
-from shared.names import is_ephemeral
+from trio_nsq.broker.backend import BackendError, BackendQueue
+from trio_nsq.broker.message import Message
+from trio_nsq.broker.message_queue import MessageQueue
+from trio_nsq.broker.pqueue import MessagePQueue
+from trio_nsq.broker.quantile import Quantile
+from trio_nsq.shared.names import is_ephemeral
 
 if TYPE_CHECKING:
-    from broker.topic import Topic
+    from trio_nsq.broker.topic import Topic
 
 log = logging.getLogger("nsqd")
 

@@ -14,7 +14,7 @@ import enum
 
 import attrs
 
-from shared.protocol import FatalClientError
+from trio_nsq.shared.protocol import FatalClientError
 
 
 class ClientState(enum.IntEnum):

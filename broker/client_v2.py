@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from broker.client_state import ClientState
-from shared.protocol import FRAME_HEADER, IdentifyData
-from shared.streams import DeflateStream, PrefixedStream, SnappyStream
+from trio_nsq.broker.client_state import ClientState
+from trio_nsq.shared.protocol import FRAME_HEADER, IdentifyData
+from trio_nsq.shared.streams import DeflateStream, PrefixedStream, SnappyStream
 
 if TYPE_CHECKING:
-    from broker.auth import AuthState
-    from shared.protocol import CommandParser
-    from broker.channel import Channel
-    from broker.nsqd import NSQD
+    from trio_nsq.broker.auth import AuthState
+    from trio_nsq.shared.protocol import CommandParser
+    from trio_nsq.broker.channel import Channel
+    from trio_nsq.broker.nsqd import NSQD
 
 log = logging.getLogger("nsqd")
 

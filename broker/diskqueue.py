@@ -50,7 +50,7 @@ from typing import BinaryIO
 
 import trio
 
-from broker.backend import BackendError
+from trio_nsq.broker.backend import BackendError
 
 log = logging.getLogger("nsqd")
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, cast
 import httpx
 import trio
 
-from shared.http import split_host_port
-from shared.version import VERSION
+from trio_nsq.shared.http import split_host_port
+from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
-    from broker.channel import Channel
-    from broker.nsqd import NSQD
-    from broker.topic import Topic
+    from trio_nsq.broker.channel import Channel
+    from trio_nsq.broker.nsqd import NSQD
+    from trio_nsq.broker.topic import Topic
 
 log = logging.getLogger("nsqd")
 

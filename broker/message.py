@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import MESSAGE_HEADER, MIN_VALID_MSG_LENGTH
+from trio_nsq.shared.protocol import MESSAGE_HEADER, MIN_VALID_MSG_LENGTH
 
 _unpack_header = MESSAGE_HEADER.unpack_from
 

@@ -13,8 +13,8 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from broker.backend import BackendQueue
-from broker.message import Message
+from trio_nsq.broker.backend import BackendQueue
+from trio_nsq.broker.message import Message
 
 log = logging.getLogger("nsqd")
 

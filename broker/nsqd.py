@@ -14,23 +14,23 @@ from typing import Any
 
 import trio
 
-from broker.backend import BackendError, BackendQueue, DummyBackendQueue
-from broker.channel import Channel
-from broker.client_v2 import ClientV2
-from broker.diskqueue import DiskQueue
-from broker.lookup import LookupManager, register_cmd
-from broker.options import Options
-from broker.protocol_v2 import ProtocolV2
-from broker.queue_scan import queue_scan_loop
-from broker.statsd import statsd_loop
-from broker.tls import build_server_context, tls_required, tls_required_http
-from broker.topic import Topic
-from shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
-from shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
-from shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, MIN_VALID_MSG_LENGTH, encode_frame
-from shared.service import error_text
-from shared.tcp import serve_connection
-from shared.version import VERSION
+from trio_nsq.broker.backend import BackendError, BackendQueue, DummyBackendQueue
+from trio_nsq.broker.channel import Channel
+from trio_nsq.broker.client_v2 import ClientV2
+from trio_nsq.broker.diskqueue import DiskQueue
+from trio_nsq.broker.lookup import LookupManager, register_cmd
+from trio_nsq.broker.options import Options
+from trio_nsq.broker.protocol_v2 import ProtocolV2
+from trio_nsq.broker.queue_scan import queue_scan_loop
+from trio_nsq.broker.statsd import statsd_loop
+from trio_nsq.broker.tls import build_server_context, tls_required, tls_required_http
+from trio_nsq.broker.topic import Topic
+from trio_nsq.shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
+from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, MIN_VALID_MSG_LENGTH, encode_frame
+from trio_nsq.shared.service import error_text
+from trio_nsq.shared.tcp import serve_connection
+from trio_nsq.shared.version import VERSION
 
 log = logging.getLogger("nsqd")
 
@@ -140,7 +140,7 @@ class NSQD:
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
         """HTTP (and HTTPS) unless --http-address is empty, which turns it off as in nsqd."""
-        from broker.http.serve import serve_http  # imported here: the HTTP API imports this module
+        from trio_nsq.broker.http.serve import serve_http  # imported here: the HTTP API imports this module
 
         if not self.options.http_address:
             return

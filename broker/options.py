@@ -8,7 +8,7 @@ import zlib
 
 import attrs
 
-from shared.options import load_options, option
+from trio_nsq.shared.options import load_options, option
 
 
 def _default_node_id() -> int:

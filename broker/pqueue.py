@@ -19,7 +19,7 @@ import heapq
 import itertools
 from collections import deque
 
-from broker.message import Message
+from trio_nsq.broker.message import Message
 
 _COMPACT_MIN = 1024
 # distinct lane keys kept (one per msg_timeout in use); pushes for further keys use the heap

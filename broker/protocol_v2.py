@@ -1,6 +1,6 @@
 """Protocol V2: one connection's io_loop, message_pump and heartbeats, and every command (nsqd/protocol_v2.go).
 
-Parsing is sans-IO (shared.protocol.CommandParser); this module decides what each command does and
+Parsing is sans-IO (trio_nsq.shared.protocol.CommandParser); this module decides what each command does and
 owns the connection's tasks in one nursery, so ending any of them ends the connection.
 """
 
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from broker.auth import AuthError, AuthState, query_any_authd
-from broker.backend import BackendError
-from broker.channel import ChannelError
-from broker.client_state import ClientState, check_command
-from broker.client_v2 import ClientV2
-from broker.channel import Channel
-from shared.streams import CompressionError
-from shared.names import is_valid_channel_name, is_valid_topic_name
-from shared.protocol import (
+from trio_nsq.broker.auth import AuthError, AuthState, query_any_authd
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.channel import ChannelError
+from trio_nsq.broker.client_state import ClientState, check_command
+from trio_nsq.broker.client_v2 import ClientV2
+from trio_nsq.broker.channel import Channel
+from trio_nsq.shared.streams import CompressionError
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.protocol import (
     CLOSE_WAIT,
     FRAME_TYPE_ERROR,
     FRAME_TYPE_RESPONSE,
@@ -39,10 +39,10 @@ from shared.protocol import (
     parse_int,
     parse_mpub_body,
 )
-from shared.version import VERSION
+from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
-    from broker.nsqd import NSQD
+    from trio_nsq.broker.nsqd import NSQD
 
 log = logging.getLogger("nsqd")
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
-    from broker.channel import Channel
-    from broker.nsqd import NSQD
+    from trio_nsq.broker.channel import Channel
+    from trio_nsq.broker.nsqd import NSQD
 
 
 async def queue_scan_worker(

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from broker.quantile import aggregate
-from shared.names import is_ephemeral
-from shared.options import format_duration_ns
-from shared.version import VERSION
+from trio_nsq.broker.quantile import aggregate
+from trio_nsq.shared.names import is_ephemeral
+from trio_nsq.shared.options import format_duration_ns
+from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
-    from broker.channel import Channel
-    from broker.client_v2 import ClientV2
-    from broker.nsqd import NSQD
-    from broker.topic import Topic
+    from trio_nsq.broker.channel import Channel
+    from trio_nsq.broker.client_v2 import ClientV2
+    from trio_nsq.broker.nsqd import NSQD
+    from trio_nsq.broker.topic import Topic
 
 def health(nsqd: NSQD) -> str:
     """nsqd's GetHealth: "OK", or "NOK - <error>"."""
@@ -309,7 +309,7 @@ def _find_ssl_stream(stream: Any) -> Any:
             return None
         if hasattr(stream, "cipher") and hasattr(stream, "version"):
             return stream
-        # shared.streams wrappers (snappy, deflate) keep the stream they wrap as `inner`
+        # trio_nsq.shared.streams wrappers (snappy, deflate) keep the stream they wrap as `inner`
         stream = getattr(stream, "inner", None) or getattr(stream, "transport_stream", None) or getattr(stream, "stream", None)
     return None
 

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from broker.stats import E2eLatency, get_stats
-from shared.http import split_host_port
-from shared.names import is_ephemeral
+from trio_nsq.broker.stats import E2eLatency, get_stats
+from trio_nsq.shared.http import split_host_port
+from trio_nsq.shared.names import is_ephemeral
 
 if TYPE_CHECKING:
-    from broker.nsqd import NSQD
+    from trio_nsq.broker.nsqd import NSQD
 
 log = logging.getLogger("nsqd")
 

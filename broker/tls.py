@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ssl
 
-from broker.options import Options
+from trio_nsq.broker.options import Options
 
 _MIN_VERSIONS = {
     "tls1.2": ssl.TLSVersion.TLSv1_2,

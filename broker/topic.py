@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
-from broker.backend import BackendError, BackendQueue
-from broker.channel import Channel
-from broker.guid import GUIDFactory
-from broker.idempotency import IdempotencyKeys
-from broker.message import Message
-from broker.message_queue import MessageQueue
-from broker.quantile import Quantile
-from shared.names import is_ephemeral, is_valid_channel_name
+from trio_nsq.broker.backend import BackendError, BackendQueue
+from trio_nsq.broker.channel import Channel
+from trio_nsq.broker.guid import GUIDFactory
+from trio_nsq.broker.idempotency import IdempotencyKeys
+from trio_nsq.broker.message import Message
+from trio_nsq.broker.message_queue import MessageQueue
+from trio_nsq.broker.quantile import Quantile
+from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
 
 if TYPE_CHECKING:
-    from broker.options import Options
+    from trio_nsq.broker.options import Options
 
 
 class TopicOwner(Protocol):

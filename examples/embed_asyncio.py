@@ -10,7 +10,7 @@ import asyncio
 import struct
 import sys
 
-from shared import nsqd_in_thread
+from trio_nsq import nsqd_in_thread
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:

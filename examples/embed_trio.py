@@ -9,7 +9,7 @@ import sys
 
 import trio
 
-from shared import Consumer, Producer, run_nsqd
+from trio_nsq import Consumer, Producer, run_nsqd
 
 
 async def main(data_path: str = "") -> None:

@@ -3,7 +3,7 @@
     NSQD_TCPS=127.0.0.1:4150,127.0.0.1:4250 LOOKUPD_HTTP=127.0.0.1:4161 python examples/multi_broker.py
 
 With `make run` there is one broker; start a second one registered with the same lookupd:
-    .venv/bin/python -m broker --tcp-address=127.0.0.1:4250 --http-address=127.0.0.1:4251 \\
+    .venv/bin/python -m trio_nsq.broker --tcp-address=127.0.0.1:4250 --http-address=127.0.0.1:4251 \\
         --data-path=./data2 --lookupd-tcp-address=127.0.0.1:4160
 """
 
@@ -12,7 +12,7 @@ import os
 import httpx
 import trio
 
-from shared.client import Consumer, Producer
+from trio_nsq.client import Consumer, Producer
 
 NSQD_TCPS = os.environ.get("NSQD_TCPS", "127.0.0.1:4150").split(",")
 LOOKUPD_HTTP = os.environ.get("LOOKUPD_HTTP", "127.0.0.1:4161")

@@ -8,7 +8,7 @@ import os
 
 import trio
 
-from shared.client import Consumer, Producer
+from trio_nsq.client import Consumer, Producer
 
 NSQD_TCP = os.environ.get("NSQD_TCP", "127.0.0.1:4150")
 TOPIC = os.environ.get("TOPIC", "example")

@@ -2,7 +2,7 @@
 
     make run                              # in another shell: nsqd on 127.0.0.1:4151
     python examples/spark_publish.py      # needs the spark extra: pip install -e '.[spark]', and Java 17
-    python -m shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic spark-example    # to see the messages
+    python -m trio_nsq.shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic spark-example    # to see the messages
 
 NSQD_HTTP=host:port and TOPIC=name change where it publishes.
 """
@@ -39,7 +39,7 @@ def main(spark, nsqd_http: str, topic: str, rows: int = 1000) -> int:
 if __name__ == "__main__":
     from pyspark.sql import SparkSession
 
-    from shared.spark import NSQDataSource
+    from trio_nsq.spark import NSQDataSource
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the workers use this interpreter too
     spark = (SparkSession.builder.master("local[2]").appName("nsq-example")

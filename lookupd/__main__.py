@@ -1,14 +1,14 @@
-"""trio-nsqlookupd / python -m lookupd: run the directory until SIGTERM or SIGINT."""
+"""trio-nsqlookupd / python -m trio_nsq.lookupd: run the directory until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import logging
 
-from lookupd.nsqlookupd import NSQLookupd
-from lookupd.options import DEPRECATED, parse_command_line
-from shared.logs import setup_logging
-from shared.service import run_service
-from shared.version import version_line
+from trio_nsq.lookupd.nsqlookupd import NSQLookupd
+from trio_nsq.lookupd.options import DEPRECATED, parse_command_line
+from trio_nsq.shared.logs import setup_logging
+from trio_nsq.shared.service import run_service
+from trio_nsq.shared.version import version_line
 
 log = logging.getLogger("nsqlookupd")
 

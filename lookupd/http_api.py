@@ -25,9 +25,9 @@ import attrs
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from lookupd.registration_db import Registration, filter_active, filter_registrations, keys, subkeys
-from shared.http import join_host_port, to_response
-from shared.http_api import (
+from trio_nsq.lookupd.registration_db import Registration, filter_active, filter_registrations, keys, subkeys
+from trio_nsq.shared.http import join_host_port, to_response
+from trio_nsq.shared.http_api import (
     HTTPError,
     Reply,
     Router,
@@ -38,11 +38,11 @@ from shared.http_api import (
     respond_v1,
     routed_reply,
 )
-from shared.names import is_valid_channel_name, is_valid_topic_name
-from shared.version import VERSION
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
-    from lookupd.nsqlookupd import NSQLookupd
+    from trio_nsq.lookupd.nsqlookupd import NSQLookupd
 
 log = logging.getLogger("nsqlookupd")
 

@@ -9,13 +9,13 @@ import logging
 import attrs
 import trio
 
-from lookupd.http_api import create_app
-from lookupd.options import Options
-from lookupd.protocol_v1 import ClientV1, LookupProtocolV1, frame
-from lookupd.registration_db import RegistrationDB
-from shared.http import join_host_port, serve_app, split_host_port
-from shared.service import error_text
-from shared.tcp import serve_connection
+from trio_nsq.lookupd.http_api import create_app
+from trio_nsq.lookupd.options import Options
+from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1, frame
+from trio_nsq.lookupd.registration_db import RegistrationDB
+from trio_nsq.shared.http import join_host_port, serve_app, split_host_port
+from trio_nsq.shared.service import error_text
+from trio_nsq.shared.tcp import serve_connection
 
 log = logging.getLogger("nsqlookupd")
 

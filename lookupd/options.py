@@ -6,7 +6,7 @@ import socket
 
 import attrs
 
-from shared.options import load_options, option
+from trio_nsq.shared.options import load_options, option
 
 
 @attrs.define

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from lookupd.registration_db import PeerInfo, Producer, Registration
-from shared.names import is_valid_channel_name, is_valid_topic_name
-from shared.protocol import Command, FatalClientError
-from shared.version import VERSION
+from trio_nsq.lookupd.registration_db import PeerInfo, Producer, Registration
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.protocol import Command, FatalClientError
+from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
-    from lookupd.nsqlookupd import NSQLookupd
+    from trio_nsq.lookupd.nsqlookupd import NSQLookupd
 
 log = logging.getLogger("nsqlookupd")
 

@@ -3,7 +3,7 @@
 In a Trio program, start a broker in a nursery you own; it serves until that nursery is cancelled::
 
     import trio
-    from shared.embed import run_nsqd
+    from trio_nsq.shared.embed import run_nsqd
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -14,7 +14,7 @@ In a Trio program, start a broker in a nursery you own; it serves until that nur
 
 In an asyncio or plain-thread program, run it on a thread of its own::
 
-    from shared.embed import nsqd_in_thread
+    from trio_nsq.shared.embed import nsqd_in_thread
 
     with nsqd_in_thread(data_path="/var/lib/myapp/nsq") as nsqd:
         ...  # nsqd.tcp_address is ready here; leaving the block stops the broker cleanly
@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 import trio
 
-from shared.http import join_host_port
+from trio_nsq.shared.http import join_host_port
 
 _LOOPBACK_ANY = "127.0.0.1:0"
 
@@ -69,8 +69,8 @@ async def run_nsqd(*, task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_I
     deferred message go to ``data_path``. Raises ``TypeError`` for an unknown option name,
     ``RuntimeError`` for a value nsqd refuses at start (``node_id=2000``), and ``OSError`` when a
     listener cannot bind or the data path is locked by another nsqd."""
-    from broker.nsqd import NSQD
-    from broker.options import Options
+    from trio_nsq.broker.nsqd import NSQD
+    from trio_nsq.broker.options import Options
 
     options.setdefault("tcp_address", _LOOPBACK_ANY)
     options.setdefault("http_address", _LOOPBACK_ANY)
@@ -92,8 +92,8 @@ async def run_nsqlookupd(*, task_status: trio.TaskStatus[Running] = trio.TASK_ST
 
     Returns a :class:`Running` with the bound addresses; raises ``TypeError`` for an unknown
     option name and ``OSError`` when a listener cannot bind."""
-    from lookupd.nsqlookupd import NSQLookupd
-    from lookupd.options import Options
+    from trio_nsq.lookupd.nsqlookupd import NSQLookupd
+    from trio_nsq.lookupd.options import Options
 
     options.setdefault("tcp_address", _LOOPBACK_ANY)
     options.setdefault("http_address", _LOOPBACK_ANY)

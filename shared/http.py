@@ -15,7 +15,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 from quart import Response
 
-from shared.http_api import Reply
+from trio_nsq.shared.http_api import Reply
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from shared.options import format_duration_ns
+from trio_nsq.shared.options import format_duration_ns
 
 JSON_TYPE = "application/json; charset=utf-8"
 TEXT_TYPE = "text/plain; charset=utf-8"

@@ -153,7 +153,7 @@ def parse_tls_required(value: Any) -> str:
 
 
 def _log_level(value: Any) -> str:
-    from shared.logs import parse_level
+    from trio_nsq.shared.logs import parse_level
 
     parse_level(str(value))  # raises ValueError for a level nsqd does not know
     return str(value)
@@ -280,7 +280,7 @@ def load_options(
     version line and exits 0. Returns (options, the deprecated flags given, for the caller to log)."""
     import sys
 
-    from shared.version import version_line
+    from trio_nsq.shared.version import version_line
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -9,7 +9,7 @@ Installing trio-nsq is enough; a test file only names the fixture::
 
 Fixtures: ``nsqd`` and ``nsqlookupd`` (a fresh broker per test, data in the test's tmp_path) and
 ``nsqd_session`` / ``nsqlookupd_session`` (one for the whole session). ``--nsq-mode=subprocess``
-(the default: a ``python -m broker`` process, so any client library and any event loop works) or
+(the default: a ``python -m trio_nsq.broker`` process, so any client library and any event loop works) or
 ``--nsq-mode=inprocess`` (on a thread of this process: faster to start). Nothing runs unless a test
 asks for one of these fixtures.
 """
@@ -84,7 +84,7 @@ _LISTENING = re.compile(r"(TCP|HTTP): listening on (\S+)")
 def _subprocess(module: str, base: Path, data: bool) -> Iterator[NSQServer]:
     """Start on port 0 and read the bound addresses from the start-up lines, as nsqd prints them: no
     port can be taken by someone else between choosing it and binding it."""
-    argv = [sys.executable, "-m", module, "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
+    argv = [sys.executable, "-m", f"trio_nsq.{module}", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
     if data:
         argv += [f"--data-path={base}", "--https-address=127.0.0.1:0", "--broadcast-address=127.0.0.1"]
     log_path = base / f"{module}.log"
@@ -115,7 +115,7 @@ def _subprocess(module: str, base: Path, data: bool) -> Iterator[NSQServer]:
 @contextlib.contextmanager
 def _server(config: pytest.Config, module: str, base: Path) -> Iterator[NSQServer]:
     if config.getoption("--nsq-mode") == "inprocess":
-        from shared.embed import nsqd_in_thread, nsqlookupd_in_thread
+        from trio_nsq.shared.embed import nsqd_in_thread, nsqlookupd_in_thread
 
         if module == "broker":
             with nsqd_in_thread(data_path=str(base)) as r:

@@ -1,12 +1,12 @@
 """Shared fixtures: real broker processes on free loopback ports (started by tests/processes.py).
 
-``broker`` starts ``python -m broker`` (== ``trio-nsqd``) with a fresh data directory; ``broker_factory``
+``broker`` starts ``python -m trio_nsq.broker`` (== ``trio-nsqd``) with a fresh data directory; ``broker_factory``
 does the same with nsqd flags given as keyword arguments (``msg_timeout="1s"`` becomes
 ``--msg-timeout=1s``). Every broker started through them is stopped when the test ends, whatever
 happened. A broker's output goes to a file under the test's tmp_path so a failing test can show it.
 
 Set ``NSQD_REFERENCE_BIN=/path/to/nsqd`` to run the same process-level tests against Go nsqd (same
-flag names) instead of ``python -m broker``: that is how the expectations were checked against the
+flag names) instead of ``python -m trio_nsq.broker``: that is how the expectations were checked against the
 reference implementation.
 """
 
@@ -59,7 +59,7 @@ def spark(tmp_path_factory):
     """One local[2,2] SparkSession for the run (2 cores; a failed task is run again once, as
     spark.task.maxFailures=2 would on a cluster: local mode reads it from the master URL), on loopback,
     UI off, its JVM (and so its Python workers)
-    started outside the repo and without the repo on PYTHONPATH: the workers import `shared.spark` from
+    started outside the repo and without the repo on PYTHONPATH: the workers import `trio_nsq.shared.spark` from
     the installed package.
 
     The format "nsq" is not registered here: Spark finds it by itself, as it finds any top-level
@@ -77,7 +77,7 @@ def spark(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(discovery), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYSPARK_DRIVER_PYTHON=sys.executable)
-    check = subprocess.run([sys.executable, "-c", "import shared.spark.datasource, pyspark_nsq"], cwd=workdir,
+    check = subprocess.run([sys.executable, "-c", "import trio_nsq.shared.spark.datasource, pyspark_nsq"], cwd=workdir,
                            env=env, capture_output=True, text=True)
     if check.returncode:
         pytest.fail(f"Spark's workers could not import the connector outside the repo; install the package "

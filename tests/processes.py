@@ -12,7 +12,7 @@ Ports are free loopback ports chosen at creation and kept across restarts (durab
 broker where its clients expect it). start() returns once the process has logged `TCP: listening on`
 and `HTTP: listening on` (the ports are read from those lines, so `--http-address=127.0.0.1:0` works),
 or fails the test with the process's log. Keyword flags are nsqd's names (`msg_timeout="1s"` becomes
-`--msg-timeout=1s`, True a bare flag). The commands are `python -m broker` and `python -m lookupd`
+`--msg-timeout=1s`, True a bare flag). The commands are `python -m trio_nsq.broker` and `python -m trio_nsq.lookupd`
 (BROKER_MODULE, LOOKUPD_MODULE); NSQD_REFERENCE_BIN=/path/to/nsqd runs Go nsqd in place of the broker,
 to check a test's expectations against the real thing. The fixtures built on these are in conftest.py.
 """
@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BROKER_MODULE = "broker"
-LOOKUPD_MODULE = "lookupd"
+BROKER_MODULE = "trio_nsq.broker"
+LOOKUPD_MODULE = "trio_nsq.lookupd"
 REFERENCE_BIN = os.environ.get("NSQD_REFERENCE_BIN")
 
 START_TIMEOUT = 15.0
@@ -94,7 +94,7 @@ class Daemon:
 
     def __init__(self, base_dir: Path, *args: str, env: dict[str, str] | None = None, **flags: object) -> None:
         Daemon.counter += 1
-        self.name = f"{self.module}{Daemon.counter}"
+        self.name = f"{self.module.rsplit('.', 1)[-1]}{Daemon.counter}"
         self.base_dir = Path(base_dir)
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.base_dir / f"{self.name}.log"
@@ -235,7 +235,7 @@ class Daemon:
 
 
 class BrokerProcess(Daemon):
-    """`python -m broker` (or Go nsqd, see REFERENCE_BIN) with its own data directory."""
+    """`python -m trio_nsq.broker` (or Go nsqd, see REFERENCE_BIN) with its own data directory."""
 
     module = BROKER_MODULE
 
@@ -272,6 +272,6 @@ class BrokerProcess(Daemon):
 
 
 class LookupdProcess(Daemon):
-    """`python -m lookupd`."""
+    """`python -m trio_nsq.lookupd`."""
 
     module = LOOKUPD_MODULE

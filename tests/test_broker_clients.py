@@ -1,4 +1,4 @@
-"""Process-level tests: the real broker (``python -m broker``) with real NSQ clients over real sockets.
+"""Process-level tests: the real broker (``python -m trio_nsq.broker``) with real NSQ clients over real sockets.
 
 Third-party clients from PyPI — pynsq (tornado), gnsq (gevent) and ansq (asyncio) — each run in a
 subprocess of their own with a hard timeout, so an event loop that never returns, or gevent's

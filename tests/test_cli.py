@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from processes import REPO_ROOT, free_port
-from shared.protocol import MAGIC_V2, FrameParser, encode_pub
+from trio_nsq.shared.protocol import MAGIC_V2, FrameParser, encode_pub
 
 VERSION_LINE = re.compile(r"^(nsqd|nsqlookupd) v1\.3\.0 \(built w/\S+\)$")
 LISTENING = re.compile(r"(TCP|HTTP): listening on (\S+)")
 
 
 def run(module: str, *argv: str, timeout: float = 20) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *argv], cwd=str(REPO_ROOT), capture_output=True,
+    return subprocess.run([sys.executable, "-m", f"trio_nsq.{module}", *argv], cwd=str(REPO_ROOT), capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
@@ -32,7 +32,7 @@ class Daemon:
     """A daemon started with a raw argv; waits until its log says both listeners (or TCP only) are up."""
 
     def __init__(self, module: str, *argv: str, want: tuple[str, ...] = ("TCP", "HTTP")) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=str(REPO_ROOT), text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", f"trio_nsq.{module}", *argv], cwd=str(REPO_ROOT), text=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         self.lines: list[str] = []

@@ -1,4 +1,4 @@
-"""The Trio client (shared.client) against real `python -m broker` / `python -m lookupd` processes.
+"""The Trio client (trio_nsq.shared.client) against real `python -m trio_nsq.broker` / `python -m trio_nsq.lookupd` processes.
 
 The processes are started by a small fixture of this file (`cluster`) on free loopback ports; every
 process is killed when the test ends. What the client does is checked from the broker's side where
@@ -25,7 +25,7 @@ from processes import (
     repo_env,
 )
 
-from shared.client import (
+from trio_nsq.shared.client import (
     Connection,
     Consumer,
     HTTPProducer,
@@ -33,7 +33,7 @@ from shared.client import (
     NSQError,
     Producer,
 )
-from shared.protocol import (
+from trio_nsq.shared.protocol import (
     FRAME_TYPE_RESPONSE,
     HEARTBEAT,
     MAGIC_V2,
@@ -489,7 +489,7 @@ async def test_tail_prints_bodies_in_order(cluster):
     async with Producer(broker.tcp_address) as producer:
         await producer.mpub("tour", [b"hello", b"new\nline", b"world", b"not printed"])
     result = await trio.run_process(
-        [sys.executable, "-m", "shared.client.tail", "--nsqd-tcp-address", broker.tcp_address, "--topic", "tour",
+        [sys.executable, "-m", "trio_nsq.shared.client.tail", "--nsqd-tcp-address", broker.tcp_address, "--topic", "tour",
          "-n", "3"], cwd=REPO_ROOT, env=repo_env(), capture_stdout=True, capture_stderr=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == b"hello\nnew\nline\nworld\n"

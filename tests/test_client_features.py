@@ -8,7 +8,7 @@ import trio
 import trustme
 
 from auth_server import authd  # noqa: F401  (fixture)
-from shared import Connection, Consumer, Producer, tls_context
+from trio_nsq import Connection, Consumer, Producer, tls_context
 
 EXPECTED = sorted([b"x" * 5000, b"second"])
 

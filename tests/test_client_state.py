@@ -3,8 +3,8 @@ with nsqd's texts. The same cases were checked against Go nsqd 1.3.0 over a sock
 
 import pytest
 
-from broker.client_state import RULES, ClientState, check_command
-from shared.protocol import FatalClientError
+from trio_nsq.broker.client_state import RULES, ClientState, check_command
+from trio_nsq.shared.protocol import FatalClientError
 
 INIT, SUBSCRIBED, CLOSING = ClientState.INIT, ClientState.SUBSCRIBED, ClientState.CLOSING
 

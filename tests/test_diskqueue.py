@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import broker.diskqueue as diskqueue_module
-from broker.backend import BackendError
-from broker.diskqueue import DiskQueue
+import trio_nsq.broker.diskqueue as diskqueue_module
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.diskqueue import DiskQueue
 
 LOGGER = diskqueue_module.log.name
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 from processes import BrokerProcess, REPO_ROOT
-from shared.protocol import (
+from trio_nsq.shared.protocol import (
     MAGIC_V2,
     FrameParser,
     decode_message,
@@ -223,7 +223,7 @@ def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(tmp_path):
 def test_missing_data_directory(tmp_path):
     missing = tmp_path / "nope"
     proc = subprocess.run(
-        [sys.executable, "-m", "broker", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
+        [sys.executable, "-m", "trio_nsq.broker", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
          f"--data-path={missing}"],
         cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=30,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
@@ -253,7 +253,7 @@ def test_data_directory_removed_while_running(broker_factory):
 def test_data_directory_is_locked(broker_factory, tmp_path):
     broker = broker_factory()
     proc = subprocess.run(
-        [sys.executable, "-m", "broker", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
+        [sys.executable, "-m", "trio_nsq.broker", "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
          f"--data-path={broker.data_path}"],
         cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=30,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},

@@ -1,4 +1,4 @@
-"""shared.embed: nsqd/nsqlookupd inside a Trio program and on a thread; the two embedding examples."""
+"""trio_nsq.shared.embed: nsqd/nsqlookupd inside a Trio program and on a thread; the two embedding examples."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from shared import Consumer, Producer, nsqd_in_thread, run_nsqd, run_nsqlookupd
+from trio_nsq import Consumer, Producer, nsqd_in_thread, run_nsqd, run_nsqlookupd
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

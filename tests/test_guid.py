@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import broker.guid as guid_mod
-from broker.guid import (
+import trio_nsq.broker.guid as guid_mod
+from trio_nsq.broker.guid import (
     NODE_ID_BITS,
     NODE_ID_SHIFT,
     SEQUENCE_BITS,

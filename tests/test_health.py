@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from processes import BrokerProcess
-from shared.protocol import FrameParser, encode_mpub, encode_pub
+from trio_nsq.shared.protocol import FrameParser, encode_mpub, encode_pub
 from test_durability import _connect, _create_channel, _read_frame, consume
 
 FAIL_FSYNC_C = r"""

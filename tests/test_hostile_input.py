@@ -18,7 +18,7 @@ import pytest
 from nsq_raw import RawNSQ
 from processes import LookupdProcess
 
-from shared.protocol import (
+from trio_nsq.shared.protocol import (
     MAGIC_V2,
     encode_dpub,
     encode_fin,

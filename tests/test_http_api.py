@@ -1,4 +1,4 @@
-"""The broker's HTTP API, process level: the real ``python -m broker`` on free loopback ports, spoken to
+"""The broker's HTTP API, process level: the real ``python -m trio_nsq.broker`` on free loopback ports, spoken to
 with httpx and raw sockets, its messages consumed over TCP by third-party clients (gnsq, pynsq) and by a
 raw V2 client. Statuses, bodies and error messages are nsqd's (nsqd/http.go, internal/http_api)."""
 

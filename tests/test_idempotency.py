@@ -11,7 +11,7 @@ import httpx
 
 from processes import BrokerProcess
 from test_durability import _connect, _create_channel, _read_frame
-from shared.protocol import FrameParser, encode_pub
+from trio_nsq.shared.protocol import FrameParser, encode_pub
 
 
 def _url(broker: BrokerProcess, path: str) -> str:

@@ -13,15 +13,15 @@ import httpx
 import pytest
 from processes import LookupdProcess
 
-from lookupd.protocol_v1 import ClientV1, LookupProtocolV1
-from lookupd.registration_db import (
+from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1
+from trio_nsq.lookupd.registration_db import (
     PeerInfo,
     Producer,
     Registration,
     RegistrationDB,
     filter_active,
 )
-from shared.protocol import Command, FatalClientError
+from trio_nsq.shared.protocol import Command, FatalClientError
 
 
 @pytest.fixture

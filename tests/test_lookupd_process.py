@@ -1,4 +1,4 @@
-"""`python -m lookupd` (== trio-nsqlookupd) as a process: real sockets, real HTTP, signals.
+"""`python -m trio_nsq.lookupd` (== trio-nsqlookupd) as a process: real sockets, real HTTP, signals.
 
 Each lookupd binds port 0 and the test reads the bound addresses from its log lines ("TCP: listening on
 HOST:PORT", "HTTP: listening on HOST:PORT"), so nothing races for a port. One lookupd serves most tests
@@ -381,7 +381,7 @@ def test_a_signal_stops_it_cleanly(start_lookupd, sig):
 
 def test_a_port_in_use_exits_1(start_lookupd, tmp_path):
     lk = start_lookupd()
-    proc = subprocess.run([sys.executable, "-m", "lookupd", f"--tcp-address=127.0.0.1:{lk.tcp_port}",
+    proc = subprocess.run([sys.executable, "-m", "trio_nsq.lookupd", f"--tcp-address=127.0.0.1:{lk.tcp_port}",
                            "--http-address=127.0.0.1:0"], cwd=str(REPO_ROOT), capture_output=True, timeout=20,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 1

@@ -17,22 +17,22 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookupd.http_api import (
+from trio_nsq.lookupd.http_api import (
     GO_ZERO_TIME_UNIX_NANO, ROUTER, ROUTES, channel_create, channel_delete, channels, debug, info, lookup, nodes,
     ping, topic_create, topic_delete, topic_tombstone, topics,
 )
-from lookupd.nsqlookupd import NSQLookupd
-from lookupd.options import Options, parse_options
-from lookupd.protocol_v1 import (
+from trio_nsq.lookupd.nsqlookupd import NSQLookupd
+from trio_nsq.lookupd.options import Options, parse_options
+from trio_nsq.lookupd.protocol_v1 import (
     MAX_IDENTIFY_BODY, MAX_LINE_LENGTH, ClientV1, LookupProtocolV1, V1Parser, decode_identify, error_data, frame,
     split_line,
 )
-from lookupd.registration_db import (
+from trio_nsq.lookupd.registration_db import (
     PeerInfo, Producer, Registration, RegistrationDB, filter_active, filter_registrations, keys, subkeys,
 )
-from shared.http_api import HTTPError, clean_path, go_json, go_query_unescape, parse_query
-from shared.protocol import Command, FatalClientError
-from shared.version import VERSION
+from trio_nsq.shared.http_api import HTTPError, clean_path, go_json, go_query_unescape, parse_query
+from trio_nsq.shared.protocol import Command, FatalClientError
+from trio_nsq.shared.version import VERSION
 
 PEER = {"broadcast_address": "b1", "tcp_port": 4150, "http_port": 4151, "version": "1.3.0", "hostname": "h1"}
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.names import (
+from trio_nsq.shared.names import (
     EPHEMERAL_SUFFIX,
     MAX_NAME_LENGTH,
     is_ephemeral,

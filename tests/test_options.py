@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.options import Options, parse_options
-from shared.options import format_duration, parse_duration
+from trio_nsq.broker.options import Options, parse_options
+from trio_nsq.shared.options import format_duration, parse_duration
 
 # --- parse_duration (Go's time.ParseDuration, plus plain seconds) ----------------------------------
 
@@ -462,7 +462,7 @@ def test_tls_required_takes_nsqds_values():
 
 
 def test_deprecated_flags_are_accepted_and_reported():
-    from broker.options import parse_command_line
+    from trio_nsq.broker.options import parse_command_line
 
     options, used = parse_command_line(["-verbose", "--worker-id=true", "-mem-queue-size=3"])
     assert used == ["verbose", "worker-id"] and options.mem_queue_size == 3

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker.message import Message
-from broker.pqueue import _COMPACT_MIN, MessagePQueue
+from trio_nsq.broker.message import Message
+from trio_nsq.broker.pqueue import _COMPACT_MIN, MessagePQueue
 
 
 def _msg(i: int) -> Message:

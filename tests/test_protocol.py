@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.protocol import (
+from trio_nsq.shared.protocol import (
     BODY_COMMANDS,
     FRAME_TYPE_ERROR,
     FRAME_TYPE_MESSAGE,
@@ -703,7 +703,7 @@ def test_client_errors_carry_code_text_and_fatality():
 
 
 def test_peek_fins_sees_a_run_of_complete_fin_lines_and_consumes_nothing():
-    from shared.protocol import CommandParser
+    from trio_nsq.shared.protocol import CommandParser
 
     parser = CommandParser(lambda name, params, size: None)
     ids = [b"%016d" % i for i in range(3)]
@@ -722,7 +722,7 @@ def test_peek_fins_sees_a_run_of_complete_fin_lines_and_consumes_nothing():
 
 
 def test_peek_fins_leaves_other_shapes_to_next_command():
-    from shared.protocol import CommandParser
+    from trio_nsq.shared.protocol import CommandParser
 
     for line in (b"FIN 123\n", b"FIN " + b"a" * 16 + b"\r\n", b"FINX" + b"a" * 16 + b"\n", b"fin " + b"a" * 16 + b"\n",
                  b"FIN " + b"a" * 15 + b"\r\n", b"FIN aaaa bbbbbbbbbbb\n", b"FIN aaaa\nbbbbbbbbbbb\n"):

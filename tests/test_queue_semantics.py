@@ -12,7 +12,7 @@ from nsq_raw import Message, RawNSQ
 from processes import BrokerProcess, LookupdProcess
 from test_durability import _connect, _read_frame
 
-from shared.protocol import FrameParser, encode_mpub
+from trio_nsq.shared.protocol import FrameParser, encode_mpub
 
 
 def http(broker: BrokerProcess, path: str, body: bytes | None = None) -> bytes:

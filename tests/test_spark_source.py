@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from processes import BrokerProcess
 
-from shared.spark.publisher import MPubClient
+from trio_nsq.shared.spark.publisher import MPubClient
 
 
 def publish(broker: BrokerProcess, topic: str, bodies: list[bytes]) -> None:

@@ -10,8 +10,8 @@ import snappy
 import trio
 import trio.testing
 
-from broker.quantile import result_from
-from shared.streams import CompressionError, DeflateStream, PrefixedStream, SnappyStream
+from trio_nsq.broker.quantile import result_from
+from trio_nsq.shared.streams import CompressionError, DeflateStream, PrefixedStream, SnappyStream
 
 
 async def _pipe(wrap_a, wrap_b, chunks):

@@ -34,7 +34,7 @@ from auth_server import AuthServer, authd  # noqa: F401  (authd is a fixture)
 from nsq_raw import ConnectionClosed, RawNSQ, encode_mpub_body
 from thirdparty_conversation import bodies, digest
 
-from shared.protocol import MAGIC_V2, FrameParser, encode_identify, encode_pub
+from trio_nsq.shared.protocol import MAGIC_V2, FrameParser, encode_identify, encode_pub
 
 HERE = Path(__file__).resolve().parent
 

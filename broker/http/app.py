@@ -10,10 +10,10 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from broker.http.endpoints import Api
-from broker.http.request import ApiRequest
-from shared.http import join_host_port, to_response
-from shared.http_api import Router, error_reply, routed_reply
+from trio_nsq.broker.http.endpoints import Api
+from trio_nsq.broker.http.request import ApiRequest
+from trio_nsq.shared.http import join_host_port, to_response
+from trio_nsq.shared.http_api import Router, error_reply, routed_reply
 
 log = logging.getLogger("nsqd")
 

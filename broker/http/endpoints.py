@@ -13,13 +13,13 @@ from typing import Any
 
 import attrs
 
-from broker.backend import BackendError
-from broker.http.openapi import openapi_bytes
-from broker.http.request import ApiRequest
-from broker.idempotency import valid_key
-from broker.stats import get_stats, health, prometheus_text, stats_text
-from broker.topic import Topic
-from shared.http_api import (
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.http.openapi import openapi_bytes
+from trio_nsq.broker.http.request import ApiRequest
+from trio_nsq.broker.idempotency import valid_key
+from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
+from trio_nsq.broker.topic import Topic
+from trio_nsq.shared.http_api import (
     EMPTY,
     JSON_TYPE,
     OK,
@@ -32,10 +32,10 @@ from shared.http_api import (
     parse_go_int,
     parse_query,
 )
-from shared.logs import GO_LOG_LEVELS, parse_level
-from shared.names import is_valid_channel_name, is_valid_topic_name
-from shared.protocol import FatalClientError, parse_mpub_body
-from shared.version import VERSION
+from trio_nsq.shared.logs import GO_LOG_LEVELS, parse_level
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.protocol import FatalClientError, parse_mpub_body
+from trio_nsq.shared.version import VERSION
 
 log = logging.getLogger("nsqd")
 

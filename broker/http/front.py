@@ -12,9 +12,9 @@ from typing import Any
 
 import trio
 
-from broker.http.endpoints import Api
-from broker.http.request import ApiRequest, ClientGone
-from shared.http_api import JSON_TYPE, Reply
+from trio_nsq.broker.http.endpoints import Api
+from trio_nsq.broker.http.request import ApiRequest, ClientGone
+from trio_nsq.shared.http_api import JSON_TYPE, Reply
 
 # how long, and how much of, a refused upload is read and dropped so its client can read the answer
 LINGER_SECONDS = 10.0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from shared.http_api import go_json
-from shared.logs import GO_LOG_LEVELS
-from shared.version import VERSION
+from trio_nsq.shared.http_api import go_json
+from trio_nsq.shared.logs import GO_LOG_LEVELS
+from trio_nsq.shared.version import VERSION
 
 
 @functools.cache

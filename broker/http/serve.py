@@ -8,11 +8,11 @@ from typing import Any
 
 import trio
 
-from broker.http.app import create_app
-from broker.http.endpoints import Api
-from broker.http.front import Front
-from broker.stats import GC_PAUSES
-from shared.http import join_host_port, serve_app
+from trio_nsq.broker.http.app import create_app
+from trio_nsq.broker.http.endpoints import Api
+from trio_nsq.broker.http.front import Front
+from trio_nsq.broker.stats import GC_PAUSES
+from trio_nsq.shared.http import join_host_port, serve_app
 
 log = logging.getLogger("nsqd")
 

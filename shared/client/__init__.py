@@ -1,4 +1,4 @@
-"""A Trio client for NSQ, built on the sans-IO shared.protocol.
+"""A Trio client for NSQ, built on the sans-IO trio_nsq.shared.protocol.
 
 - Producer: publish over TCP (pipelined, reconnecting); HTTPProducer: publish over HTTP in batches.
 - Consumer: subscribe on brokers given directly or found through nsqlookupd, with NSQ's RDY and
@@ -8,9 +8,9 @@
 Logs go to the "trio_nsq.client" logger.
 """
 
-from shared.client.connection import Connection, NSQConnectionError, NSQError, tls_context
-from shared.client.consumer import Consumer, Message
-from shared.client.http_producer import HTTPProducer
-from shared.client.producer import Producer
+from trio_nsq.shared.client.connection import Connection, NSQConnectionError, NSQError, tls_context
+from trio_nsq.shared.client.consumer import Consumer, Message
+from trio_nsq.shared.client.http_producer import HTTPProducer
+from trio_nsq.shared.client.producer import Producer
 
 __all__ = ["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError", "Producer", "tls_context"]

@@ -29,8 +29,8 @@ from typing import Any
 import attrs
 import trio
 
-from shared.http import split_host_port
-from shared.protocol import (
+from trio_nsq.shared.http import split_host_port
+from trio_nsq.shared.protocol import (
     CLOSE_WAIT,
     FRAME_TYPE_ERROR,
     FRAME_TYPE_MESSAGE,
@@ -49,8 +49,8 @@ from shared.protocol import (
     encode_req,
     encode_touch,
 )
-from shared.streams import DeflateStream, SnappyStream
-from shared.version import USER_AGENT
+from trio_nsq.shared.streams import DeflateStream, SnappyStream
+from trio_nsq.shared.version import USER_AGENT
 
 log = logging.getLogger("trio_nsq.client")
 

@@ -44,10 +44,10 @@ from typing import Any
 import httpx
 import trio
 
-from shared.client.backoff import backoff_delay, requeue_delay_ms
-from shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
-from shared.client.lookupd import lookup_producers
-from shared.protocol import DecodedMessage, encode_sub
+from trio_nsq.shared.client.backoff import backoff_delay, requeue_delay_ms
+from trio_nsq.shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.shared.client.lookupd import lookup_producers
+from trio_nsq.shared.protocol import DecodedMessage, encode_sub
 
 log = logging.getLogger("trio_nsq.client")
 

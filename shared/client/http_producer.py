@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 import trio
 
-from shared.client.backoff import backoff_delay
-from shared.client.connection import NSQConnectionError, NSQError, OwnedNursery
-from shared.protocol import encode_mpub_body
+from trio_nsq.shared.client.backoff import backoff_delay
+from trio_nsq.shared.client.connection import NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.shared.protocol import encode_mpub_body
 
 log = logging.getLogger("trio_nsq.client")
 

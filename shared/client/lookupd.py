@@ -6,7 +6,7 @@ import logging
 
 import httpx
 
-from shared.http import join_host_port
+from trio_nsq.shared.http import join_host_port
 
 log = logging.getLogger("trio_nsq.client")
 

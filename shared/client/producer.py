@@ -9,9 +9,9 @@ from typing import Any
 
 import trio
 
-from shared.client.backoff import backoff_delay
-from shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
-from shared.protocol import encode_dpub, encode_mpub, encode_pub
+from trio_nsq.shared.client.backoff import backoff_delay
+from trio_nsq.shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.shared.protocol import encode_dpub, encode_mpub, encode_pub
 
 log = logging.getLogger("trio_nsq.client")
 

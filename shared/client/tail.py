@@ -1,7 +1,7 @@
 """nsq_tail with the Trio client: print the bodies of a topic's messages, one per line.
 
-    python -m shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic T [--channel C] [-n N]
-    python -m shared.client.tail --lookupd-http-address 127.0.0.1:4161 --topic T
+    python -m trio_nsq.shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic T [--channel C] [-n N]
+    python -m trio_nsq.shared.client.tail --lookupd-http-address 127.0.0.1:4161 --topic T
 
 Without --channel it reads on an ephemeral channel of its own, as nsq_tail does. A command-line tool,
 so it prints.
@@ -16,11 +16,11 @@ import sys
 
 import trio
 
-from shared.client import Consumer
+from trio_nsq.shared.client import Consumer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m shared.client.tail", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m trio_nsq.shared.client.tail", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nsqd-tcp-address", action="append", default=[], help="nsqd TCP address (repeatable)")
     parser.add_argument("--lookupd-http-address", action="append", default=[],

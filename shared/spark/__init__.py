@@ -1,7 +1,7 @@
 """The PySpark connector: `df.write.format("nsq")` and `df.writeStream.format("nsq")` publish rows to NSQ
 through nsqd's `POST /mpub?binary=true`.
 
-    from shared.spark import NSQDataSource
+    from trio_nsq.shared.spark import NSQDataSource
     spark.dataSource.register(NSQDataSource)
 
 With the package installed normally (not editable), no call is needed: Spark finds the top-level module
@@ -17,7 +17,7 @@ __all__ = ["NSQDataSource"]
 def __getattr__(name: str):
     # pyspark is an optional extra: import it only when the data source is asked for
     if name == "NSQDataSource":
-        from shared.spark.datasource import NSQDataSource
+        from trio_nsq.shared.spark.datasource import NSQDataSource
 
         return NSQDataSource
     raise AttributeError(name)

@@ -30,8 +30,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from shared.spark.options import WriteSettings, write_settings
-from shared.spark.publisher import Batcher, MPubClient, at_least_once_once
+from trio_nsq.shared.spark.options import WriteSettings, write_settings
+from trio_nsq.shared.spark.publisher import Batcher, MPubClient, at_least_once_once
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -53,7 +53,7 @@ def publish_partition(settings: WriteSettings, record_batches: Iterator, key_pre
     row cannot be a message, a broker refuses a batch, or no broker answers."""
     from pyspark import TaskContext
 
-    from shared.spark.rows import RowConverter
+    from trio_nsq.shared.spark.rows import RowConverter
 
     context = TaskContext.get()
     partition = context.partitionId() if context is not None else 0
@@ -170,15 +170,15 @@ class NSQDataSource(DataSource):
         return "nsq"
 
     def schema(self) -> StructType:
-        from shared.spark.source import SCHEMA
+        from trio_nsq.shared.spark.source import SCHEMA
 
         return SCHEMA
 
     def simpleStreamReader(self, schema: StructType):
         """`spark.readStream.format("nsq")`: see shared/spark/source.py for why the simple (driver-side)
         reader."""
-        from shared.spark.options import read_settings
-        from shared.spark.source import NSQStreamReader
+        from trio_nsq.shared.spark.options import read_settings
+        from trio_nsq.shared.spark.source import NSQStreamReader
 
         return NSQStreamReader(read_settings(dict(self.options)))
 

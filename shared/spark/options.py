@@ -13,8 +13,8 @@ from typing import TypeVar
 
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from shared.names import is_valid_topic_name
-from shared.spark.publisher import DEFAULT_MAX_BODY_SIZE, host_port, nodes_from_lookupd
+from trio_nsq.shared.names import is_valid_topic_name
+from trio_nsq.shared.spark.publisher import DEFAULT_MAX_BODY_SIZE, host_port, nodes_from_lookupd
 
 # option name -> (default, meaning); the README's options table says the same
 OPTIONS = {
@@ -177,8 +177,8 @@ READ_OPTIONS = {
 
 def read_settings(options: dict[str, str]):
     """Check the streaming source's options; raise ValueError telling what to change."""
-    from shared.names import is_valid_channel_name
-    from shared.spark.source import ReadSettings
+    from trio_nsq.shared.names import is_valid_channel_name
+    from trio_nsq.shared.spark.source import ReadSettings
 
     options = {k.lower(): v for k, v in options.items()}
     unknown = sorted(set(options) - set(READ_OPTIONS) - SPARK_OPTIONS - {"path"})

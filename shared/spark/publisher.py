@@ -19,7 +19,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 
-from shared.protocol import encode_mpub_body
+from trio_nsq.shared.protocol import encode_mpub_body
 
 log = logging.getLogger("trio_nsq.spark")
 

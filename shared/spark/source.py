@@ -102,7 +102,7 @@ class ConsumerThread:
     async def _main(self) -> None:
         import trio
 
-        from shared.client.consumer import Consumer
+        from trio_nsq.shared.client.consumer import Consumer
 
         s = self.settings
         identify = {"msg_timeout": s.msg_timeout} if s.msg_timeout else {}
@@ -132,7 +132,7 @@ class ConsumerThread:
 
         timeouts = [conn.msg_timeout for conn in self.consumer.connections.values()] or [60_000]
         await trio.sleep(min(timeouts) / 2000)
-        from shared.client.connection import NSQConnectionError
+        from trio_nsq.shared.client.connection import NSQConnectionError
 
         conns = set()
         for held in list(self.arrived) + [h for batch in list(self.batches.values()) for h in batch]:

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.protocol import MAGIC_V2, encode_sub
+from trio_nsq.shared.protocol import MAGIC_V2, encode_sub
 from tests.processes import BrokerProcess
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.protocol import MAGIC_V2
+from trio_nsq.shared.protocol import MAGIC_V2
 from tests.bench import tcp_load
 from tests.bench.broker import Broker
 
@@ -90,7 +90,7 @@ def reader_drain_scenario(duration: float) -> dict:
 
 
 def _fill(broker: Broker, count: int) -> None:
-    from shared.protocol import encode_mpub
+    from trio_nsq.shared.protocol import encode_mpub
 
     body = b"x" * MSG_SIZE
     command = encode_mpub("bench", [body] * 200)

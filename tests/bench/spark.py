@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.request
 
-from shared.spark.publisher import MPubClient
+from trio_nsq.shared.spark.publisher import MPubClient
 from tests.bench.broker import Broker
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
-    from shared.spark import NSQDataSource
+    from trio_nsq.shared.spark import NSQDataSource
 
     broker = Broker(f"--max-rdy-count={max(2500, args.max_in_flight)}")
     scratch = tempfile.mkdtemp(prefix="trio-nsq-spark-bench-")

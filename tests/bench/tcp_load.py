@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 
-from shared.protocol import (
+from trio_nsq.shared.protocol import (
     MAGIC_V2,
     encode_identify,
     encode_mpub,

@@ -1,0 +1,66 @@
+"""The installed package: one import name, trio_nsq (plus Spark's pyspark_nsq discovery module), whatever
+the repository's folders are called, so an application's or a Spark job's own `broker` or `shared` module
+is never shadowed. Built as `pip install .` builds it, run from the built files alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_wheel(out: Path) -> Path:
+    """Built from a copy of the sources, as from a fresh clone: an earlier build/ here must not leak in."""
+    source = out.parent / "source"
+    shutil.copytree(REPO_ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "data"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), str(source)],
+                   check=True, capture_output=True)
+    (wheel,) = out.glob("trio_nsq-*.whl")
+    return wheel
+
+
+def test_the_wheel_installs_only_trio_nsq_and_pyspark_nsq(tmp_path):
+    wheel = build_wheel(tmp_path / "dist")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        top_level = archive.read(next(n for n in names if n.endswith(".dist-info/top_level.txt"))).decode().split()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"trio_nsq", "pyspark_nsq.py"}, tops
+    assert sorted(top_level) == ["pyspark_nsq", "trio_nsq"]
+    for part in ("broker/nsqd.py", "lookupd/nsqlookupd.py", "shared/protocol.py", "shared/client/consumer.py",
+                 "shared/spark/datasource.py", "client.py", "spark.py"):
+        assert f"trio_nsq/{part}" in names, part
+
+
+def test_the_built_package_runs_from_its_own_files(tmp_path):
+    """The wheel's files alone, first on the path and run away from the checkout: the commands start and
+    every public name resolves inside the built package."""
+    wheel = build_wheel(tmp_path / "dist")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    for module, name in (("trio_nsq.broker", "nsqd"), ("trio_nsq.lookupd", "nsqlookupd")):
+        done = subprocess.run([sys.executable, "-m", module, "--version"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.startswith(f"{name} v1.3.0"), (done.stdout, done.stderr)
+    script = (
+        "import trio_nsq, trio_nsq.client, trio_nsq.spark, pyspark_nsq, sys\n"
+        "from trio_nsq import Producer, Consumer, run_nsqd, nsqd_in_thread\n"
+        "assert trio_nsq.client.Producer is Producer\n"
+        "assert pyspark_nsq.DefaultSource is trio_nsq.spark.NSQDataSource\n"
+        "assert not {'broker', 'lookupd', 'shared'} & set(sys.modules), sorted(sys.modules)\n"
+        "print(trio_nsq.__file__, trio_nsq.broker.__file__ if hasattr(trio_nsq, 'broker') else '')\n"
+        "import trio_nsq.broker.nsqd\n"
+        "print(trio_nsq.broker.nsqd.__file__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert all(line.startswith(str(site)) for line in done.stdout.split()), done.stdout

@@ -1,0 +1,32 @@
+"""trio-nsq: NSQ's nsqd and nsqlookupd rebuilt in Python on Trio, and their public API in one place::
+
+    from trio_nsq import Producer, Consumer, run_nsqd, nsqd_in_thread
+
+The repository keeps its three folders at the top; installed, they are this package's parts:
+trio_nsq.broker (nsqd), trio_nsq.lookupd (nsqlookupd), trio_nsq.shared (protocol, options, HTTP glue,
+client, Spark connector). trio_nsq.client and trio_nsq.spark are the client's and the connector's public
+names. Names below are loaded on first use, so importing the package costs nothing.
+
+Client: Producer, Consumer, Message, HTTPProducer, Connection, NSQError, NSQConnectionError, tls_context
+(trio_nsq.client). Embedding: run_nsqd, run_nsqlookupd, nsqd_in_thread, nsqlookupd_in_thread, Running
+(trio_nsq.shared.embed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    **dict.fromkeys(["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError",
+                     "Producer", "tls_context"], "trio_nsq.shared.client"),
+    **dict.fromkeys(["Running", "nsqd_in_thread", "nsqlookupd_in_thread", "run_nsqd", "run_nsqlookupd"],
+                    "trio_nsq.shared.embed"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trio_nsq' has no attribute {name!r}")
