@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
 
-# lookupd on 4160/4161 and a broker on 4150/4151 registered with it; Ctrl-C stops both.
+# lookupd on 4160/4161, a broker on 4150/4151 registered with it, trio-nsqadmin on 4171; Ctrl-C stops all.
 run: $(STAMP)
 	@mkdir -p data
 	@echo "trio-nsq: nsqlookupd on 127.0.0.1:4160/4161, nsqd on 127.0.0.1:4150/4151 (data in ./data)"
@@ -20,8 +20,10 @@ run: $(STAMP)
 	@echo "  consume: $(BIN)/python -m trio_nsq.shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
 	@echo "  stats:   curl 'http://127.0.0.1:4151/stats?format=json'"
 	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
+	@echo "  admin:   http://127.0.0.1:4171/ (trio-nsqadmin)"
 	@$(BIN)/python -m trio_nsq.lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
-	trap 'kill $$LOOKUPD 2>/dev/null; wait $$LOOKUPD' EXIT INT TERM; \
+	$(BIN)/python -m trio_nsq.lookupd.admin --http-address=0.0.0.0:4171 --lookupd-http-address=127.0.0.1:4161 & ADMIN=$$!; \
+	trap 'kill $$LOOKUPD $$ADMIN 2>/dev/null; wait $$LOOKUPD $$ADMIN' EXIT INT TERM; \
 	$(BIN)/python -m trio_nsq.broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
 
 test: $(STAMP)

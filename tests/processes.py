@@ -36,6 +36,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BROKER_MODULE = "trio_nsq.broker"
 LOOKUPD_MODULE = "trio_nsq.lookupd"
+ADMIN_MODULE = "trio_nsq.lookupd.admin"
 REFERENCE_BIN = os.environ.get("NSQD_REFERENCE_BIN")
 
 START_TIMEOUT = 15.0
@@ -90,6 +91,7 @@ class Daemon:
     module = ""
     counter = 0
     ready_by_log = True
+    listeners = ("TCP", "HTTP")  # the `<kind>: listening on` lines start() waits for
     poll_interval = 0.03
 
     def __init__(self, base_dir: Path, *args: str, env: dict[str, str] | None = None, **flags: object) -> None:
@@ -173,9 +175,9 @@ class Daemon:
         With `ready_by_log` off (a --log-level above info hides those lines) both ports must accept."""
         if self.ready_by_log:
             found = {kind: int(port) for kind, port in _LISTENING.findall(self.log_text()[offset:])}
-            if len(found) < 2:
+            if any(kind not in found for kind in self.listeners):
                 return False
-            self.tcp_port, self.http_port = found["TCP"], found["HTTP"]
+            self.tcp_port, self.http_port = found.get("TCP", self.tcp_port), found["HTTP"]
         elif not (_accepts(self.tcp_port) and _accepts(self.http_port)):
             return False
         if ready_url is None:
@@ -275,3 +277,14 @@ class LookupdProcess(Daemon):
     """`python -m trio_nsq.lookupd`."""
 
     module = LOOKUPD_MODULE
+
+
+class AdminProcess(Daemon):
+    """`python -m trio_nsq.lookupd.admin` (trio-nsqadmin): HTTP only."""
+
+    module = ADMIN_MODULE
+    listeners = ("HTTP",)
+
+    def argv(self) -> list[str]:
+        return [*self.command(), f"--http-address={self.http_address}",
+                *(flag(k, v) for k, v in self.flags.items()), *self.args]

@@ -34,7 +34,8 @@ def test_the_wheel_installs_only_trio_nsq_and_pyspark_nsq(tmp_path):
     assert tops == {"trio_nsq", "pyspark_nsq.py"}, tops
     assert sorted(top_level) == ["pyspark_nsq", "trio_nsq"]
     for part in ("broker/nsqd.py", "lookupd/nsqlookupd.py", "shared/protocol.py", "shared/client/consumer.py",
-                 "shared/spark/datasource.py", "client.py", "spark.py"):
+                 "shared/spark/datasource.py", "lookupd/admin/api.py", "lookupd/admin/static/app.js", "client.py",
+                 "spark.py"):
         assert f"trio_nsq/{part}" in names, part
 
 

@@ -1,0 +1,394 @@
+"""nsqadmin 1.3.0's HTTP API on quart-trio: the same paths, methods and JSON shapes, the actions and their
+notifications, `/config/:opt`, and the page (static/) under --base-path.
+
+Routing is shared/http_api's httprouter; answers are nsqadmin's: JSON with a `message` ("" or the
+nodes that failed), 400 {"message": ...} for a bad request, 403 for an action a non-admin asks for,
+404 for an unknown topic, 502 when no node answered.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from trio_nsq.lookupd.admin.cluster import (
+    Cluster,
+    Errors,
+    aggregate_channel,
+    aggregate_topic,
+    node_topic_rows,
+)
+from trio_nsq.lookupd.admin.options import Options
+from trio_nsq.shared.http import join_host_port, to_response
+from trio_nsq.shared.http_api import (
+    HTML_TYPE,
+    JSON_TYPE,
+    HTTPError,
+    Reply,
+    Router,
+    error_reply,
+    go_json,
+    log_request,
+    routed_reply,
+)
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.version import VERSION
+
+log = logging.getLogger("nsqadmin")
+
+STATIC = Path(__file__).parent / "static"
+STATIC_TYPES = {".html": HTML_TYPE, ".js": "application/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+MAX_BODY = 1 << 20  # an action's JSON body
+
+Handler = Callable[["Admin", dict[str, str], bytes], Awaitable[Reply]]
+
+
+def _ok(value: dict[str, Any], errors: Errors | None = None) -> Reply:
+    return Reply(200, go_json({**value, "message": errors.message() if errors else ""}), JSON_TYPE)
+
+
+class Admin:
+    """The handlers; one per process, called by the Quart app for each request."""
+
+    def __init__(self, options: Options, cluster: Cluster) -> None:
+        self.options = options
+        self.cluster = cluster
+        self.nursery: trio.Nursery | None = None  # where notifications are sent from (set by create_app)
+
+    # --- reads ------------------------------------------------------------------------------------
+
+    async def topics(self, params: dict[str, str], body: bytes) -> Reply:
+        errors = Errors()
+        names = await self.cluster.topics(errors)
+        if not names and errors.failed and len(errors.failed) >= len(self.cluster.lookupds or self.cluster.nsqds):
+            raise HTTPError(502, f"UPSTREAM_ERROR: {errors.message()}")
+        return _ok({"topics": names}, errors)
+
+    async def _topic_rows(self, topic: str, errors: Errors) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        producers = await self.cluster.producers(errors)
+        nodes = [p["node"] for p in producers]
+        stats = await self.cluster.stats(nodes, errors, topic)
+        return node_topic_rows(stats, producers, topic), producers
+
+    async def topic(self, params: dict[str, str], body: bytes) -> Reply:
+        errors = Errors()
+        rows, _ = await self._topic_rows(params["topic"], errors)
+        if not rows:
+            raise HTTPError(404, "TOPIC_NOT_FOUND" if not errors.failed else f"UPSTREAM_ERROR: {errors.message()}")
+        return _ok(aggregate_topic(rows), errors)
+
+    async def channel(self, params: dict[str, str], body: bytes) -> Reply:
+        errors = Errors()
+        rows, _ = await self._topic_rows(params["topic"], errors)
+        channel_rows = [c for r in rows for c in r["channels"] if c["channel_name"] == params["channel"]]
+        if not channel_rows:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        return _ok(aggregate_channel(channel_rows), errors)
+
+    async def nodes(self, params: dict[str, str], body: bytes) -> Reply:
+        errors = Errors()
+        producers = await self.cluster.producers(errors)
+        return _ok({"nodes": [{k: v for k, v in p.items() if k != "node"} for p in producers]}, errors)
+
+    async def node(self, params: dict[str, str], body: bytes) -> Reply:
+        errors = Errors()
+        node = params["node"]
+        producers = await self.cluster.producers(errors)
+        if node not in {p["node"] for p in producers} and node not in self.cluster.nsqds:
+            raise HTTPError(404, "NODE_NOT_FOUND")
+        stats = await self.cluster.stats([node], errors)
+        rows = node_topic_rows(stats, producers)
+        return _ok({
+            "node": node, "topics": rows,
+            "total_messages": sum(r["message_count"] for r in rows),
+            "total_clients": sum(c["client_count"] for r in rows for c in r["channels"]),
+        }, errors)
+
+    async def counter(self, params: dict[str, str], body: bytes) -> Reply:
+        errors = Errors()
+        producers = await self.cluster.producers(errors)
+        stats = await self.cluster.stats([p["node"] for p in producers], errors)
+        out: dict[str, Any] = {}
+        for row in node_topic_rows(stats, producers):
+            for c in row["channels"]:
+                key = f"{row['topic_name']}:{c['channel_name']}:{row['node']}"
+                out[key] = {"node": row["node"], "topic_name": row["topic_name"], "channel_name": c["channel_name"],
+                            "message_count": c["message_count"]}
+        return _ok({"stats": out}, errors)
+
+    async def graphite(self, params: dict[str, str], body: bytes) -> Reply:
+        raise HTTPError(404, "NOT_FOUND")  # only with --graphite-url, which this nsqadmin does not proxy
+
+    async def ping(self, params: dict[str, str], body: bytes) -> Reply:
+        return Reply(200, b"OK", nsq_header=False)
+
+    # --- actions ----------------------------------------------------------------------------------
+
+    def _admin(self) -> str:
+        """The acting user; 403 when --admin-user is set and the ACL header names none of them."""
+        user = request.headers.get(self.options.acl_http_header, "")
+        if self.options.admin_users and user not in self.options.admin_users:
+            raise HTTPError(403, "FORBIDDEN")
+        return user
+
+    @staticmethod
+    def _body(body: bytes) -> dict[str, Any]:
+        try:
+            value = json.loads(body or b"{}")
+        except ValueError:
+            raise HTTPError(400, "INVALID_BODY") from None
+        if not isinstance(value, dict):
+            raise HTTPError(400, "INVALID_BODY")
+        return value
+
+    async def _on_nodes(self, topic: str, path: str, errors: Errors) -> int:
+        """POST path on every nsqd that has the topic; how many took it."""
+        rows, _ = await self._topic_rows(topic, errors)
+        done = 0
+        for node in sorted({r["node"] for r in rows}):
+            try:
+                await self.cluster.post(node, path)
+                done += 1
+            except httpx.HTTPError as exc:
+                errors.add(node, exc)
+        return done
+
+    async def _on_lookupds(self, path: str, errors: Errors) -> None:
+        for lookupd in self.cluster.lookupds:
+            try:
+                await self.cluster.post(lookupd, path)
+            except httpx.HTTPError as exc:
+                errors.add(lookupd, exc)
+
+    async def create(self, params: dict[str, str], body: bytes) -> Reply:
+        user = self._admin()
+        args = self._body(body)
+        topic, channel = str(args.get("topic", "")), str(args.get("channel", ""))
+        if not is_valid_topic_name(topic):
+            raise HTTPError(400, "INVALID_TOPIC")
+        if channel and not is_valid_channel_name(channel):
+            raise HTTPError(400, "INVALID_CHANNEL")
+        errors = Errors()
+        await self._on_lookupds(f"/topic/create?topic={topic}", errors)
+        if channel:
+            await self._on_lookupds(f"/channel/create?topic={topic}&channel={channel}", errors)
+        producers = await self.cluster.producers(errors)
+        for node in [p["node"] for p in producers] if not self.cluster.lookupds else []:
+            try:  # without lookupd, every listed nsqd gets it
+                await self.cluster.post(node, f"/topic/create?topic={topic}")
+            except httpx.HTTPError as exc:
+                errors.add(node, exc)
+        if channel:
+            await self._on_nodes(topic, f"/channel/create?topic={topic}&channel={channel}", errors)
+        self._notify("create_channel" if channel else "create_topic", user, topic, channel)
+        return _ok({}, errors)
+
+    async def topic_action(self, params: dict[str, str], body: bytes) -> Reply:
+        user = self._admin()
+        action = self._body(body).get("action")
+        if action not in ("pause", "unpause", "empty"):
+            raise HTTPError(400, "INVALID_ACTION")
+        topic = params["topic"]
+        errors = Errors()
+        if not await self._on_nodes(topic, f"/topic/{action}?topic={topic}", errors) and not errors.failed:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        self._notify(f"{action}_topic", user, topic)
+        return _ok({}, errors)
+
+    async def channel_action(self, params: dict[str, str], body: bytes) -> Reply:
+        user = self._admin()
+        action = self._body(body).get("action")
+        if action not in ("pause", "unpause", "empty"):
+            raise HTTPError(400, "INVALID_ACTION")
+        topic, channel = params["topic"], params["channel"]
+        errors = Errors()
+        path = f"/channel/{action}?topic={topic}&channel={channel}"
+        if not await self._on_nodes(topic, path, errors) and not errors.failed:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        self._notify(f"{action}_channel", user, topic, channel)
+        return _ok({}, errors)
+
+    async def delete_topic(self, params: dict[str, str], body: bytes) -> Reply:
+        user = self._admin()
+        topic = params["topic"]
+        errors = Errors()
+        await self._on_lookupds(f"/topic/delete?topic={topic}", errors)
+        await self._on_nodes(topic, f"/topic/delete?topic={topic}", errors)
+        self._notify("delete_topic", user, topic)
+        return _ok({}, errors)
+
+    async def delete_channel(self, params: dict[str, str], body: bytes) -> Reply:
+        user = self._admin()
+        topic, channel = params["topic"], params["channel"]
+        errors = Errors()
+        await self._on_lookupds(f"/channel/delete?topic={topic}&channel={channel}", errors)
+        await self._on_nodes(topic, f"/channel/delete?topic={topic}&channel={channel}", errors)
+        self._notify("delete_channel", user, topic, channel)
+        return _ok({}, errors)
+
+    async def tombstone(self, params: dict[str, str], body: bytes) -> Reply:
+        """DELETE /api/nodes/:node {"topic": t}: tombstone the topic on that node in every lookupd,
+        then delete it on the node (nsqadmin's tombstoneNodeForTopicHandler)."""
+        user = self._admin()
+        topic = str(self._body(body).get("topic", ""))
+        if not is_valid_topic_name(topic):
+            raise HTTPError(400, "INVALID_TOPIC")
+        node = params["node"]
+        errors = Errors()
+        await self._on_lookupds(f"/topic/tombstone?topic={topic}&node={node}", errors)
+        try:
+            await self.cluster.post(node, f"/topic/delete?topic={topic}")
+        except httpx.HTTPError as exc:
+            errors.add(node, exc)
+        self._notify("tombstone_topic_producer", user, topic, node=node)
+        return _ok({}, errors)
+
+    def _notify(self, action: str, user: str, topic: str, channel: str = "", node: str = "") -> None:
+        """nsqadmin's AdminAction, POSTed to --notification-http-endpoint in the background."""
+        endpoint = self.options.notification_http_endpoint
+        if not endpoint:
+            return
+        client = request.scope.get("client") or ("", 0)
+        event = {"action": action, "topic": topic, "channel": channel, "node": node, "timestamp": int(time.time()),
+                 "user": user, "remote_ip": client[0], "user_agent": request.headers.get("User-Agent", ""),
+                 "url": request.url, "via": "trio-nsqadmin"}
+        if self.nursery is not None:
+            self.nursery.start_soon(self._send_notification, endpoint, event)
+
+    async def _send_notification(self, endpoint: str, event: dict[str, Any]) -> None:
+        try:
+            await self.cluster.client.post(endpoint, content=go_json(event),
+                                           headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as exc:
+            log.error("failed to send notification to %s - %s", endpoint, exc)
+
+    # --- /config/:opt -------------------------------------------------------------------------------
+
+    def _config_allowed(self) -> None:
+        client = request.scope.get("client") or ("", 0)
+        try:
+            allowed = ipaddress.ip_address(client[0]) in ipaddress.ip_network(self.options.allow_config_from_cidr,
+                                                                              strict=False)
+        except ValueError:
+            allowed = False
+        if not allowed:
+            raise HTTPError(403, "FORBIDDEN")
+
+    async def config(self, params: dict[str, str], body: bytes) -> Reply:
+        self._config_allowed()
+        opt = params["opt"]
+        if request.method == "PUT":
+            try:
+                value = json.loads(body)
+            except ValueError:
+                raise HTTPError(400, "INVALID_VALUE") from None
+            if opt == "nsqlookupd_http_addresses" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+                self.options.nsqlookupd_http_addresses = value
+                self.cluster.lookupds = list(value)
+            elif opt == "log_level" and value in ("debug", "info", "warn", "error", "fatal"):
+                self.options.log_level = value
+                logging.getLogger().setLevel({"warn": "WARNING", "fatal": "CRITICAL"}.get(value, value.upper()))
+            else:
+                raise HTTPError(400, "INVALID_OPTION")
+        if opt == "nsqlookupd_http_addresses":
+            return Reply(200, go_json(self.options.nsqlookupd_http_addresses), JSON_TYPE)
+        if opt == "log_level":
+            return Reply(200, go_json(self.options.log_level), JSON_TYPE)
+        raise HTTPError(400, "INVALID_OPTION")
+
+    # --- the page -----------------------------------------------------------------------------------
+
+    async def page(self, params: dict[str, str], body: bytes) -> Reply:
+        """index.html for every page path (the app routes itself); the settings it needs inline."""
+        html = (STATIC / "index.html").read_text()
+        base = self.options.base_path.rstrip("/") + "/"
+        settings = {"version": VERSION, "basePath": base, "lookupds": self.options.nsqlookupd_http_addresses,
+                    "isAdmin": not self.options.admin_users}
+        html = html.replace("/*SETTINGS*/", "window.NSQADMIN = " + json.dumps(settings) + ";")
+        html = html.replace("{{BASE}}", base)
+        return Reply(200, html.encode(), HTML_TYPE, nsq_header=False)
+
+    async def static(self, params: dict[str, str], body: bytes) -> Reply:
+        name = params["file"]
+        path = STATIC / name
+        if "/" in name or name.startswith(".") or path.suffix not in STATIC_TYPES or not path.is_file():
+            raise HTTPError(404, "NOT_FOUND")
+        return Reply(200, path.read_bytes(), STATIC_TYPES[path.suffix], nsq_header=False)
+
+
+PAGES = ("/", "/topics/:topic", "/topics/:topic/:channel", "/nodes", "/nodes/:node", "/counter")
+ROUTES: dict[str, dict[str, str]] = {
+    "GET": {
+        **dict.fromkeys(PAGES, "page"),
+        "/static/:file": "static",
+        "/ping": "ping",
+        "/api/topics": "topics",
+        "/api/topics/:topic": "topic",
+        "/api/topics/:topic/:channel": "channel",
+        "/api/nodes": "nodes",
+        "/api/nodes/:node": "node",
+        "/api/counter": "counter",
+        "/api/graphite": "graphite",
+        "/config/:opt": "config",
+    },
+    "POST": {
+        "/api/topics": "create",
+        "/api/topics/:topic": "topic_action",
+        "/api/topics/:topic/:channel": "channel_action",
+    },
+    "DELETE": {
+        "/api/topics/:topic": "delete_topic",
+        "/api/topics/:topic/:channel": "delete_channel",
+        "/api/nodes/:node": "tombstone",
+    },
+    "PUT": {"/config/:opt": "config"},
+}
+ROUTER = Router(ROUTES)
+
+
+def create_app(admin: Admin, nursery: trio.Nursery) -> QuartTrio:
+    app = QuartTrio(__name__)
+    admin.nursery = nursery
+    base = admin.options.base_path.rstrip("/")
+
+    @app.before_request
+    async def dispatch() -> Response:
+        start = time.perf_counter_ns()
+        method = request.method
+        path = request.scope.get("path") or request.path
+        query = request.query_string
+        if base and (path == base or path.startswith(base + "/")):
+            path = path[len(base):] or "/"
+        where = ROUTER.resolve(method, path)
+        reply = routed_reply(method, query, where)
+        if reply is None:
+            assert where.handler is not None
+            body = b""
+            if method in ("POST", "PUT", "DELETE"):
+                data = await request.get_data(cache=False)  # bounded by MAX_CONTENT_LENGTH
+                body = data if isinstance(data, bytes) else data.encode()
+            handler = getattr(admin, where.handler)
+            try:
+                reply = await handler(dict(where.params), body)
+            except HTTPError as err:
+                reply = error_reply(err.status, err.text)
+            except Exception as exc:  # our bug: one request fails, the server goes on
+                log.error("panic in HTTP handler - %r", exc, exc_info=exc)
+                reply = error_reply(500, "INTERNAL_ERROR")
+        client = request.scope.get("client") or ("", 0)
+        uri = path + ("?" + query.decode("latin-1") if query else "")
+        log_request(log, reply.status, method, uri, join_host_port(client[0], client[1]), time.perf_counter_ns() - start)
+        return to_response(reply)
+
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    return app

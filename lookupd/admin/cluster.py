@@ -1,0 +1,207 @@
+"""What the cluster says, as nsqadmin's clusterinfo reads and aggregates it.
+
+Producers come from every lookupd's /nodes (or, without lookupd, from each --nsqd-http-address's /info);
+figures from each nsqd's /stats?format=json. A topic's or channel's figures are summed over the nodes
+that have it, with the per-node rows beside the total (`node` "*" for the total). A node that does not
+answer costs its rows, never the answer: its error is collected and reported with the rest.
+Called by api.py's handlers; each call makes its own requests (nothing is cached).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+log = logging.getLogger("nsqadmin")
+
+CHANNEL_SUMS = ("depth", "memory_depth", "backend_depth", "in_flight_count", "deferred_count", "requeue_count",
+                "timeout_count", "message_count", "client_count")
+TOPIC_SUMS = ("depth", "memory_depth", "backend_depth", "message_count")
+
+
+@attrs.define
+class Errors:
+    """The nodes that did not answer in one request, and why (nsqadmin reports them in `message`)."""
+
+    failed: dict[str, str] = attrs.Factory(dict)
+
+    def add(self, node: str, exc: BaseException) -> None:
+        self.failed[node] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    def message(self) -> str:
+        if not self.failed:
+            return ""
+        return "WARNING: " + "; ".join(f"{node} - {why}" for node, why in sorted(self.failed.items()))
+
+
+class Cluster:
+    """HTTP reads and writes of the lookupds and nsqds (one httpx client, nsqadmin's timeouts)."""
+
+    def __init__(self, lookupd_http_addresses: list[str], nsqd_http_addresses: list[str], *,
+                 connect_timeout: float, request_timeout: float, verify: Any = True, max_nodes: int = 100) -> None:
+        self.lookupds = list(lookupd_http_addresses)
+        self.nsqds = list(nsqd_http_addresses)
+        self.max_nodes = max_nodes
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=connect_timeout), verify=verify)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def _get_json(self, address: str, path: str) -> Any:
+        response = await self.client.get(f"http://{address}{path}")
+        response.raise_for_status()
+        return response.json()
+
+    async def post(self, address: str, path: str) -> None:
+        response = await self.client.post(f"http://{address}{path}")
+        response.raise_for_status()
+
+    async def _each(self, addresses: list[str], path: str, errors: Errors) -> dict[str, Any]:
+        """GET path on every address at once; the answers by address (failures go to errors)."""
+        out: dict[str, Any] = {}
+
+        async def one(address: str) -> None:
+            try:
+                out[address] = await self._get_json(address, path)
+            except (httpx.HTTPError, ValueError) as exc:
+                errors.add(address, exc)
+
+        async with trio.open_nursery() as nursery:
+            for address in addresses[: self.max_nodes]:
+                nursery.start_soon(one, address)
+        return out
+
+    # --- producers (nodes) -------------------------------------------------------------------------
+
+    async def producers(self, errors: Errors) -> list[dict[str, Any]]:
+        """nsqadmin's GetProducers: every nsqd the lookupds know (merged by broadcast address and HTTP
+        port, with the lookupd/remote address each one registered through), or the --nsqd-http-address
+        list when there is no lookupd."""
+        if not self.lookupds:
+            infos = await self._each(self.nsqds, "/info", errors)
+            return [{
+                "remote_addresses": [], "remote_address": "", "hostname": info.get("hostname", ""),
+                "broadcast_address": info.get("broadcast_address", ""), "tcp_port": info.get("tcp_port", 0),
+                "http_port": info.get("http_port", 0), "version": info.get("version", ""), "topics": [],
+                "out_of_date": False, "node": address,
+            } for address, info in sorted(infos.items())]
+        merged: dict[str, dict[str, Any]] = {}
+        for lookupd, answer in sorted((await self._each(self.lookupds, "/nodes", errors)).items()):
+            for p in answer.get("producers") or []:
+                node = f"{p['broadcast_address']}:{p['http_port']}"
+                entry = merged.setdefault(node, {
+                    "remote_addresses": [], "remote_address": p.get("remote_address", ""),
+                    "hostname": p.get("hostname", ""), "broadcast_address": p["broadcast_address"],
+                    "tcp_port": p["tcp_port"], "http_port": p["http_port"], "version": p.get("version", ""),
+                    "topics": [], "out_of_date": False, "node": node,
+                })
+                entry["remote_addresses"].append(f"{lookupd}/{p.get('remote_address', '')}")
+                known = {t["topic"] for t in entry["topics"]}
+                tombstones = p.get("tombstones") or [False] * len(p.get("topics") or [])
+                for topic, tombstoned in zip(p.get("topics") or [], tombstones):
+                    if topic not in known:
+                        entry["topics"].append({"topic": topic, "tombstoned": bool(tombstoned)})
+        for entry in merged.values():
+            entry["topics"].sort(key=lambda t: t["topic"])
+        return [merged[node] for node in sorted(merged)]
+
+    async def nodes(self, errors: Errors) -> list[str]:
+        """The HTTP addresses of every nsqd (host:http_port)."""
+        return [p["node"] for p in await self.producers(errors)]
+
+    async def topics(self, errors: Errors) -> list[str]:
+        if self.lookupds:
+            names: set[str] = set()
+            for answer in (await self._each(self.lookupds, "/topics", errors)).values():
+                names.update(answer.get("topics") or [])
+            return sorted(names)
+        stats = await self.stats(await self.nodes(errors), errors)
+        return sorted({t["topic_name"] for node in stats.values() for t in node.get("topics") or []})
+
+    async def stats(self, nodes: list[str], errors: Errors, topic: str = "") -> dict[str, dict[str, Any]]:
+        """Each node's /stats?format=json, by node."""
+        path = "/stats?format=json" + (f"&topic={topic}" if topic else "")
+        return await self._each(nodes, path, errors)
+
+    # --- the rows nsqadmin shows ---------------------------------------------------------------------
+
+
+def e2e(result: dict[str, Any] | None, topic: str = "", channel: str = "", host: str = "") -> dict[str, Any]:
+    result = result or {}
+    return {"count": result.get("count", 0), "percentiles": result.get("percentiles"), "topic": topic,
+            "channel": channel, "host": host}
+
+
+def channel_row(node: str, hostname: str, topic: str, c: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "node": node, "hostname": hostname, "topic_name": topic, "channel_name": c["channel_name"],
+        "depth": c["depth"], "memory_depth": c["depth"] - c["backend_depth"], "backend_depth": c["backend_depth"],
+        "in_flight_count": c["in_flight_count"], "deferred_count": c["deferred_count"],
+        "requeue_count": c["requeue_count"], "timeout_count": c["timeout_count"], "message_count": c["message_count"],
+        "client_count": c["client_count"], "nodes": None,
+        "clients": [dict(client, node=node) for client in c.get("clients") or []],
+        "paused": c["paused"], "e2e_processing_latency": e2e(c.get("e2e_processing_latency")),
+    }
+
+
+def topic_row(node: str, hostname: str, t: dict[str, Any]) -> dict[str, Any]:
+    name = t["topic_name"]
+    return {
+        "node": node, "hostname": hostname, "topic_name": name, "depth": t["depth"],
+        "memory_depth": t["depth"] - t["backend_depth"], "backend_depth": t["backend_depth"],
+        "message_count": t["message_count"], "nodes": None,
+        "channels": [channel_row(node, hostname, name, c) for c in t.get("channels") or []],
+        "paused": t["paused"], "e2e_processing_latency": e2e(t.get("e2e_processing_latency")),
+    }
+
+
+def _hostname(producers: list[dict[str, Any]], node: str) -> str:
+    return next((p["hostname"] for p in producers if p["node"] == node), node.rsplit(":", 1)[0])
+
+
+def node_topic_rows(stats: dict[str, dict[str, Any]], producers: list[dict[str, Any]],
+                    topic: str = "") -> list[dict[str, Any]]:
+    rows = []
+    for node, answer in sorted(stats.items()):
+        for t in answer.get("topics") or []:
+            if not topic or t["topic_name"] == topic:
+                rows.append(topic_row(node, _hostname(producers, node), t))
+    return rows
+
+
+def aggregate_channel(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A channel's total over its per-node rows (nsqadmin's ChannelStats.Add)."""
+    first = rows[0]
+    total = {key: first[key] for key in ("topic_name", "channel_name")}
+    out: dict[str, Any] = {"node": "*", "hostname": "", **total}
+    for key in CHANNEL_SUMS:
+        out[key] = sum(r[key] for r in rows)
+    out["nodes"] = rows
+    out["clients"] = None
+    out["paused"] = any(r["paused"] for r in rows)
+    out["e2e_processing_latency"] = e2e({"count": sum(r["e2e_processing_latency"]["count"] for r in rows)},
+                                        first["topic_name"], first["channel_name"], "*")
+    return out
+
+
+def aggregate_topic(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A topic's total over its per-node rows, with its channels merged by name (nsqadmin's TopicStats.Add)."""
+    first = rows[0]
+    out: dict[str, Any] = {"node": "*", "hostname": "", "topic_name": first["topic_name"]}
+    for key in TOPIC_SUMS:
+        out[key] = sum(r[key] for r in rows)
+    out["nodes"] = rows
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        for c in r["channels"]:
+            by_name.setdefault(c["channel_name"], []).append(c)
+    out["channels"] = [group[0] if len(group) == 1 else aggregate_channel(group)
+                       for _, group in sorted(by_name.items())]
+    out["paused"] = any(r["paused"] for r in rows)
+    out["e2e_processing_latency"] = e2e({"count": sum(r["e2e_processing_latency"]["count"] for r in rows)},
+                                        first["topic_name"], "", "*")
+    return out

@@ -1,0 +1,210 @@
+// trio-nsqadmin's page: plain JS, no build step. It reads nsqadmin's JSON API every 2 s and keeps the
+// last minutes of figures per topic and channel in memory, to draw live graphs of rates and depth.
+"use strict";
+
+const S = window.NSQADMIN || { basePath: "/" };
+const BASE = S.basePath;
+const POLL_MS = 2000;
+const KEEP = 150; // samples kept per series: 5 minutes at one every 2 s
+const series = new Map(); // key -> [{t, message_count, depth, processed}]
+let timer = null;
+
+const $ = (sel, el = document) => el.querySelector(sel);
+const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+const num = (n) => Number(n || 0).toLocaleString("en-US");
+
+function status(text, error = false) {
+  $("#status").innerHTML = text ? `<div class="msg${error ? " error" : ""}">${esc(text)}</div>` : "";
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(BASE + path.replace(/^\//, ""), options);
+  let body = {};
+  try { body = await response.json(); } catch (e) { /* empty body */ }
+  if (!response.ok) throw new Error(body.message || `${response.status} ${response.statusText}`);
+  return body;
+}
+
+function record(key, row) {
+  const list = series.get(key) || [];
+  list.push({ t: Date.now() / 1000, message_count: row.message_count, depth: row.depth,
+              processed: row.message_count - row.depth - (row.in_flight_count || 0) });
+  if (list.length > KEEP) list.shift();
+  series.set(key, list);
+  return list;
+}
+
+function rates(list, field) {
+  const out = [];
+  for (let i = 1; i < list.length; i++) {
+    const dt = list[i].t - list[i - 1].t;
+    out.push(dt > 0 ? Math.max(0, (list[i][field] - list[i - 1][field]) / dt) : 0);
+  }
+  return out;
+}
+
+function graph(title, values, unit) {
+  const w = 300, h = 80, n = values.length;
+  const max = Math.max(1, ...values);
+  const pts = values.map((v, i) => `${n > 1 ? (i * w / (n - 1)).toFixed(1) : 0},${(h - 4 - (v / max) * (h - 8)).toFixed(1)}`);
+  const area = pts.length ? `<polygon points="0,${h} ${pts.join(" ")} ${w},${h}"></polygon>` : "";
+  const now = n ? values[n - 1] : 0;
+  return `<div class="graph" data-graph="${esc(title)}">
+    <div class="title"><span>${esc(title)}</span><span class="now">${num(Math.round(now))} ${unit}</span></div>
+    <svg viewBox="0 0 ${w} ${h}" preserveAspectRatio="none">${area}<polyline points="${pts.join(" ")}"></polyline></svg>
+  </div>`;
+}
+
+// falling behind: depth rising over the last 5 polls, or every consumer's RDY used up
+function behind(list, row) {
+  const last = list.slice(-5);
+  const rising = last.length === 5 && last.every((s, i) => i === 0 || s.depth > last[i - 1].depth) && last[4].depth > 0;
+  const clients = (row.nodes || []).flatMap((n) => n.clients || []);
+  const rdy = clients.reduce((a, c) => a + (c.ready_count || 0), 0);
+  const atMax = clients.length > 0 && row.in_flight_count > 0 && row.in_flight_count >= rdy;
+  return rising || atMax;
+}
+
+const pausedTag = (p) => (p ? '<span class="tag paused">paused</span>' : "");
+
+async function act(method, path, body, done) {
+  try {
+    const answer = await api(path, { method, headers: { "Content-Type": "application/json" }, body: JSON.stringify(body || {}) });
+    status(`${done}${answer.message ? " — " + answer.message : ""}`);
+  } catch (e) {
+    status(`${done.replace(/ed$/, "")} failed: ${e.message}`, true);
+  }
+  refresh();
+}
+
+function buttons(kind, path, paused, label) {
+  return `<div class="actions">
+    <button data-act="${paused ? "unpause" : "pause"}">${paused ? "Unpause" : "Pause"} ${kind}</button>
+    <button data-act="empty">Empty ${kind}</button>
+    <button class="danger" data-act="delete">Delete ${kind}</button>
+  </div>`;
+}
+
+function wire(path, name, back) {
+  for (const b of document.querySelectorAll("[data-act]")) {
+    b.onclick = () => {
+      const a = b.dataset.act;
+      if (a === "delete") {
+        if (!confirm(`Delete ${name}?`)) return;
+        act("DELETE", path, null, `${name} deleted`).then(() => go(back));
+      } else {
+        act("POST", path, { action: a }, `${name} ${a === "empty" ? "emptied" : a + "d"}`);
+      }
+    };
+  }
+}
+
+// --- views -------------------------------------------------------------------------------------------
+
+async function topicsView() {
+  const data = await api("/api/topics");
+  const rows = data.topics.map((t) => `<tr><td><a href="${BASE}topics/${encodeURIComponent(t)}" data-nav>${esc(t)}</a></td></tr>`);
+  $("#view").innerHTML = `<h1>Topics</h1>
+    <table><thead><tr><th>Topic</th></tr></thead><tbody>${rows.join("") || '<tr><td class="muted">no topics</td></tr>'}</tbody></table>`;
+  if (data.message) status(data.message, true);
+}
+
+async function topicView(topic) {
+  const t = await api(`/api/topics/${encodeURIComponent(topic)}`);
+  const list = record(`t:${topic}`, t);
+  const chanRows = t.channels.map((c) => {
+    const cl = record(`c:${topic}:${c.channel_name}`, c);
+    return `<tr data-channel="${esc(c.channel_name)}"><td><a href="${BASE}topics/${encodeURIComponent(topic)}/${encodeURIComponent(c.channel_name)}" data-nav>${esc(c.channel_name)}</a>${pausedTag(c.paused)}${behind(cl, c) ? '<span class="tag behind">falling behind</span>' : ""}</td>
+      <td class="depth">${num(c.depth)}</td><td>${num(c.memory_depth)} + ${num(c.backend_depth)}</td><td>${num(c.in_flight_count)}</td>
+      <td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td></tr>`;
+  });
+  const nodeRows = t.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.memory_depth)} + ${num(n.backend_depth)}</td><td>${num(n.message_count)}</td><td>${n.channels.length}</td></tr>`);
+  const channelGraphs = t.channels.map((c) => graph(`${c.channel_name}: delivered /s`, rates(series.get(`c:${topic}:${c.channel_name}`), "processed"), "msg/s"));
+  $("#view").innerHTML = `<h1>Topic <span data-topic>${esc(topic)}</span>${pausedTag(t.paused)}</h1>
+    ${buttons("topic", `/api/topics/${encodeURIComponent(topic)}`, t.paused)}
+    <div class="graphs">${graph("published /s", rates(list, "message_count"), "msg/s")}${graph("depth", list.map((s) => s.depth), "msgs")}${channelGraphs.join("")}</div>
+    <h2>Nodes</h2>
+    <table><thead><tr><th>Node</th><th>Depth</th><th>Memory + Disk</th><th>Messages</th><th>Channels</th></tr></thead>
+      <tbody><tr class="total"><td>Total</td><td>${num(t.depth)}</td><td>${num(t.memory_depth)} + ${num(t.backend_depth)}</td><td>${num(t.message_count)}</td><td>${t.channels.length}</td></tr>${nodeRows.join("")}</tbody></table>
+    <h2>Channels</h2>
+    <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th></tr></thead>
+      <tbody>${chanRows.join("") || '<tr><td class="muted" colspan="9">no channels</td></tr>'}</tbody></table>`;
+  wire(`/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`, "");
+  if (t.message) status(t.message, true);
+}
+
+async function channelView(topic, channel) {
+  const c = await api(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`);
+  const list = record(`c:${topic}:${channel}`, c);
+  const clients = c.nodes.flatMap((n) => n.clients || []);
+  const clientRows = clients.map((k) => `<tr><td>${esc(k.hostname)} <span class="muted">${esc(k.remote_address)}</span></td><td>${esc(k.node)}</td><td>${esc(k.user_agent)}</td>
+    <td>${num(k.ready_count)}</td><td>${num(k.in_flight_count)}</td><td>${num(k.finish_count)}</td><td>${num(k.requeue_count)}</td><td>${num(k.message_count)}</td></tr>`);
+  const nodeRows = c.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.in_flight_count)}</td><td>${num(n.deferred_count)}</td><td>${num(n.requeue_count)}</td><td>${num(n.timeout_count)}</td><td>${num(n.message_count)}</td><td>${num(n.client_count)}</td></tr>`);
+  $("#view").innerHTML = `<h1><a href="${BASE}topics/${encodeURIComponent(topic)}" data-nav>${esc(topic)}</a> / <span data-channel-name>${esc(channel)}</span>${pausedTag(c.paused)}${behind(list, c) ? '<span class="tag behind">falling behind</span>' : ""}</h1>
+    ${buttons("channel", `/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, c.paused)}
+    <div class="graphs">${graph("delivered /s", rates(list, "processed"), "msg/s")}${graph("depth", list.map((s) => s.depth), "msgs")}</div>
+    <h2>Nodes</h2>
+    <table><thead><tr><th>Node</th><th>Depth</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th></tr></thead>
+      <tbody><tr class="total"><td>Total</td><td>${num(c.depth)}</td><td>${num(c.in_flight_count)}</td><td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td></tr>${nodeRows.join("")}</tbody></table>
+    <h2>Clients</h2>
+    <table><thead><tr><th>Client</th><th>Node</th><th>User agent</th><th>RDY</th><th>In flight</th><th>Finished</th><th>Requeued</th><th>Messages</th></tr></thead>
+      <tbody>${clientRows.join("") || '<tr><td class="muted" colspan="8">no clients</td></tr>'}</tbody></table>`;
+  wire(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, `channel ${topic}/${channel}`, `topics/${encodeURIComponent(topic)}`);
+  if (c.message) status(c.message, true);
+}
+
+async function nodesView() {
+  const data = await api("/api/nodes");
+  const checks = await Promise.all(data.nodes.map((n) =>
+    api(`/api/nodes/${encodeURIComponent(n.broadcast_address + ":" + n.http_port)}`).then((r) => !r.message, () => false)));
+  const rows = data.nodes.map((n, i) => `<tr data-node="${esc(n.broadcast_address)}:${n.http_port}"><td>${esc(n.hostname)} <span class="muted">${esc(n.broadcast_address)}:${n.http_port}</span>
+      ${checks[i] ? '<span class="tag up">up</span>' : '<span class="tag down">not answering</span>'}</td>
+      <td>${esc(n.version)}</td><td>${n.tcp_port}</td><td>${n.topics.length}</td></tr>`);
+  $("#view").innerHTML = `<h1>Nodes</h1>
+    <table><thead><tr><th>Node</th><th>Version</th><th>TCP port</th><th>Topics</th></tr></thead><tbody>${rows.join("") || '<tr><td class="muted" colspan="4">no nodes</td></tr>'}</tbody></table>`;
+  if (data.message) status(data.message, true);
+}
+
+async function counterView() {
+  const data = await api("/api/counter");
+  const total = Object.values(data.stats).reduce((a, s) => a + s.message_count, 0);
+  const list = record("counter", { message_count: total, depth: 0 });
+  $("#view").innerHTML = `<h1>Messages processed</h1><p class="now" style="font-size:40px;margin:8px 0">${num(total)}</p>
+    <div class="graphs">${graph("messages /s", rates(list, "message_count"), "msg/s")}</div>`;
+}
+
+// --- routing -------------------------------------------------------------------------------------------
+
+function route() {
+  const path = decodeURI(location.pathname.slice(BASE.length - 1));
+  const parts = path.split("/").filter(Boolean);
+  if (parts[0] === "topics" && parts.length === 2) return () => topicView(parts[1]);
+  if (parts[0] === "topics" && parts.length === 3) return () => channelView(parts[1], parts[2]);
+  if (parts[0] === "nodes") return nodesView;
+  if (parts[0] === "counter") return counterView;
+  return topicsView;
+}
+
+async function refresh() {
+  clearTimeout(timer);
+  try {
+    await route()();
+    $("#live").textContent = "live";
+  } catch (e) {
+    status(e.message, true);
+  }
+  timer = setTimeout(refresh, POLL_MS);
+}
+
+function go(path) {
+  history.pushState(null, "", BASE + path.replace(/^\//, ""));
+  status("");
+  refresh();
+}
+
+document.addEventListener("click", (e) => {
+  const a = e.target.closest("a[data-nav]");
+  if (a && !e.metaKey && !e.ctrlKey) { e.preventDefault(); go(a.getAttribute("href").slice(BASE.length)); }
+});
+window.addEventListener("popstate", refresh);
+refresh();

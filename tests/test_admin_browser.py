@@ -1,0 +1,106 @@
+"""trio-nsqadmin's page in a real headless Chromium (the OS package, driven by Selenium): the topic and its
+channel with the right depth, a pause clicked on the page reaching the broker, a live graph drawn.
+
+`.ci/run` installs Chromium and its driver (Debian's `chromium` and `chromium-driver`); on a machine
+without them these tests say so and do not run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from processes import AdminProcess, BrokerProcess, LookupdProcess, wait_for
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+CHROMEDRIVER = shutil.which("chromedriver")
+if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip("no Chromium and chromedriver on this machine (Debian: apt-get install chromium chromium-driver); "
+                "the browser tests of trio-nsqadmin did not run", allow_module_level=True)
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    base = tmp_path_factory.mktemp("admin-web")
+    lookupd = LookupdProcess(base, broadcast_address="127.0.0.1").start()
+    broker = BrokerProcess(base, lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1").start()
+    admin = AdminProcess(base, lookupd_http_address=lookupd.http_address).start()
+    yield lookupd, broker, admin
+    for daemon in (admin, broker, lookupd):
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def publish(broker: BrokerProcess, topic: str, n: int) -> None:
+    assert broker.http.post(f"/mpub?topic={topic}", content=b"\n".join(b"m%d" % i for i in range(n))).text == "OK"
+
+
+def text_of(browser, css: str) -> str:
+    found = browser.find_elements(By.CSS_SELECTOR, css)
+    return found[0].text if found else ""
+
+
+def test_the_topic_page_shows_depth_pauses_the_broker_and_draws_graphs(cluster, browser, tmp_path):
+    lookupd, broker, admin = cluster
+    broker.http.post("/topic/create?topic=web")
+    broker.http.post("/channel/create?topic=web&channel=web-ch")
+    publish(broker, "web", 7)
+    wait_for(lambda: lookupd.get("/lookup?topic=web").status_code == 200, timeout=10, message="lookupd knows web")
+
+    browser.get(f"{admin.http_url}/topics/web")
+    wait_for(lambda: text_of(browser, 'tr[data-channel="web-ch"] td.depth') == "7", timeout=15,
+             message="the channel row with depth 7")
+    assert text_of(browser, "[data-topic]") == "web"
+
+    # live graphs: keep publishing while the page polls; the published-rate line gets points and a height
+    def drawn() -> bool:
+        publish(broker, "web", 50)
+        lines = browser.find_elements(By.CSS_SELECTOR, '[data-graph="published /s"] polyline')
+        points = lines[0].get_attribute("points").split() if lines else []
+        return len(points) >= 3 and len({p.split(",")[1] for p in points}) > 1
+    wait_for(drawn, timeout=30, interval=1.0, message="the published /s graph to draw")
+    browser.save_screenshot(str(tmp_path / "topic.png"))
+    assert (tmp_path / "topic.png").stat().st_size > 10_000
+    if os.environ.get("TRIO_NSQ_SCREENSHOT"):  # how docs/admin-topic.png is made
+        browser.save_screenshot(os.environ["TRIO_NSQ_SCREENSHOT"])
+
+    # the channel page: click pause, see the broker's channel paused and the page say so
+    browser.find_element(By.CSS_SELECTOR, 'tr[data-channel="web-ch"] a').click()
+    wait_for(lambda: text_of(browser, "[data-channel-name]") == "web-ch", timeout=10, message="the channel page")
+    browser.find_element(By.CSS_SELECTOR, 'button[data-act="pause"]').click()
+
+    def paused_on_broker() -> bool:
+        topics = broker.http.get("/stats?format=json&topic=web").json()["topics"]
+        return topics[0]["channels"][0]["paused"]
+    wait_for(paused_on_broker, timeout=10, message="the broker's channel paused")
+    wait_for(lambda: "channel web/web-ch paused" in text_of(browser, "#status"), timeout=10,
+             message="the action's result on the page")
+    wait_for(lambda: "paused" in text_of(browser, "h1"), timeout=10, message="the paused tag")
+    assert browser.find_element(By.CSS_SELECTOR, 'button[data-act="unpause"]')
+
+
+def test_the_nodes_page_marks_each_broker(cluster, browser):
+    _, broker, admin = cluster
+    browser.get(f"{admin.http_url}/nodes")
+    row = f'tr[data-node="127.0.0.1:{broker.http_port}"]'
+    wait_for(lambda: "up" in text_of(browser, row), timeout=15, message="the broker marked up")
+    time.sleep(0.1)
+    assert "not answering" not in text_of(browser, row)
