@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("nsqd")
 
 
+# (statsd name, stats record attribute, counter?) in nsqd's order; counters are sent as differences
+TOPIC_FIGURES = (("message_count", "message_count", True), ("message_bytes", "message_bytes", True),
+                 ("depth", "depth", False), ("backend_depth", "backend_depth", False))
+CHANNEL_FIGURES = (("message_count", "message_count", True), ("depth", "depth", False),
+                   ("backend_depth", "backend_depth", False), ("in_flight_count", "in_flight_count", False),
+                   ("deferred_count", "deferred_count", False), ("requeue_count", "requeue_count", True),
+                   ("timeout_count", "timeout_count", True), ("clients", "client_count", False))
+
+
 def host_key(address: str) -> str:
     return address.replace(".", "_").replace(":", "_")
 
@@ -44,28 +53,22 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
         for p in e2e.percentiles or ():
             gauge(f"{key}.e2e_processing_latency_{p.quantile * 100:.0f}", p.value)
 
+    def figures(prefix: str, record: object, table: tuple[tuple[str, str, bool], ...]) -> None:
+        for name, attribute, counter in table:
+            (incr if counter else gauge)(f"{prefix}.{name}", getattr(record, attribute))
+
     exclude_ephemeral = nsqd.options.statsd_exclude_ephemeral
     for topic in get_stats(nsqd, include_clients=False).topics or ():
         if exclude_ephemeral and topic.ephemeral:
             continue
         t = f"topic.{topic.topic_name}"
-        incr(f"{t}.message_count", topic.message_count)
-        incr(f"{t}.message_bytes", topic.message_bytes)
-        gauge(f"{t}.depth", topic.depth)
-        gauge(f"{t}.backend_depth", topic.backend_depth)
+        figures(t, topic, TOPIC_FIGURES)
         latency(t, topic.e2e_processing_latency)
         for channel in topic.channels:
             if exclude_ephemeral and is_ephemeral(channel.channel_name):
                 continue
             c = f"{t}.channel.{channel.channel_name}"
-            incr(f"{c}.message_count", channel.message_count)
-            gauge(f"{c}.depth", channel.depth)
-            gauge(f"{c}.backend_depth", channel.backend_depth)
-            gauge(f"{c}.in_flight_count", channel.in_flight_count)
-            gauge(f"{c}.deferred_count", channel.deferred_count)
-            incr(f"{c}.requeue_count", channel.requeue_count)
-            incr(f"{c}.timeout_count", channel.timeout_count)
-            gauge(f"{c}.clients", channel.client_count)
+            figures(c, channel, CHANNEL_FIGURES)
             latency(c, channel.e2e_processing_latency)
     if nsqd.options.statsd_mem_stats:
         usage = resource.getrusage(resource.RUSAGE_SELF)

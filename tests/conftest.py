@@ -16,7 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from processes import REPO_ROOT, BrokerProcess
@@ -35,6 +36,24 @@ def broker_factory(tmp_path):
     yield factory
     for b in started:
         b.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Callable[[str], Path]]:
+    """``small_disk("2m") -> Path``: a tmpfs of that size, mounted for the test (a disk that really
+    fills up), unmounted at teardown. Needs root, as CI has."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"small{len(mounted)}"
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -73,11 +73,18 @@ def _accepts(port: int) -> bool:
         return False
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.05, message: str = "condition"):
-    """Poll until predicate() is truthy and return it; AssertionError after `timeout` seconds."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02, message: str = "condition",
+             ignore: tuple[type[BaseException], ...] = ()) -> Any:
+    """Poll until predicate() is truthy and return it; AssertionError after `timeout` seconds. Exceptions
+    in `ignore` count as "not yet" until the deadline, then propagate."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except ignore:
+            if time.monotonic() > deadline:
+                raise
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:

@@ -190,10 +190,8 @@ def test_corrupt_and_truncated_files_are_survived(broker_factory):
         assert _read_frame(pub, FrameParser()) == (0, b"OK")
 
 
-def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(small_disk):
+    mnt = small_disk("2m")
     broker = BrokerProcess(mnt, mem_queue_size=0)
     try:
         broker.start()
@@ -217,7 +215,6 @@ def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(tmp_path):
         assert set(accepted) <= seen.keys(), f"lost {len(set(accepted) - seen.keys())} accepted messages"
     finally:
         broker.kill()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_missing_data_directory(tmp_path):

@@ -182,21 +182,13 @@ def test_long_lines_and_huge_sizes_are_refused_without_buffering(fuzz_broker):
         MAGIC_V2 + b"MPUB fuzz\n\x7f\xff\xff\xff" + b"x" * (10 * 1024 * 1024),
         MAGIC_V2 + b"IDENTIFY\n\x7f\xff\xff\xff" + b"x" * (10 * 1024 * 1024),
     ]
-    rss_before = _rss_mb(broker.proc.pid)
+    rss_before = broker.memory()["VmRSS"] / 2**20
     outcomes = play_sync(address, [(c, False) for c in bulk], timeout=10, chunk=65536)
     assert all(o.closed and o.seconds < 5 for o in outcomes), outcomes
-    growth = _rss_mb(broker.proc.pid) - rss_before
+    growth = broker.memory()["VmRSS"] / 2**20 - rss_before
     assert growth < 30, f"broker RSS grew {growth:.0f} MB"
     assert "line too long" in broker.log_text()
     assert_still_serving(broker)
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for ln in fh:
-            if ln.startswith("VmRSS:"):
-                return int(ln.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 # ---------------------------------------------------------------------------------------------

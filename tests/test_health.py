@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import urllib.error
@@ -73,10 +72,8 @@ def read_all_frames(sock, timeout: float = 10) -> list[tuple[int, bytes]]:
         frames.append(frame)
 
 
-def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(small_disk):
+    mnt = small_disk("4m")
     broker = BrokerProcess(mnt, mem_queue_size=0)
     try:
         broker.start()
@@ -111,7 +108,6 @@ def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(tmp_pa
         assert broker.is_alive()
     finally:
         broker.kill()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture

@@ -73,17 +73,22 @@ def fuzz_case(address: tuple[str, int], seed: int) -> str:
         data = (MAGIC_V2 if rng.random() < 0.5 else b"") + rng.randbytes(rng.randint(0, 300))
     else:
         data = mutate(rng, rng.choice(SEEDS))
+    return send_to_eof(address, data, seed)
+
+
+def send_to_eof(address: tuple[str, int], data: bytes, seed: int) -> str:
+    """Send one case and read until the daemon closes; "" if it did, a line saying so if it hung."""
     with socket.create_connection(address, timeout=10) as sock:
         try:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
-            # the broker must answer and/or close: read until EOF
+            # the daemon must answer and/or close: read until EOF
             while sock.recv(65536):
                 pass
         except socket.timeout:
             return f"hang on case {seed}: {data[:80]!r}"
         except OSError:
-            pass  # the broker closed first (reset, not connected): that is an answer too
+            pass  # the daemon closed first (reset, not connected): that is an answer too
     return ""
 
 
@@ -201,14 +206,6 @@ def test_bad_magic(broker, junk):
     assert_serving(broker)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_publisher_faster_than_consumers_spills_to_disk_with_bounded_memory(broker_factory):
     broker = broker_factory(mem_queue_size=1000)
     body = b"p" * 1000
@@ -222,8 +219,8 @@ def test_a_publisher_faster_than_consumers_spills_to_disk_with_bounded_memory(br
             producer.command("MPUB", "spill", body=encode_mpub_body([body] * 500))
             producer.expect_response(b"OK")
             if i % 40 == 0:
-                peak = max(peak, _rss_mb(broker.proc.pid))
-        peak = max(peak, _rss_mb(broker.proc.pid))
+                peak = max(peak, broker.memory()["VmRSS"] / 2**20)
+        peak = max(peak, broker.memory()["VmRSS"] / 2**20)
         consumer.fin(consumer.expect_message().id)
     on_disk = sum(f.stat().st_size for f in broker.data_path.glob("*.dat"))
     assert on_disk > 150_000_000, on_disk
@@ -248,17 +245,7 @@ def test_fuzzed_lookupd_streams(tmp_path):
         def case(seed: int) -> str:
             rng = random.Random(seed)
             data = mutate(rng, rng.choice(V1_SEEDS)) if rng.random() < 0.8 else rng.randbytes(rng.randint(0, 200))
-            with socket.create_connection(address, timeout=10) as sock:
-                try:
-                    sock.sendall(data)
-                    sock.shutdown(socket.SHUT_WR)
-                    while sock.recv(65536):
-                        pass
-                except socket.timeout:
-                    return f"hang on case {seed}: {data[:80]!r}"
-                except OSError:
-                    pass
-            return ""
+            return send_to_eof(address, data, seed)
 
         with ThreadPoolExecutor(16) as pool:
             failures = [f for f in pool.map(case, range(5_000)) if f]

@@ -3,7 +3,6 @@ publishes nothing, also across kill -9 and restart; and kill -9 makes no copy of
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 
@@ -218,11 +217,9 @@ def test_kill_9_makes_no_copy(broker_factory):
         assert t["channels"][0]["depth"] == published, f"run {run}: a message came back twice"
 
 
-def test_failed_publish_leaves_its_key_free(tmp_path):
+def test_failed_publish_leaves_its_key_free(small_disk):
     """A publish the disk refused is not remembered: its retry, once there is room, publishes."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    mnt = small_disk("2m")
     broker = BrokerProcess(mnt, mem_queue_size=0, sync_every=1)
     try:
         ballast = mnt / "ballast"
@@ -250,4 +247,3 @@ def test_failed_publish_leaves_its_key_free(tmp_path):
         assert broker.is_alive() and "Traceback" not in broker.log_text()
     finally:
         broker.kill()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

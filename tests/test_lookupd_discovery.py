@@ -7,11 +7,10 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from processes import LookupdProcess
+from processes import LookupdProcess, wait_for
 
 from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1
 from trio_nsq.lookupd.registration_db import (
@@ -39,18 +38,8 @@ def lookupd_factory(tmp_path):
 
 
 def eventually(fn, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = fn()
-            if result:
-                return result
-        except (AssertionError, httpx.HTTPError, KeyError):
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
+    """wait_for, counting a request that fails or an assertion not yet true as "not yet"."""
+    return wait_for(fn, timeout, ignore=(AssertionError, httpx.HTTPError, KeyError))
 
 
 # --- pure parts ---------------------------------------------------------------------------------

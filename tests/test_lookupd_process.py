@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from processes import REPO_ROOT, LookupdProcess
+from processes import REPO_ROOT, LookupdProcess, wait_for
 
 _LINE = re.compile(r"^\[nsqlookupd\] \d{4}/\d\d/\d\d \d\d:\d\d:\d\d\.\d{6} (DEBUG|INFO|WARNING|ERROR|FATAL): ")
 
@@ -89,17 +89,6 @@ def start_lookupd(tmp_path):
     yield start
     for lk in started:
         lk.kill()
-
-
-def eventually(check, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def producers(lk: LookupdProcess, topic: str) -> list[dict]:
@@ -224,7 +213,7 @@ def test_tombstone_hides_a_producer_until_its_lifetime_ends(lookupd):
     assert len(producers(lookupd, "tomb_b")) == 1  # a tombstone is per topic
     me = node(lookupd, peer.local_address)  # /nodes lists it, flagged
     assert dict(zip(me["topics"], me["tombstones"])) == {"tomb_a": True, "tomb_b": False}
-    eventually(lambda: producers(lookupd, "tomb_a"), timeout=5)  # --tombstone-lifetime=1s
+    wait_for(lambda: producers(lookupd, "tomb_a"), timeout=5)  # --tombstone-lifetime=1s
     assert time.monotonic() - tombstoned_at >= 0.9
     me = node(lookupd, peer.local_address)
     assert dict(zip(me["topics"], me["tombstones"])) == {"tomb_a": False, "tomb_b": False}
@@ -238,7 +227,7 @@ def test_a_disconnected_peer_is_removed(lookupd):
         assert peer.command(b"REGISTER gone_topic gone_chan\n") == b"OK"
     assert len(producers(lookupd, "gone_topic")) == 2
     leaves.close()
-    eventually(lambda: len(producers(lookupd, "gone_topic")) == 1)
+    wait_for(lambda: len(producers(lookupd, "gone_topic")) == 1)
     assert [p["remote_address"] for p in producers(lookupd, "gone_topic")] == [stays.local_address]
     assert node(lookupd, leaves.local_address) is None
     assert not any(e["id"] == leaves.local_address for entries in lookupd.http.get("/debug").json().values()
@@ -289,7 +278,7 @@ def test_errors_after_registering_remove_the_peer(lookupd):
     assert peer.response() == b"OK"
     assert peer.response() == b"E_BAD_TOPIC REGISTER topic name 'bad*topic' is not valid"
     assert peer.closed_by_peer()  # the PING after the error is never answered
-    eventually(lambda: producers(lookupd, "err_topic") == [])
+    wait_for(lambda: producers(lookupd, "err_topic") == [])
     second = V1Peer(lookupd.tcp_port)
     second.identify()
     assert second.command(b"REGISTER err_chan_topic bad*chan\n") == b"E_BAD_CHANNEL REGISTER channel name 'bad*chan' is not valid"
@@ -342,7 +331,7 @@ def test_inactive_producers_drop_out_until_they_ping(start_lookupd):
     peer.identify()
     assert peer.command(b"REGISTER idle_topic\n") == b"OK"
     assert len(producers(lk, "idle_topic")) == 1 and node(lk, peer.local_address)
-    eventually(lambda: producers(lk, "idle_topic") == [] and node(lk, peer.local_address) is None, timeout=3)
+    wait_for(lambda: producers(lk, "idle_topic") == [] and node(lk, peer.local_address) is None, timeout=3)
     assert lk.http.get("/topics").json() == {"topics": ["idle_topic"]}  # the registration stays
     assert peer.command(b"PING\n") == b"OK"
     assert len(producers(lk, "idle_topic")) == 1 and node(lk, peer.local_address)
@@ -361,7 +350,7 @@ def test_config_file_with_flags_over_it(start_lookupd, tmp_path):
     assert peer.command(b"REGISTER cfg_topic\n") == b"OK"
     lk.http.post("/topic/tombstone?topic=cfg_topic&node=cfg.host:4151")
     assert producers(lk, "cfg_topic") == []
-    eventually(lambda: producers(lk, "cfg_topic"), timeout=2)  # the file's 200ms lifetime
+    wait_for(lambda: producers(lk, "cfg_topic"), timeout=2)  # the file's 200ms lifetime
     peer.close()
 
 

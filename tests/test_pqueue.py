@@ -413,15 +413,6 @@ def test_pqueue_expiry_order_and_stale_entries():
     assert len(q) == 0 and q.next_deadline() is None
 
 
-def test_pqueue_memory_stays_bounded():
-    q = MessagePQueue()
-    for i in range(100_000):
-        m = _plain_msg(i)
-        q.push(m, float(i))
-        q.pop(m.id)
-        assert len(q._heap) <= 2 * len(q) + 1024
-
-
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["push", "pop", "expire"]), st.integers(0, 20), st.integers(0, 100))))
 def test_pqueue_against_a_model(ops):

@@ -18,6 +18,7 @@ from trio_nsq.broker.http.openapi import openapi_bytes
 from trio_nsq.broker.http.request import ApiRequest
 from trio_nsq.broker.idempotency import valid_key
 from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
+from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http_api import (
     EMPTY,
@@ -124,7 +125,7 @@ class Api:
             raise HTTPError(400, "INVALID_ARG_CHANNEL")
         return self._existing_topic(topic_names[0]), channel_names[0]
 
-    def _existing_channel(self, req: ApiRequest):
+    def _existing_channel(self, req: ApiRequest) -> Channel:
         topic, name = self._existing_topic_and_channel_name(req)
         channel = topic.get_existing_channel(name)
         if channel is None:
@@ -293,18 +294,20 @@ class Api:
             raise HTTPError(500, "INTERNAL_ERROR") from None
         return EMPTY
 
-    async def topic_pause(self, req: ApiRequest, *, unpause: bool = False) -> Reply:
-        topic = self._existing_topic(self._topic_name(req))
-        if unpause:
-            topic.unpause()
+    async def topic_pause(self, req: ApiRequest) -> Reply:
+        return self._set_paused(self._existing_topic(self._topic_name(req)), True)
+
+    async def topic_unpause(self, req: ApiRequest) -> Reply:
+        return self._set_paused(self._existing_topic(self._topic_name(req)), False)
+
+    def _set_paused(self, target: Topic | Channel, paused: bool) -> Reply:
+        if paused:
+            target.pause()
         else:
-            topic.pause()
+            target.unpause()
         # persisted at once so a crash cannot silently (un)pause it, as nsqd
         self.nsqd.persist_metadata()
         return EMPTY
-
-    async def topic_unpause(self, req: ApiRequest) -> Reply:
-        return await self.topic_pause(req, unpause=True)
 
     # --- channels ---------------------------------------------------------------------------
 
@@ -330,17 +333,11 @@ class Api:
             raise HTTPError(500, "INTERNAL_ERROR") from None
         return EMPTY
 
-    async def channel_pause(self, req: ApiRequest, *, unpause: bool = False) -> Reply:
-        channel = self._existing_channel(req)
-        if unpause:
-            channel.unpause()
-        else:
-            channel.pause()
-        self.nsqd.persist_metadata()
-        return EMPTY
+    async def channel_pause(self, req: ApiRequest) -> Reply:
+        return self._set_paused(self._existing_channel(req), True)
 
     async def channel_unpause(self, req: ApiRequest) -> Reply:
-        return await self.channel_pause(req, unpause=True)
+        return self._set_paused(self._existing_channel(req), False)
 
     # --- /config/:opt -----------------------------------------------------------------------
 

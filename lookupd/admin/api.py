@@ -194,28 +194,22 @@ class Admin:
         return _ok({}, errors)
 
     async def topic_action(self, params: dict[str, str], body: bytes) -> Reply:
+        return await self._pause_or_empty(params, body, "topic", "")
+
+    async def channel_action(self, params: dict[str, str], body: bytes) -> Reply:
+        return await self._pause_or_empty(params, body, "channel", f"&channel={params['channel']}")
+
+    async def _pause_or_empty(self, params: dict[str, str], body: bytes, kind: str, channel_arg: str) -> Reply:
+        """{"action": "pause" | "unpause" | "empty"} on the topic or channel, on every nsqd that has it."""
         user = self._admin()
         action = self._body(body).get("action")
         if action not in ("pause", "unpause", "empty"):
             raise HTTPError(400, "INVALID_ACTION")
         topic = params["topic"]
         errors = Errors()
-        if not await self._on_nodes(topic, f"/topic/{action}?topic={topic}", errors) and not errors.failed:
+        if not await self._on_nodes(topic, f"/{kind}/{action}?topic={topic}{channel_arg}", errors) and not errors.failed:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
-        self._notify(f"{action}_topic", user, topic)
-        return _ok({}, errors)
-
-    async def channel_action(self, params: dict[str, str], body: bytes) -> Reply:
-        user = self._admin()
-        action = self._body(body).get("action")
-        if action not in ("pause", "unpause", "empty"):
-            raise HTTPError(400, "INVALID_ACTION")
-        topic, channel = params["topic"], params["channel"]
-        errors = Errors()
-        path = f"/channel/{action}?topic={topic}&channel={channel}"
-        if not await self._on_nodes(topic, path, errors) and not errors.failed:
-            raise HTTPError(404, "TOPIC_NOT_FOUND")
-        self._notify(f"{action}_channel", user, topic, channel)
+        self._notify(f"{action}_{kind}", user, topic, params.get("channel", ""))
         return _ok({}, errors)
 
     async def delete_topic(self, params: dict[str, str], body: bytes) -> Reply:
