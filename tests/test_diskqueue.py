@@ -432,10 +432,19 @@ async def test_data_directory_removed_then_restored(tmp_path, monkeypatch, caplo
 # --- crash recovery -------------------------------------------------------------------------------
 
 
-async def test_kill_9_recovers_records_after_the_last_metadata_sync(tmp_path):
+def live_queue(tmp_path: Path, max_bytes: int) -> tuple[Path, DiskQueue]:
     d = tmp_path / "live"
     d.mkdir()
-    dq = DiskQueue("k", str(d), max_bytes_per_file=40, min_msg_size=1)
+    return d, DiskQueue("k", str(d), max_bytes_per_file=max_bytes, min_msg_size=1)
+
+
+def after_kill_9(d: Path, tmp_path: Path, max_bytes: int) -> DiskQueue:
+    """The queue opened on what `d` holds now, as a broker killed with -9 would find it."""
+    return DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=max_bytes, min_msg_size=1)
+
+
+async def test_kill_9_recovers_records_after_the_last_metadata_sync(tmp_path):
+    d, dq = live_queue(tmp_path, 40)
     dq.put(b"synced-1")
     await dq.sync()
     assert meta(d, "k") == "1\n0,0\n0,12\n"
@@ -443,7 +452,7 @@ async def test_kill_9_recovers_records_after_the_last_metadata_sync(tmp_path):
         dq.put(b"after-%04d" % i)
     with open(data_file(d, "k", dq.write_file_num), "ab") as fh:
         fh.write(struct.pack(">i", 50) + b"torn")
-    again = DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=40, min_msg_size=1)
+    again = after_kill_9(d, tmp_path, 40)
     assert again.depth() == 7
     assert drain(again) == [b"synced-1"] + [b"after-%04d" % i for i in range(6)]
     again.put(b"next")
@@ -453,16 +462,14 @@ async def test_kill_9_recovers_records_after_the_last_metadata_sync(tmp_path):
 
 
 async def test_kill_9_after_the_metadata_write_file_was_read_and_deleted(tmp_path):
-    d = tmp_path / "live"
-    d.mkdir()
-    dq = DiskQueue("k", str(d), max_bytes_per_file=30, min_msg_size=1)
+    d, dq = live_queue(tmp_path, 30)
     dq.put(b"one-12345")  # 13 bytes
     await dq.sync()  # metadata: write file 0
     dq.put(b"two-12345")
     dq.put(b"three-123")  # file 1
     assert drain(dq) == [b"one-12345", b"two-12345", b"three-123"]  # file 0 read and deleted
     dq.put(b"four-1234")
-    again = DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=30, min_msg_size=1)
+    again = after_kill_9(d, tmp_path, 30)
     got = drain(again)
     assert got[-1] == b"four-1234" and set(got) <= {b"three-123", b"four-1234"}
     assert again.depth() == 0
@@ -471,9 +478,7 @@ async def test_kill_9_after_the_metadata_write_file_was_read_and_deleted(tmp_pat
 
 
 async def test_kill_9_after_a_roll_the_metadata_never_saw_and_its_file_was_read(tmp_path):
-    d = tmp_path / "live"
-    d.mkdir()
-    dq = DiskQueue("k", str(d), max_bytes_per_file=30, min_msg_size=1)
+    d, dq = live_queue(tmp_path, 30)
     dq.put(b"dropped")
     await dq.empty()
     assert meta(d, "k") == "0\n1,0\n1,0\n"  # the write file (1) has no file yet
@@ -481,7 +486,7 @@ async def test_kill_9_after_a_roll_the_metadata_never_saw_and_its_file_was_read(
         dq.put(m)
     assert drain(dq) == [b"a-1234567", b"b-1234567", b"c-1234567"]  # file 1 read and deleted
     dq.put(b"d-1234567")
-    again = DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=30, min_msg_size=1)
+    again = after_kill_9(d, tmp_path, 30)
     assert (again.write_file_num, again.write_pos) == (2, 26)  # file 2 found, not written over
     assert drain(again) == [b"c-1234567", b"d-1234567"]  # c again: read after the last metadata sync
     assert again.depth() == 0
@@ -492,16 +497,14 @@ async def test_kill_9_after_a_roll_the_metadata_never_saw_and_its_file_was_read(
 
 
 async def test_kill_9_before_any_metadata_after_a_roll_and_a_read(tmp_path):
-    d = tmp_path / "live"
-    d.mkdir()
-    dq = DiskQueue("k", str(d), max_bytes_per_file=30, min_msg_size=1)
+    d, dq = live_queue(tmp_path, 30)
     dq.put(b"a-1234567")
     dq.put(b"b-1234567")
     dq.put(b"c-1234567")  # file 1
     assert drain(dq) == [b"a-1234567", b"b-1234567", b"c-1234567"]  # file 0 deleted; no metadata yet
     dq.put(b"d-1234567")
     assert not (d / "k.diskqueue.meta.dat").exists()
-    again = DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=30, min_msg_size=1)
+    again = after_kill_9(d, tmp_path, 30)
     assert (again.read_file_num, again.write_file_num, again.write_pos) == (1, 1, 26)  # file 1 not reused
     assert again.depth() == 2
     assert drain(again) == [b"c-1234567", b"d-1234567"]

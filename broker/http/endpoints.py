@@ -9,6 +9,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -91,12 +92,7 @@ class Api:
     def _topic_from_query(self, req: ApiRequest) -> tuple[dict[str, list[str]], Topic]:
         """Creates the topic if needed, as nsqd's GetTopic."""
         params = self._params(req)
-        names = params.get("topic")
-        if names is None:
-            raise HTTPError(400, "MISSING_ARG_TOPIC")
-        if not is_valid_topic_name(names[0]):
-            raise HTTPError(400, "INVALID_TOPIC")
-        return params, self.nsqd.get_topic(names[0])
+        return params, self.nsqd.get_topic(_name_arg(params, "topic", "INVALID_TOPIC", is_valid_topic_name))
 
     def _topic_name(self, req: ApiRequest) -> str:
         names = self._params(req).get("topic")
@@ -113,17 +109,9 @@ class Api:
     def _existing_topic_and_channel_name(self, req: ApiRequest) -> tuple[Topic, str]:
         """nsqd's getExistingTopicFromQuery (the channel endpoints' argument checks)."""
         params = self._params(req)
-        topic_names = params.get("topic")
-        if topic_names is None:
-            raise HTTPError(400, "MISSING_ARG_TOPIC")
-        if not is_valid_topic_name(topic_names[0]):
-            raise HTTPError(400, "INVALID_ARG_TOPIC")
-        channel_names = params.get("channel")
-        if channel_names is None:
-            raise HTTPError(400, "MISSING_ARG_CHANNEL")
-        if not is_valid_channel_name(channel_names[0]):
-            raise HTTPError(400, "INVALID_ARG_CHANNEL")
-        return self._existing_topic(topic_names[0]), channel_names[0]
+        topic = _name_arg(params, "topic", "INVALID_ARG_TOPIC", is_valid_topic_name)
+        channel = _name_arg(params, "channel", "INVALID_ARG_CHANNEL", is_valid_channel_name)
+        return self._existing_topic(topic), channel
 
     def _existing_channel(self, req: ApiRequest) -> Channel:
         topic, name = self._existing_topic_and_channel_name(req)
@@ -402,3 +390,13 @@ def option_value(options: Any, name: str) -> Any:
 
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1_000_000_000))
+
+
+def _name_arg(params: dict[str, list[str]], key: str, invalid: str, is_valid: Callable[[str], bool]) -> str:
+    """The first `key` parameter: 400 MISSING_ARG_<KEY> without one, 400 `invalid` when it is not a name."""
+    values = params.get(key)
+    if values is None:
+        raise HTTPError(400, f"MISSING_ARG_{key.upper()}")
+    if not is_valid(values[0]):
+        raise HTTPError(400, invalid)
+    return values[0]
