@@ -83,6 +83,13 @@ class FrameParser:
     def feed(self, data: bytes | bytearray) -> None:
         self._buf += data
 
+    def take_buffered(self) -> bytes:
+        """The bytes fed and not yet framed, taken out: after a stream upgrade they belong to the new
+        layer (nsqd sends its compressed OK right behind the IDENTIFY answer, often in one segment)."""
+        data = bytes(self._buf)
+        self._buf.clear()
+        return data
+
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         return self
 

@@ -302,11 +302,13 @@ class Connection:
             await stream.do_handshake()
             self._stream = stream
             await self._expect_ok()
+        # what was read past the IDENTIFY answer is already compressed: the new layer reads it first
         if self.features.get("snappy"):
-            self._stream = SnappyStream(self.stream)
+            self._stream = SnappyStream(self.stream, prefix=self._parser.take_buffered())
             await self._expect_ok()
         elif self.features.get("deflate"):
-            self._stream = DeflateStream(self.stream, int(self.features.get("deflate_level") or 6))
+            level = int(self.features.get("deflate_level") or 6)
+            self._stream = DeflateStream(self.stream, level, prefix=self._parser.take_buffered())
             await self._expect_ok()
         if self.features.get("auth_required"):
             if self.auth_secret is None:
