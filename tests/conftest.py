@@ -56,6 +56,22 @@ def small_disk(tmp_path) -> Iterator[Callable[[str], Path]]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.fixture
+def small_disk_broker(small_disk) -> Iterator[Callable[..., BrokerProcess]]:
+    """``small_disk_broker("2m", **flags) -> BrokerProcess``: a broker started with its data directory
+    on a small_disk of that size; killed at teardown (before the disk is unmounted)."""
+    started: list[BrokerProcess] = []
+
+    def start(size: str, **flags: object) -> BrokerProcess:
+        broker = BrokerProcess(small_disk(size), **flags)
+        started.append(broker)
+        return broker.start()
+
+    yield start
+    for broker in started:
+        broker.kill()
+
+
 @pytest.fixture(scope="module")
 def module_broker(tmp_path_factory) -> Iterator[BrokerProcess]:
     """One broker with default flags shared by the tests of a module (each uses its own topics)."""

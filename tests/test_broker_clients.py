@@ -14,6 +14,7 @@ E_TOUCH_FAILED) sends the error frame and keeps the connection.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -641,12 +642,18 @@ def test_a_run_of_fins_with_a_bad_one_finishes_the_others_in_order(broker):
     assert (channel["in_flight_count"], channel["message_count"]) == (0, 6)
 
 
-def test_msg_timeout_redelivers_with_attempts_incremented(broker_factory):
+@contextlib.contextmanager
+def one_message_in_flight(broker_factory, name: str, body: bytes):
+    """A broker with --msg-timeout=1s, one message on a fresh topic, and a consumer (RDY 1) holding it."""
     broker = broker_factory(msg_timeout="1s")
-    topic = unique("timeout")
-    publish(broker.tcp_address, topic, b"payload\nwith newline")
+    topic = unique(name)
+    publish(broker.tcp_address, topic, body)
     with subscribe(broker.tcp_address, topic, "c", rdy=1) as conn:
-        msg = conn.expect_message()
+        yield broker, topic, conn, conn.expect_message()
+
+
+def test_msg_timeout_redelivers_with_attempts_incremented(broker_factory):
+    with one_message_in_flight(broker_factory, "timeout", b"payload\nwith newline") as (_, _, conn, msg):
         got_at = time.monotonic()
         assert msg.attempts == 1
         again = conn.expect_message(timeout=5)  # not FINned: comes back after msg_timeout
@@ -682,11 +689,7 @@ def test_req_with_delay_is_not_redelivered_before_the_delay(broker):
 
 
 def test_touch_extends_the_deadline(broker_factory):
-    broker = broker_factory(msg_timeout="1s")
-    topic = unique("touch")
-    publish(broker.tcp_address, topic, b"slow work")
-    with subscribe(broker.tcp_address, topic, "c", rdy=1) as conn:
-        msg = conn.expect_message()
+    with one_message_in_flight(broker_factory, "touch", b"slow work") as (broker, topic, conn, msg):
         start = time.monotonic()
         while time.monotonic() - start < 2.6:  # 2.6 s > msg_timeout, TOUCH every 0.4 s
             conn.touch(msg.id)

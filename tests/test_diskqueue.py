@@ -874,25 +874,6 @@ async def test_write_error_is_a_backend_error_and_nothing_accepted_is_lost(tmp_p
     assert drain(dq) == [b"first-accepted", b"third-accepted"]
 
 
-async def test_group_commit_of_200_publishers_takes_few_fsyncs(tmp_path):
-    dq = DiskQueue("g", str(tmp_path), min_msg_size=1, sync_every=1)
-    done = []
-
-    async def publisher(i):
-        dq.put(b"p%d" % i)
-        await dq.sync()
-        done.append(i)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(200):
-            nursery.start_soon(publisher, i)
-    assert len(done) == 200
-    assert 1 <= dq.fsync_count <= 20, dq.fsync_count
-    # everything acknowledged is in the files the metadata describes
-    again = DiskQueue("g", str(tmp_path), min_msg_size=1)
-    assert sorted(drain(again)) == sorted(b"p%d" % i for i in range(200))
-
-
 async def test_io_loop_syncs_every_n_writes(tmp_path):
     dq = DiskQueue("l", str(tmp_path), min_msg_size=1, sync_every=10, sync_timeout=3600)
     async with trio.open_nursery() as nursery:

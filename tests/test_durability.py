@@ -56,6 +56,14 @@ def _create_channel(broker: BrokerProcess, topic: str, channel: str) -> None:
         assert _read_frame(sock, FrameParser()) == (0, b"OK")
 
 
+def mpub_all(pub: socket.socket, topic: str, bodies: list[bytes], per_mpub: int) -> None:
+    """Publish every body in MPUBs of `per_mpub`, each answered OK before the next."""
+    parser = FrameParser()
+    for start in range(0, len(bodies), per_mpub):
+        pub.sendall(encode_mpub(topic, bodies[start : start + per_mpub]))
+        assert _read_frame(pub, parser) == (0, b"OK")
+
+
 def consume(broker: BrokerProcess, topic: str, channel: str, want: set[bytes], timeout: float = 60) -> dict[bytes, int]:
     """FIN everything; stop once every body in `want` was seen (or timeout). Returns body -> times seen."""
     seen: dict[bytes, int] = {}
@@ -132,10 +140,8 @@ def test_sigterm_keeps_memory_in_flight_and_deferred_messages(broker_factory):
     bodies = [b"m%05d" % i for i in range(3000)]
     deferred = [b"d%03d" % i for i in range(20)]
     with _connect(broker) as pub:
+        mpub_all(pub, "term", bodies, 500)
         parser = FrameParser()
-        for start in range(0, len(bodies), 500):
-            pub.sendall(encode_mpub("term", bodies[start : start + 500]))
-            assert _read_frame(pub, parser) == (0, b"OK")
         for body in deferred:
             pub.sendall(encode_dpub("term", 3_600_000, body))
             assert _read_frame(pub, parser) == (0, b"OK")
@@ -165,10 +171,7 @@ def test_corrupt_and_truncated_files_are_survived(broker_factory):
     broker = broker_factory(mem_queue_size=0, max_bytes_per_file=4096)
     bodies = [b"c%04d" % i for i in range(400)]
     with _connect(broker) as pub:
-        parser = FrameParser()
-        for start in range(0, len(bodies), 50):
-            pub.sendall(encode_mpub("corrupt", bodies[start : start + 50]))
-            assert _read_frame(pub, parser) == (0, b"OK")
+        mpub_all(pub, "corrupt", bodies, 50)
     assert broker.stop() == 0
     files = [f for f in _diskqueue_files(broker.data_path, "corrupt") if "meta" not in f.name]
     assert len(files) >= 3, files
@@ -190,31 +193,26 @@ def test_corrupt_and_truncated_files_are_survived(broker_factory):
         assert _read_frame(pub, FrameParser()) == (0, b"OK")
 
 
-def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(small_disk):
-    mnt = small_disk("2m")
-    broker = BrokerProcess(mnt, mem_queue_size=0)
-    try:
-        broker.start()
-        _create_channel(broker, "full", "ch")
-        accepted: list[bytes] = []
-        failed = None
-        with _connect(broker) as pub:
-            parser = FrameParser()
-            for i in range(200):
-                bodies = [b"f%04d-%03d" % (i, j) + b"x" * 200 for j in range(50)]
-                pub.sendall(encode_mpub("full", bodies))
-                frame = _read_frame(pub, parser)
-                if frame != (0, b"OK"):
-                    failed = frame
-                    break
-                accepted.extend(bodies)
-        assert failed is not None and failed[0] == 1 and failed[1].startswith(b"E_MPUB_FAILED"), failed
-        assert broker.is_alive()
-        assert "failed to write" in broker.log_text()
-        seen = consume(broker, "full", "ch", set(accepted), timeout=60)
-        assert set(accepted) <= seen.keys(), f"lost {len(set(accepted) - seen.keys())} accepted messages"
-    finally:
-        broker.kill()
+def test_full_disk_gives_pub_failed_and_loses_nothing_accepted(small_disk_broker):
+    broker = small_disk_broker("2m", mem_queue_size=0)
+    _create_channel(broker, "full", "ch")
+    accepted: list[bytes] = []
+    failed = None
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        for i in range(200):
+            bodies = [b"f%04d-%03d" % (i, j) + b"x" * 200 for j in range(50)]
+            pub.sendall(encode_mpub("full", bodies))
+            frame = _read_frame(pub, parser)
+            if frame != (0, b"OK"):
+                failed = frame
+                break
+            accepted.extend(bodies)
+    assert failed is not None and failed[0] == 1 and failed[1].startswith(b"E_MPUB_FAILED"), failed
+    assert broker.is_alive()
+    assert "failed to write" in broker.log_text()
+    seen = consume(broker, "full", "ch", set(accepted), timeout=60)
+    assert set(accepted) <= seen.keys(), f"lost {len(set(accepted) - seen.keys())} accepted messages"
 
 
 def test_missing_data_directory(tmp_path):

@@ -72,42 +72,38 @@ def read_all_frames(sock, timeout: float = 10) -> list[tuple[int, bytes]]:
         frames.append(frame)
 
 
-def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(small_disk):
-    mnt = small_disk("4m")
-    broker = BrokerProcess(mnt, mem_queue_size=0)
-    try:
-        broker.start()
-        _create_channel(broker, "h", "ch")
-        assert http_get(broker, "/ping") == (200, b"OK")
-        filler = mnt / "filler"
-        # unbuffered: a buffered file would raise ENOSPC again when it closes
-        with open(filler, "wb", buffering=0) as fh:  # leave the broker a few KB
-            try:
-                while True:
-                    fh.write(b"\0" * 65536)
-            except OSError:
-                pass
-        with _connect(broker) as pub:
-            parser, answer = FrameParser(), (0, b"OK")
-            for i in range(1000):
-                pub.sendall(encode_pub("h", b"m%04d" % i + b"x" * 500))
-                answer = _read_frame(pub, parser)
-                if answer != (0, b"OK"):
-                    break
-        assert answer[0] == 1 and answer[1].startswith(b"E_PUB_FAILED"), answer
-        status, body = http_get(broker, "/ping")
-        assert status == 500 and body.startswith(b"NOK - ") and b"No space left on device" in body, body
-        assert health(broker) == body.decode()
+def test_a_failed_write_makes_the_broker_unhealthy_until_a_write_succeeds(small_disk_broker):
+    broker = small_disk_broker("4m", mem_queue_size=0)
+    mnt = broker.base_dir
+    _create_channel(broker, "h", "ch")
+    assert http_get(broker, "/ping") == (200, b"OK")
+    filler = mnt / "filler"
+    # unbuffered: a buffered file would raise ENOSPC again when it closes
+    with open(filler, "wb", buffering=0) as fh:  # leave the broker a few KB
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+        except OSError:
+            pass
+    with _connect(broker) as pub:
+        parser, answer = FrameParser(), (0, b"OK")
+        for i in range(1000):
+            pub.sendall(encode_pub("h", b"m%04d" % i + b"x" * 500))
+            answer = _read_frame(pub, parser)
+            if answer != (0, b"OK"):
+                break
+    assert answer[0] == 1 and answer[1].startswith(b"E_PUB_FAILED"), answer
+    status, body = http_get(broker, "/ping")
+    assert status == 500 and body.startswith(b"NOK - ") and b"No space left on device" in body, body
+    assert health(broker) == body.decode()
 
-        filler.unlink()
-        with _connect(broker) as pub:
-            pub.sendall(encode_pub("h", b"after"))
-            assert _read_frame(pub, FrameParser()) == (0, b"OK")
-        assert http_get(broker, "/ping") == (200, b"OK")
-        assert health(broker) == "OK"
-        assert broker.is_alive()
-    finally:
-        broker.kill()
+    filler.unlink()
+    with _connect(broker) as pub:
+        pub.sendall(encode_pub("h", b"after"))
+        assert _read_frame(pub, FrameParser()) == (0, b"OK")
+    assert http_get(broker, "/ping") == (200, b"OK")
+    assert health(broker) == "OK"
+    assert broker.is_alive()
 
 
 @pytest.fixture
