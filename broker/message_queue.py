@@ -32,13 +32,12 @@ class MessageQueue:
         return len(self.memory) + self.backend.depth()
 
     def put(self, msgs: Sequence[Message], room: int) -> int:
-        """The first `room` messages into memory, the rest to the backend in one write. Returns how many
-        went past memory (written, or dropped when ephemeral). A BackendError propagates with `.stored`
-        saying how many of the rest the backend did write."""
+        """The first `room` (≥ 0) messages into memory, the rest to the backend in one write. Returns
+        how many went past memory (written, or dropped when ephemeral). A BackendError propagates with
+        `.stored` saying how many of the rest the backend did write."""
         if room >= len(msgs):
             self.memory.extend(msgs)
             return 0
-        room = max(0, room)
         self.memory.extend(msgs[:room])
         rest = msgs[room:]
         if not self.ephemeral:

@@ -474,14 +474,16 @@ class ProtocolV2:
         return None
 
     async def PUB(self, client: ClientV2, cmd: Command) -> bytes | None:
-        await self._publish(client, "PUB", cmd.params[0].decode(), [cmd.body or b""])
+        topic_name = cmd.params[0].decode()
+        await self.check_auth(client, "PUB", topic_name)
+        self._publish(client, "PUB", topic_name, [cmd.body or b""])
         return OK
 
     async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
         await self.check_auth(client, "MPUB", topic_name)
         bodies = parse_mpub_body(cmd.body or b"", self.options.max_msg_size, self.options.max_body_size)
-        await self._publish(client, "MPUB", topic_name, bodies, checked=True)
+        self._publish(client, "MPUB", topic_name, bodies)
         return OK
 
     def _dpub_timeout(self, raw: bytes) -> float:
@@ -495,16 +497,16 @@ class ProtocolV2:
         return timeout_ms / 1000
 
     async def DPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+        topic_name = cmd.params[0].decode()
         delay = self._dpub_timeout(cmd.params[1])
-        await self._publish(client, "DPUB", cmd.params[0].decode(), [cmd.body or b""], delay)
+        await self.check_auth(client, "DPUB", topic_name)
+        self._publish(client, "DPUB", topic_name, [cmd.body or b""], delay)
         return OK
 
-    async def _publish(self, client: ClientV2, command: str, topic_name: str, bodies: list[bytes],
-                       deferred: float = 0.0, checked: bool = False) -> None:
-        """Topic.publish for PUB/MPUB/DPUB: its error is the command's fatal E_<cmd>_FAILED; an fsync the
-        answer waits for is owed once for the whole read (see _sync_pending)."""
-        if not checked:
-            await self.check_auth(client, command, topic_name)
+    def _publish(self, client: ClientV2, command: str, topic_name: str, bodies: list[bytes],
+                 deferred: float = 0.0) -> None:
+        """Topic.publish for PUB/MPUB/DPUB (their AUTH checked): its error is the command's fatal
+        E_<cmd>_FAILED; an fsync the answer waits for is owed once for the whole read (_sync_published)."""
         topic = self.nsqd.get_topic(topic_name)
         try:
             published = topic.publish(bodies, deferred)

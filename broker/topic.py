@@ -168,19 +168,17 @@ class Topic:
         if deferred:
             for msg in msgs:
                 msg.deferred = deferred
-        in_memory = len(self.queue.memory)
-        to_backend = self.put_messages(msgs)
-        sync = self.queue.backend if to_backend and self.sync_every == 1 else None
-        return Published(len(msgs), sync, sync is not None and len(self.queue.memory) == in_memory)
+        written = self._put(msgs)
+        sync = self.queue.backend if written and self.sync_every == 1 else None
+        return Published(len(msgs), sync, sync is not None and written == len(msgs))
 
-    def put_messages(self, msgs: list[Message]) -> bool:
-        """Queue messages in order (memory first, the rest in one backend write); True if any went to
-        the backend. On BackendError the ones before the failing one stay queued (as nsqd) and are
-        counted."""
+    def _put(self, msgs: list[Message]) -> int:
+        """Queue messages in order (memory first, the rest in one backend write); how many went to the
+        backend. On BackendError the ones before the failing one stay queued (as nsqd) and are counted."""
         if self.exiting:
             raise BackendError("exiting")
         if not msgs:
-            return False
+            return 0
         room = max(0, self._memory_room(msgs[0].deferred > 0))
         try:
             past_memory = self.queue.put(msgs, room)  # an ephemeral topic's overflow is discarded
@@ -188,7 +186,7 @@ class Topic:
             self._counted(msgs[:room + exc.stored])
             raise
         self._counted(msgs)
-        return past_memory > 0 and not self.ephemeral
+        return 0 if self.ephemeral else past_memory
 
     def _memory_room(self, deferred: bool) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of

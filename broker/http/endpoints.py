@@ -15,11 +15,11 @@ from typing import Any
 import attrs
 
 from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.http.openapi import openapi_bytes
 from trio_nsq.broker.http.request import ApiRequest
 from trio_nsq.broker.idempotency import valid_key
 from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
-from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http_api import (
     EMPTY,
@@ -33,6 +33,7 @@ from trio_nsq.shared.http_api import (
     ok_json,
     parse_go_int,
     parse_query,
+    plain,
 )
 from trio_nsq.shared.logs import GO_LOG_LEVELS, parse_level
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
@@ -69,7 +70,7 @@ class Api:
             reply = await getattr(self, name)(req, **kwargs)
         except HTTPError as exc:
             if name == "ping":  # nsqd's PlainText decorator: the text as it is
-                reply = Reply(exc.status, exc.text.encode(), TEXT_TYPE, nsq_header=False)
+                reply = plain(exc.text, exc.status)
             else:
                 reply = error_reply(exc.status, exc.text)
         if name not in ("pub", "mpub"):
@@ -126,7 +127,7 @@ class Api:
         text = health(self.nsqd)
         if self.nsqd.health_error is not None:
             raise HTTPError(500, text)
-        return Reply(200, text.encode(), TEXT_TYPE, nsq_header=False)
+        return plain(text)
 
     async def info(self, req: ApiRequest) -> Reply:
         opts = self.options

@@ -39,6 +39,7 @@ from trio_nsq.shared.http_api import (
     error_reply,
     go_json,
     log_request,
+    plain,
     routed_reply,
 )
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
@@ -130,7 +131,7 @@ class Admin:
         raise HTTPError(404, "NOT_FOUND")  # only with --graphite-url, which this nsqadmin does not proxy
 
     async def ping(self, params: dict[str, str], body: bytes) -> Reply:
-        return Reply(200, b"OK", nsq_header=False)
+        return plain("OK")
 
     # --- actions ----------------------------------------------------------------------------------
 
@@ -182,12 +183,12 @@ class Admin:
         await self._on_lookupds(f"/topic/create?topic={topic}", errors)
         if channel:
             await self._on_lookupds(f"/channel/create?topic={topic}&channel={channel}", errors)
-        producers = await self.cluster.producers(errors)
-        for node in [p["node"] for p in producers] if not self.cluster.lookupds else []:
-            try:  # without lookupd, every listed nsqd gets it
-                await self.cluster.post(node, f"/topic/create?topic={topic}")
-            except httpx.HTTPError as exc:
-                errors.add(node, exc)
+        if not self.cluster.lookupds:  # without lookupd, every listed nsqd gets the topic
+            for node in await self.cluster.nodes(errors):
+                try:
+                    await self.cluster.post(node, f"/topic/create?topic={topic}")
+                except httpx.HTTPError as exc:
+                    errors.add(node, exc)
         if channel:
             await self._on_nodes(topic, f"/channel/create?topic={topic}&channel={channel}", errors)
         self._notify("create_channel" if channel else "create_topic", user, topic, channel)
