@@ -21,6 +21,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("nsqd")
 
 
+
+def _setting(value: int, current: float, what: str, low: float, high: float, *,
+             off: float | None = None, unit: int = 1000) -> float:
+    """One IDENTIFY setting as nsqd reads it: 0 keeps the current value, -1 turns it off where it can be
+    (`off`), a value in [low, high] is taken (in `unit`s: milliseconds become seconds), anything else
+    is nsqd's error."""
+    if value == 0:
+        return current
+    if value == -1 and off is not None:
+        return off
+    if low <= value <= high:
+        return value / unit
+    raise ValueError(f"{what} ({value}) is invalid")
+
 class ClientV2:
     """One TCP client's state (nsqd's clientV2): identity and negotiated features, RDY and in-flight
     counts, the output buffer and the stream (with its TLS/snappy/deflate layers). Written by its
@@ -85,50 +99,17 @@ class ClientV2:
         self.hostname = data.hostname
         self.user_agent = data.user_agent
 
-        hb = data.heartbeat_interval
-        if hb == -1:
-            heartbeat = 0.0
-        elif hb == 0:
-            heartbeat = self.heartbeat_interval
-        elif 1000 <= hb <= opts.max_heartbeat_interval * 1000:
-            heartbeat = hb / 1000
-        else:
-            raise ValueError(f"heartbeat interval ({hb}) is invalid")
-
-        obt = data.output_buffer_timeout
-        buffer_timeout = self.output_buffer_timeout
-        if obt == -1:
-            buffer_timeout = 0.0
-        elif obt == 0:
-            pass
-        elif opts.min_output_buffer_timeout * 1000 <= obt <= opts.max_output_buffer_timeout * 1000:
-            buffer_timeout = obt / 1000
-        else:
-            raise ValueError(f"output buffer timeout ({obt}) is invalid")
-
-        obs = data.output_buffer_size
-        buffer_size = self.output_buffer_size
-        if obs == -1:
-            buffer_size = 1
-            buffer_timeout = 0.0
-        elif obs == 0:
-            pass
-        elif 64 <= obs <= opts.max_output_buffer_size:
-            buffer_size = obs
-        else:
-            raise ValueError(f"output buffer size ({obs}) is invalid")
-
+        heartbeat = _setting(data.heartbeat_interval, self.heartbeat_interval, "heartbeat interval",
+                             1000, opts.max_heartbeat_interval * 1000, off=0.0)
+        buffer_timeout = _setting(data.output_buffer_timeout, self.output_buffer_timeout, "output buffer timeout",
+                                  opts.min_output_buffer_timeout * 1000, opts.max_output_buffer_timeout * 1000, off=0.0)
+        buffer_size = int(_setting(data.output_buffer_size, self.output_buffer_size, "output buffer size",
+                                   64, opts.max_output_buffer_size, off=1, unit=1))
+        if data.output_buffer_size == -1:
+            buffer_timeout = 0.0  # no buffer: every write goes out at once
         if not 0 <= data.sample_rate <= 99:
             raise ValueError(f"sample rate ({data.sample_rate}) is invalid")
-
-        mt = data.msg_timeout
-        msg_timeout = self.msg_timeout
-        if mt == 0:
-            pass
-        elif 1000 <= mt <= opts.max_msg_timeout * 1000:
-            msg_timeout = mt / 1000
-        else:
-            raise ValueError(f"msg timeout ({mt}) is invalid")
+        msg_timeout = _setting(data.msg_timeout, self.msg_timeout, "msg timeout", 1000, opts.max_msg_timeout * 1000)
 
         self.heartbeat_interval = heartbeat
         self.output_buffer_timeout = buffer_timeout

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
@@ -347,22 +347,11 @@ class NSQD:
             raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from None
         self._loading = True
         try:
-            for t in topics:
-                name = t.get("name", "")
-                if not is_valid_topic_name(name):
-                    log.warning("skipping creation of invalid topic %s", name)
-                    continue
-                topic = self.get_topic(name)
-                if t.get("paused"):
-                    topic.paused = True
-                for c in t.get("channels") or ():
-                    cname = c.get("name", "")
-                    if not is_valid_channel_name(cname):
-                        log.warning("skipping creation of invalid channel %s", cname)
-                        continue
-                    channel = topic.get_channel(cname)
-                    if c.get("paused"):
-                        channel.paused = True
+            for t in _valid(topics, is_valid_topic_name, "topic"):
+                topic = self.get_topic(t["name"])
+                topic.paused = bool(t.get("paused"))
+                for c in _valid(t.get("channels") or (), is_valid_channel_name, "channel"):
+                    topic.get_channel(c["name"]).paused = bool(c.get("paused"))
         finally:
             self._loading = False
 
@@ -389,6 +378,16 @@ class NSQD:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _valid(entries: Any, is_valid: Callable[[str], bool], kind: str) -> Iterator[dict[str, Any]]:
+    """The nsqd.dat entries with a valid name; nsqd skips the others with a warning."""
+    for entry in entries:
+        name = entry.setdefault("name", "")
+        if is_valid(name):
+            yield entry
+        else:
+            log.warning("skipping creation of invalid %s %s", kind, name)
 
 
 def _parse_metadata(raw: bytes) -> list[dict[str, Any]]:
