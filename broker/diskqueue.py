@@ -51,6 +51,7 @@ from typing import BinaryIO
 import trio
 
 from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.files import close_quietly, fsync_dir, write_synced
 
 log = logging.getLogger("nsqd")
 
@@ -373,12 +374,8 @@ class DiskQueue:
             self._close_write_fd()
 
     def _close_write_fd(self) -> None:
-        if self._write_fd is not None:
-            try:
-                os.close(self._write_fd)
-            except OSError:
-                pass
-            self._write_fd = None
+        close_quietly(self._write_fd)
+        self._write_fd = None
 
     def _counted(self, n: int = 1) -> None:
         self._needs_sync = True
@@ -632,14 +629,8 @@ class DiskQueue:
         # persistMetaData: a temp file, fsynced, renamed over the old one
         path = self.meta_file_name()
         tmp = f"{path}.{random.getrandbits(63)}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            try:
-                if os.write(fd, meta) != len(meta):
-                    raise OSError(errno.ENOSPC, f"short write of {tmp}")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_synced(tmp, meta)
             with self._files_lock:
                 if self._deleted:
                     os.remove(tmp)  # deleted meanwhile: no metadata may come back
@@ -651,12 +642,7 @@ class DiskQueue:
             except OSError:
                 pass
             raise
-        # the rename and any new data file's name are durable once the directory is
-        fd = os.open(self.data_path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.data_path)  # the rename and any new data file's name
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The io_loop: fsync and metadata after sync_every reads+writes, after a file change, or every

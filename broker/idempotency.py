@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from trio_nsq.broker.files import close_quietly, fsync_dir, write_synced
+
 log = logging.getLogger("nsqd")
 
 MAX_KEY_LENGTH = 256
@@ -164,19 +166,9 @@ class IdempotencyKeys:
         tmp = f"{self.path}.tmp"
         data = JOURNAL_HEADER + b"".join(self._line(k) for k in keep)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                if os.write(fd, data) != len(data):
-                    raise OSError(errno.ENOSPC, f"short write of {tmp}")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_synced(tmp, data)
             os.rename(tmp, self.path)
-            dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(os.path.dirname(self.path))
         except OSError as exc:
             log.error("TOPIC(%s): failed to write %s - %s", self.topic_name, self.path, exc)
             return
@@ -227,12 +219,8 @@ class IdempotencyKeys:
         self._durable.update(keys)
 
     def _close_fd(self) -> None:
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        close_quietly(self._fd)
+        self._fd = None
 
     # --- lifetime ------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from trio_nsq.broker.backend import BackendError, BackendQueue, DummyBackendQueu
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.diskqueue import DiskQueue
+from trio_nsq.broker.files import write_synced
 from trio_nsq.broker.lookup import LookupManager, register_cmd
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.protocol_v2 import ProtocolV2
@@ -328,10 +329,7 @@ class NSQD:
     def _write_metadata(self, data: bytes) -> None:
         path = os.path.join(self.data_path, METADATA_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_synced(tmp, data)  # 0600, as Go nsqd's writeSyncFile
         os.replace(tmp, path)
 
     def load_metadata(self) -> None:

@@ -1,0 +1,37 @@
+"""File steps the disk queue, the idempotency journal and nsqd.dat share: a file written and fsynced
+whole, a directory fsynced so a rename in it is durable, a descriptor closed whatever state it is in."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+def write_synced(path: str, data: bytes) -> None:
+    """Create or truncate `path`, write `data` and fsync it; a short write (a full disk) is ENOSPC."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, f"short write of {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """After a rename or a new file in `path`: the directory entry is durable once the directory is."""
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def close_quietly(fd: int | None) -> None:
+    """Close a descriptor we are done with; an error closing it says nothing we could act on (what
+    matters was fsynced before, or is reported by the fsync that failed)."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
