@@ -154,19 +154,24 @@ def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_fi
     return context
 
 
-@attrs.frozen
-class ConnectOptions:
-    """How a Producer or a Consumer opens each of its connections (IDENTIFY fields, AUTH secret, TLS,
-    compression, connect timeout); `open` makes the Connection."""
+def _identify_fields(fields: dict[str, Any] | None) -> dict[str, Any]:
+    return dict(fields or {})
 
-    identify: dict[str, Any] = attrs.Factory(dict)
-    auth_secret: bytes | str | None = None
+
+@attrs.define(kw_only=True, eq=False)
+class ConnectOptions:
+    """How a Producer or a Consumer opens each of its connections: IDENTIFY fields, AUTH secret, TLS,
+    compression, connect timeout. Both classes extend it, so these keywords are declared once;
+    `connect(address)` makes a Connection with them."""
+
+    identify: dict[str, Any] = attrs.field(factory=dict, converter=_identify_fields)
+    auth_secret: bytes | str | None = attrs.field(default=None, repr=False)
     tls: ssl.SSLContext | None = None
     snappy: bool = False
     deflate: bool = False
     connect_timeout: float = 5.0
 
-    def open(self, address: str, **extra: Any) -> Connection:
+    def connect(self, address: str, **extra: Any) -> Connection:
         return Connection(address, identify=self.identify, auth_secret=self.auth_secret, tls=self.tls,
                           snappy=self.snappy, deflate=self.deflate, connect_timeout=self.connect_timeout, **extra)
 

@@ -37,10 +37,10 @@ import inspect
 import logging
 import math
 import random
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -107,55 +107,41 @@ Handler = Callable[[Message], Awaitable[None]]
 GiveUpHook = Callable[[Message], "Awaitable[None] | None"]
 
 
-class Consumer:
-    def __init__(
-        self,
-        topic: str,
-        channel: str,
-        handler: Handler,
-        *,
-        nsqd_tcp_addresses: Sequence[str] = (),
-        lookupd_http_addresses: Sequence[str] = (),
-        max_in_flight: int = 1,
-        max_attempts: int = 5,
-        on_give_up: GiveUpHook | None = None,
-        requeue_delay_ms: int = 1000,
-        max_requeue_delay_ms: int = 60_000,
-        backoff_base: float = 0.5,
-        max_backoff: float = 30.0,
-        lookupd_poll_interval: float = 60.0,
-        rdy_redistribute_interval: float = 5.0,
-        max_reconnect_delay: float = 15.0,
-        close_timeout: float = 30.0,
-        connect_timeout: float = 5.0,
-        concurrency: int | None = None,
-        identify: dict[str, Any] | None = None,
-        auth_secret: bytes | str | None = None,
-        tls: ssl.SSLContext | None = None,
-        snappy: bool = False,
-        deflate: bool = False,
-    ) -> None:
-        if not nsqd_tcp_addresses and not lookupd_http_addresses:
+def _addresses(addresses: Sequence[str]) -> list[str]:
+    return list(addresses)
+
+
+@attrs.define(eq=False, slots=False, repr=False)
+class Consumer(ConnectOptions):
+    """Subscribes `handler` to topic/channel (see the module's docstring); the connection keywords
+    (identify, auth_secret, tls, snappy, deflate, connect_timeout) are ConnectOptions'."""
+
+    topic: str
+    channel: str
+    handler: Handler
+    nsqd_tcp_addresses: list[str] = attrs.field(factory=list, converter=_addresses, kw_only=True)
+    lookupd_http_addresses: list[str] = attrs.field(factory=list, converter=_addresses, kw_only=True)
+    max_in_flight: int = attrs.field(default=1, kw_only=True)
+    concurrency: int = attrs.field(default=0, kw_only=True)  # 0: max_in_flight
+    max_attempts: int = attrs.field(default=5, kw_only=True)
+    on_give_up: GiveUpHook | None = attrs.field(default=None, kw_only=True)
+    # REQ delay of a failed message: requeue_delay_ms × attempts, at most max_requeue_delay_ms
+    requeue_delay_ms: int = attrs.field(default=1000, kw_only=True)
+    max_requeue_delay_ms: int = attrs.field(default=60_000, kw_only=True)
+    # backoff after a failure: backoff_base × 2**counter seconds, at most max_backoff
+    backoff_base: float = attrs.field(default=0.5, kw_only=True)
+    max_backoff: float = attrs.field(default=30.0, kw_only=True)
+    lookupd_poll_interval: float = attrs.field(default=60.0, kw_only=True)
+    rdy_redistribute_interval: float = attrs.field(default=5.0, kw_only=True)
+    max_reconnect_delay: float = attrs.field(default=15.0, kw_only=True)
+    close_timeout: float = attrs.field(default=30.0, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.nsqd_tcp_addresses and not self.lookupd_http_addresses:
             raise ValueError("give nsqd_tcp_addresses or lookupd_http_addresses")
-        if max_in_flight < 1:
+        if self.max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
-        self.topic, self.channel, self.handler = topic, channel, handler
-        self.nsqd_tcp_addresses = list(nsqd_tcp_addresses)
-        self.lookupd_http_addresses = list(lookupd_http_addresses)
-        self.max_in_flight = max_in_flight
-        self.concurrency = concurrency or max_in_flight
-        self.max_attempts = max_attempts
-        self.on_give_up = on_give_up
-        self.requeue_delay_ms = requeue_delay_ms
-        self.max_requeue_delay_ms = max_requeue_delay_ms
-        self.backoff_base = backoff_base
-        self.max_backoff = max_backoff
-        self.lookupd_poll_interval = lookupd_poll_interval
-        self.rdy_redistribute_interval = rdy_redistribute_interval
-        self.max_reconnect_delay = max_reconnect_delay
-        self.close_timeout = close_timeout
-        # IDENTIFY, AUTH, TLS and compression of every connection (see connection.tls_context)
-        self.connect_options = ConnectOptions(identify or {}, auth_secret, tls, snappy, deflate, connect_timeout)
+        self.concurrency = self.concurrency or self.max_in_flight
 
         self.connections: dict[str, Connection] = {}  # subscribed connections by address
         self.backoff_counter = 0
@@ -270,7 +256,7 @@ class Consumer:
         failures = 0
         while not self.closing:
             try:
-                async with self.connect_options.open(address, on_message=self._on_message) as conn:
+                async with self.connect(address, on_message=self._on_message) as conn:
                     await conn.command(encode_sub(self.topic, self.channel))
                     if self.closing:
                         await conn.close_gracefully(self.close_timeout)
@@ -303,7 +289,7 @@ class Consumer:
         self._apply_rdy()
 
     async def _poll_lookupd(self) -> None:
-        async with httpx.AsyncClient(timeout=self.connect_options.connect_timeout) as client:
+        async with httpx.AsyncClient(timeout=self.connect_timeout) as client:
             while True:
                 await self._query_lookupd(client)
                 # jitter, so that many consumers do not ask at the same instant

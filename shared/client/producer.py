@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import ssl
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
 import trio
 
 from trio_nsq.shared.client.backoff import backoff_delay
@@ -16,8 +16,10 @@ from trio_nsq.shared.protocol import encode_dpub, encode_mpub, encode_pub
 log = logging.getLogger("trio_nsq.client")
 
 
-class Producer:
-    """`async with Producer("127.0.0.1:4150") as p: await p.pub("topic", b"body")`.
+@attrs.define(eq=False, slots=False)
+class Producer(ConnectOptions):
+    """`async with Producer("127.0.0.1:4150") as p: await p.pub("topic", b"body")`; the connection
+    keywords (identify, auth_secret, tls, snappy, deflate, connect_timeout) are ConnectOptions'.
 
     Any number of tasks may publish at once: their commands share one connection, pipelined, and each
     gets its own answer (nsqd answers in order). An error frame raises NSQError (nsqd closes the
@@ -31,24 +33,11 @@ class Producer:
     it may have been stored (NSQ delivers at least once; publish again if in doubt).
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        reconnect_timeout: float = 5.0,
-        connect_timeout: float = 5.0,
-        max_reconnect_delay: float = 5.0,
-        identify: dict[str, Any] | None = None,
-        auth_secret: bytes | str | None = None,
-        tls: ssl.SSLContext | None = None,
-        snappy: bool = False,
-        deflate: bool = False,
-    ) -> None:
-        self.address = address
-        self.reconnect_timeout = reconnect_timeout
-        self.max_reconnect_delay = max_reconnect_delay
-        # IDENTIFY, AUTH, TLS and compression of every connection (see connection.tls_context)
-        self.connect_options = ConnectOptions(identify or {}, auth_secret, tls, snappy, deflate, connect_timeout)
+    address: str
+    reconnect_timeout: float = attrs.field(default=5.0, kw_only=True)
+    max_reconnect_delay: float = attrs.field(default=5.0, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
         self.conn: Connection | None = None
         self.connects = 0  # how many connections were made (1 + reconnects)
         self.last_error: BaseException | None = None
@@ -67,7 +56,7 @@ class Producer:
         failures = 0
         while True:
             try:
-                async with self.connect_options.open(self.address) as conn:
+                async with self.connect(self.address) as conn:
                     self.conn = conn
                     self.connects += 1
                     failures = 0
