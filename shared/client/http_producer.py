@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -15,6 +16,11 @@ from trio_nsq.shared.protocol import encode_mpub_body
 log = logging.getLogger("trio_nsq.client")
 
 
+def _base_url(url: str) -> str:
+    return (url if "://" in url else f"http://{url}").rstrip("/")
+
+
+@attrs.define(eq=False, slots=False)
 class HTTPProducer:
     """`async with HTTPProducer("http://127.0.0.1:4151") as hp: await hp.pub("t", b"x"); await hp.flush()`.
 
@@ -30,24 +36,15 @@ class HTTPProducer:
     is retried `retries` times with backoff (nothing was sent, so nothing can be duplicated).
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        batch_size: int = 200,
-        batch_bytes: int = 512 * 1024,
-        flush_interval: float = 0.05,
-        max_queued: int = 10_000,
-        timeout: float = 10.0,
-        retries: int = 3,
-    ) -> None:
-        self.url = (url if "://" in url else f"http://{url}").rstrip("/")
-        self.batch_size = batch_size
-        self.batch_bytes = batch_bytes
-        self.flush_interval = flush_interval
-        self.max_queued = max_queued
-        self.timeout = timeout
-        self.retries = retries
+    url: str = attrs.field(converter=_base_url)
+    batch_size: int = attrs.field(default=200, kw_only=True)
+    batch_bytes: int = attrs.field(default=512 * 1024, kw_only=True)
+    flush_interval: float = attrs.field(default=0.05, kw_only=True)
+    max_queued: int = attrs.field(default=10_000, kw_only=True)
+    timeout: float = attrs.field(default=10.0, kw_only=True)
+    retries: int = attrs.field(default=3, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
         self.published = 0  # messages nsqd accepted
         self.failed = 0  # messages in refused or undeliverable batches
         self.posts = 0  # HTTP requests made
