@@ -168,25 +168,6 @@ def test_v1_over_a_socket_and_http(lookupd_factory):
     assert lk.stop() == 0
 
 
-@pytest.mark.parametrize("data, answer", [
-    (b"XXXX", b"E_BAD_PROTOCOL"),
-    (b"  V1BOGUS\n", b"E_INVALID invalid command BOGUS"),
-    (b"  V1REGISTER t\n", b"E_INVALID client must IDENTIFY"),
-    (b"  V1IDENTIFY\n\x7f\xff\xff\xff", b"E_BAD_BODY IDENTIFY invalid body size 2147483647"),
-    (b"  V1IDENTIFY\n\x00\x00\x00\x02{]", b"E_BAD_BODY IDENTIFY failed to decode JSON body"),
-    (b"  V1" + b"A" * 10_000, b"E_INVALID failed to read command - line too long"),
-])
-def test_v1_bad_input(lookupd_factory, data, answer):
-    lk = lookupd_factory()
-    with socket.create_connection(("127.0.0.1", lk.tcp_port), timeout=5) as sock:
-        sock.sendall(data)
-        assert _response(sock) == answer
-    ok = _v1(lk)
-    ok.sendall(b"PING\n")
-    assert _response(ok) == b"OK"
-    assert lk.proc.poll() is None
-
-
 def _post(broker, path):
     if path.startswith("/channel/create"):
         # nsqd creates a channel only in an existing topic

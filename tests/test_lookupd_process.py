@@ -244,8 +244,10 @@ def _identify_frame(body: bytes) -> bytes:
 
 @pytest.mark.parametrize("data, answer", [
     (b"HTTP", b"E_BAD_PROTOCOL"),
+    (b"XXXX", b"E_BAD_PROTOCOL"),
     (b"  V2", b"E_BAD_PROTOCOL"),
     (b"  V1BOGUS cmd\n", b"E_INVALID invalid command BOGUS"),
+    (b"  V1BOGUS\n", b"E_INVALID invalid command BOGUS"),
     (b"  V1\n", b"E_INVALID invalid command "),
     (b"  V1REGISTER b_topic\n", b"E_INVALID client must IDENTIFY"),
     (b"  V1REGISTER\n", b"E_INVALID client must IDENTIFY"),
@@ -268,6 +270,7 @@ def test_bad_input_gets_gos_error_and_the_connection_closes(lookupd, data, answe
     # the server and its other peers carry on
     assert witness.command(b"PING\n") == b"OK"
     assert witness.local_address in [p["remote_address"] for p in producers(lookupd, "bad_witness")]
+    assert lookupd.proc.poll() is None
     witness.close()
 
 
