@@ -17,6 +17,7 @@ import httpx
 import pytest
 from nsq_raw import RawNSQ
 from processes import LookupdProcess
+from wire_fuzz import mutate, random_mutations
 
 from trio_nsq.shared.protocol import (
     MAGIC_V2,
@@ -46,25 +47,12 @@ SEEDS = [
 ]
 
 
-def mutate(rng: random.Random, data: bytes) -> bytes:
-    buf = bytearray(data)
-    for _ in range(rng.randint(1, 6)):
-        op = rng.randrange(6)
-        pos = rng.randrange(len(buf) + 1)
-        if op == 0 and buf:
-            buf[min(pos, len(buf) - 1)] = rng.randrange(256)
-        elif op == 1:
-            buf[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
-        elif op == 2 and buf:
-            del buf[pos : pos + rng.randint(1, 8)]
-        elif op == 3:
-            # a length field set to something extreme
-            buf[pos:pos] = rng.choice([b"\x7f\xff\xff\xff", b"\xff\xff\xff\xff", b"\x00\x00\x00\x00", b"\x00\x10\x00\x00"])
-        elif op == 4:
-            buf[pos:pos] = rng.choice([b"\n", b" ", b"PUB ", b"MPUB t\n", b"SUB a b\n", b"RDY 99999999\n", b"IDENTIFY\n"])
-        else:
-            buf = buf[:pos]
-    return bytes(buf)
+# what a random edit may put into a stream besides random bytes: commands and their pieces
+PIECES = [b"\n", b" ", b"PUB ", b"MPUB t\n", b"SUB a b\n", b"RDY 99999999\n", b"IDENTIFY\n"]
+
+
+def mutate_randomly(rng: random.Random, data: bytes) -> bytes:
+    return mutate(data, random_mutations(rng, PIECES))
 
 
 def fuzz_case(address: tuple[str, int], seed: int) -> str:
@@ -72,7 +60,7 @@ def fuzz_case(address: tuple[str, int], seed: int) -> str:
     if rng.random() < 0.2:
         data = (MAGIC_V2 if rng.random() < 0.5 else b"") + rng.randbytes(rng.randint(0, 300))
     else:
-        data = mutate(rng, rng.choice(SEEDS))
+        data = mutate_randomly(rng, rng.choice(SEEDS))
     return send_to_eof(address, data, seed)
 
 
@@ -244,7 +232,7 @@ def test_fuzzed_lookupd_streams(tmp_path):
 
         def case(seed: int) -> str:
             rng = random.Random(seed)
-            data = mutate(rng, rng.choice(V1_SEEDS)) if rng.random() < 0.8 else rng.randbytes(rng.randint(0, 200))
+            data = mutate_randomly(rng, rng.choice(V1_SEEDS)) if rng.random() < 0.8 else rng.randbytes(rng.randint(0, 200))
             return send_to_eof(address, data, seed)
 
         with ThreadPoolExecutor(16) as pool:

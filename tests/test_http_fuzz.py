@@ -20,6 +20,7 @@ import pytest
 import trio
 from nsq_raw import RawNSQ
 from processes import LookupdProcess
+from wire_fuzz import mutate, random_mutations
 
 SEED = 20261124
 RANDOM_CASES = 1500  # per daemon, on top of the hand-written ones
@@ -91,24 +92,7 @@ def mutations(pub_path: str, rng: random.Random, count: int) -> list[tuple[str, 
     ]
     pieces = [b"\r\n", b"\r\n\r\n", b"-1", b"\x00", b"chunked", b"Content-Length: ", b"HTTP/1.1", b" ",
               b"ffffffff", b"\xff\xfe", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b":", b"0\r\n\r\n"]
-    out = []
-    for i in range(count):
-        data = bytearray(rng.choice(seeds))
-        for _ in range(rng.randint(1, 6)):
-            op = rng.randrange(5)
-            pos = rng.randrange(len(data) + 1)
-            if op == 0 and data:
-                data[min(pos, len(data) - 1)] = rng.randrange(256)
-            elif op == 1:
-                data[pos:pos] = rng.choice(pieces)
-            elif op == 2:
-                del data[pos : pos + rng.randint(1, 20)]
-            elif op == 3:
-                data[pos:pos] = data[: rng.randint(0, len(data))]
-            else:
-                data = data[:pos]
-        out.append((f"mutation {i}", bytes(data)))
-    return out
+    return [(f"mutation {i}", mutate(rng.choice(seeds), random_mutations(rng, pieces))) for i in range(count)]
 
 
 SERVER_ERRORS: list[tuple[str, bytes, bytes]] = []

@@ -12,6 +12,7 @@ snappy, deflate or tls_v1) so that the compressed and TLS paths meet garbage too
 from __future__ import annotations
 
 import json
+import random
 import ssl
 import struct
 import threading
@@ -123,6 +124,17 @@ def mutate(data: bytes, mutations: list[tuple[int, float, bytes, int]]) -> bytes
         else:  # a newline or space where it does not belong
             buf[pos:pos] = b"\n" if n % 2 else b" "
     return bytes(buf)
+
+
+def random_mutations(rng: random.Random, pieces: list[bytes]) -> list[tuple[int, float, bytes, int]]:
+    """1–6 edits for mutate() drawn from a seeded rng, for the fuzzers that replay a fixed list of cases:
+    what an edit overwrites or inserts is random bytes or one of `pieces` (a command, a header...)."""
+    return [
+        (rng.randrange(7), rng.random(),
+         rng.choice(pieces) if pieces and rng.random() < 0.5 else rng.randbytes(rng.randint(1, 8)),
+         rng.randint(1, 24))
+        for _ in range(rng.randint(1, 6))
+    ]
 
 
 def snappy_encode(data: bytes) -> bytes:
