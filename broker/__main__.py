@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 
-from trio_nsq.broker.nsqd import NSQD
 from trio_nsq.broker.options import DEPRECATED, parse_command_line
 from trio_nsq.shared.logs import setup_logging
 from trio_nsq.shared.service import run_service
@@ -31,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("ID: %d", options.node_id)
     for name in deprecated:
         log.warning("-%s is deprecated and %s", name, DEPRECATED[name])
+    from trio_nsq.broker.nsqd import NSQD  # after the command line: `--version` and `-h` skip its imports
+
     _tune_gc()
     run_service(lambda: NSQD(options), log)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from trio_nsq.lookupd.nsqlookupd import NSQLookupd
 from trio_nsq.lookupd.options import DEPRECATED, parse_command_line
 from trio_nsq.shared.logs import setup_logging
 from trio_nsq.shared.service import run_service
@@ -19,6 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("%s", version_line("nsqlookupd"))
     for name in deprecated:
         log.warning("-%s is deprecated and %s", name, DEPRECATED[name])
+    from trio_nsq.lookupd.nsqlookupd import NSQLookupd  # after the command line: `--version` and `-h` skip its imports
+
     run_service(lambda: NSQLookupd(options), log)
 
 
