@@ -432,84 +432,96 @@ async def test_data_directory_removed_then_restored(tmp_path, monkeypatch, caplo
 # --- crash recovery -------------------------------------------------------------------------------
 
 
-def live_queue(tmp_path: Path, max_bytes: int) -> tuple[Path, DiskQueue]:
-    d = tmp_path / "live"
-    d.mkdir()
-    return d, DiskQueue("k", str(d), max_bytes_per_file=max_bytes, min_msg_size=1)
+class KillNine:
+    """A live queue in tmp_path/live and, from `kill_9()`, the queue a broker killed with -9 would open on
+    a copy of its files as they are now; the fixture closes every queue whatever the test's outcome."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.dir = tmp_path / "live"
+        self.queues: list[DiskQueue] = []
+        self.max_bytes = 0
+
+    def live(self, max_bytes: int) -> DiskQueue:
+        self.dir.mkdir()
+        self.max_bytes = max_bytes
+        return self._open(self.dir)
+
+    def kill_9(self) -> DiskQueue:
+        return self._open(crash_copy(self.dir, self.tmp_path / "after-crash"))
+
+    def _open(self, d: Path) -> DiskQueue:
+        self.queues.append(DiskQueue("k", str(d), max_bytes_per_file=self.max_bytes, min_msg_size=1))
+        return self.queues[-1]
 
 
-def after_kill_9(d: Path, tmp_path: Path, max_bytes: int) -> DiskQueue:
-    """The queue opened on what `d` holds now, as a broker killed with -9 would find it."""
-    return DiskQueue("k", str(crash_copy(d, tmp_path / "after-crash")), max_bytes_per_file=max_bytes, min_msg_size=1)
+@pytest.fixture
+async def crash(tmp_path):
+    k = KillNine(tmp_path)
+    yield k
+    for q in reversed(k.queues):
+        await q.close()
 
 
-async def test_kill_9_recovers_records_after_the_last_metadata_sync(tmp_path):
-    d, dq = live_queue(tmp_path, 40)
+async def test_kill_9_recovers_records_after_the_last_metadata_sync(crash):
+    dq = crash.live(40)
     dq.put(b"synced-1")
     await dq.sync()
-    assert meta(d, "k") == "1\n0,0\n0,12\n"
+    assert meta(crash.dir, "k") == "1\n0,0\n0,12\n"
     for i in range(6):  # 14-byte records: two to a file, rolls the metadata has not seen
         dq.put(b"after-%04d" % i)
-    with open(data_file(d, "k", dq.write_file_num), "ab") as fh:
+    with open(data_file(crash.dir, "k", dq.write_file_num), "ab") as fh:
         fh.write(struct.pack(">i", 50) + b"torn")
-    again = after_kill_9(d, tmp_path, 40)
+    again = crash.kill_9()
     assert again.depth() == 7
     assert drain(again) == [b"synced-1"] + [b"after-%04d" % i for i in range(6)]
     again.put(b"next")
     assert drain(again) == [b"next"]
-    await again.close()
-    await dq.close()
 
 
-async def test_kill_9_after_the_metadata_write_file_was_read_and_deleted(tmp_path):
-    d, dq = live_queue(tmp_path, 30)
+async def test_kill_9_after_the_metadata_write_file_was_read_and_deleted(crash):
+    dq = crash.live(30)
     dq.put(b"one-12345")  # 13 bytes
     await dq.sync()  # metadata: write file 0
     dq.put(b"two-12345")
     dq.put(b"three-123")  # file 1
     assert drain(dq) == [b"one-12345", b"two-12345", b"three-123"]  # file 0 read and deleted
     dq.put(b"four-1234")
-    again = after_kill_9(d, tmp_path, 30)
+    again = crash.kill_9()
     got = drain(again)
     assert got[-1] == b"four-1234" and set(got) <= {b"three-123", b"four-1234"}
     assert again.depth() == 0
-    await again.close()
-    await dq.close()
 
 
-async def test_kill_9_after_a_roll_the_metadata_never_saw_and_its_file_was_read(tmp_path):
-    d, dq = live_queue(tmp_path, 30)
+async def test_kill_9_after_a_roll_the_metadata_never_saw_and_its_file_was_read(crash):
+    dq = crash.live(30)
     dq.put(b"dropped")
     await dq.empty()
-    assert meta(d, "k") == "0\n1,0\n1,0\n"  # the write file (1) has no file yet
+    assert meta(crash.dir, "k") == "0\n1,0\n1,0\n"  # the write file (1) has no file yet
     for m in (b"a-1234567", b"b-1234567", b"c-1234567"):  # 13 bytes: two to a file, c in file 2
         dq.put(m)
     assert drain(dq) == [b"a-1234567", b"b-1234567", b"c-1234567"]  # file 1 read and deleted
     dq.put(b"d-1234567")
-    again = after_kill_9(d, tmp_path, 30)
+    again = crash.kill_9()
     assert (again.write_file_num, again.write_pos) == (2, 26)  # file 2 found, not written over
     assert drain(again) == [b"c-1234567", b"d-1234567"]  # c again: read after the last metadata sync
     assert again.depth() == 0
     again.put(b"e")
     assert drain(again) == [b"e"]
-    await again.close()
-    await dq.close()
 
 
-async def test_kill_9_before_any_metadata_after_a_roll_and_a_read(tmp_path):
-    d, dq = live_queue(tmp_path, 30)
+async def test_kill_9_before_any_metadata_after_a_roll_and_a_read(crash):
+    dq = crash.live(30)
     dq.put(b"a-1234567")
     dq.put(b"b-1234567")
     dq.put(b"c-1234567")  # file 1
     assert drain(dq) == [b"a-1234567", b"b-1234567", b"c-1234567"]  # file 0 deleted; no metadata yet
     dq.put(b"d-1234567")
-    assert not (d / "k.diskqueue.meta.dat").exists()
-    again = after_kill_9(d, tmp_path, 30)
+    assert not (crash.dir / "k.diskqueue.meta.dat").exists()
+    again = crash.kill_9()
     assert (again.read_file_num, again.write_file_num, again.write_pos) == (1, 1, 26)  # file 1 not reused
     assert again.depth() == 2
     assert drain(again) == [b"c-1234567", b"d-1234567"]
-    await again.close()
-    await dq.close()
 
 
 async def test_data_file_without_metadata_is_recovered_not_overwritten(tmp_path):
