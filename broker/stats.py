@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from trio_nsq.broker.quantile import aggregate
+from trio_nsq.shared.http_api import go_number
 from trio_nsq.shared.names import is_ephemeral
 from trio_nsq.shared.options import format_duration_ns
 from trio_nsq.shared.version import VERSION
@@ -68,7 +69,7 @@ class E2eLatency:
     def to_json(self) -> dict[str, Any]:
         percentiles = None
         if self.percentiles is not None:
-            percentiles = [{"quantile": p.quantile, "value": p.value} for p in self.percentiles]
+            percentiles = [{"quantile": go_number(p.quantile), "value": go_number(p.value)} for p in self.percentiles]
         return {"count": self.count, "percentiles": percentiles}
 
 

@@ -102,6 +102,15 @@ def go_json(value: Any) -> bytes:
     return text.encode("utf-8", "replace")
 
 
+def go_number(value: float) -> float:
+    """A float64 as json.Marshal writes it: a whole number without ".0" (1, not 1.0; 59815304, not
+    59815304.0). go_json cannot do this for every float without walking the value, so the few places
+    that put floats into JSON (e2e percentiles, float options) pass them through here."""
+    if type(value) is float and value.is_integer() and abs(value) < 1e21:
+        return int(value)
+    return value
+
+
 _HEX = "0123456789abcdefABCDEF"
 
 

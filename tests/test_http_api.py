@@ -374,6 +374,29 @@ def test_stats_producers_and_filters(http, broker):
     assert lean["topics"][0]["channels"][0]["clients"] is None
 
 
+def test_e2e_percentiles_are_numbers_as_go_writes_them(tmp_path):
+    """With --e2e-processing-latency-percentile, /stats carries each quantile and its latency as Go's
+    json.Marshal writes a float64: a whole number without ".0" ("quantile":1, "value":59815304 from Go
+    nsqd 1.3.0); /config shows the list the same way."""
+    broker = BrokerProcess(tmp_path, "--e2e-processing-latency-percentile=1.0",
+                           "--e2e-processing-latency-percentile=0.5").start()
+    try:
+        topic = unique("e2e")
+        publish(broker.tcp_address, topic, b"a", b"b", b"c")
+        with subscribe(broker.tcp_address, topic, "ch", rdy=3) as consumer:
+            for msg in consumer.expect_messages(3):
+                consumer.fin(msg.id)
+            consumer.nop()
+            raw = httpx.get(f"{broker.http_url}/stats?format=json&topic={topic}", timeout=5).content
+        found = re.findall(rb'"e2e_processing_latency":\{"count":3,"percentiles":\[\{"quantile":1,"value":(\d+)\},'
+                           rb'\{"quantile":0\.5,"value":(\d+)\}\]\}', raw)
+        assert len(found) == 2, raw  # the topic's (aggregated) and its channel's
+        assert all(int(v) > 0 for pair in found for v in pair)
+        assert httpx.get(f"{broker.http_url}/config/e2e_processing_latency_percentiles", timeout=5).content == b"[1,0.5]"
+    finally:
+        broker.stop()
+
+
 def test_stats_bad_query(http):
     assert_error(http.get("/stats?format=json&topic=%"), 400, "INVALID_REQUEST")
 

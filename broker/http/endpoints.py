@@ -29,6 +29,7 @@ from trio_nsq.shared.http_api import (
     HTTPError,
     Reply,
     error_reply,
+    go_number,
     log_request,
     ok_json,
     parse_go_int,
@@ -385,7 +386,9 @@ def option_value(options: Any, name: str) -> Any:
             return GO_LOG_LEVELS.get("warn" if level == "warning" else level, 0)
         if field.metadata.get("kind") == "duration":
             return _ns(value)
-        return value
+        if isinstance(value, list):
+            return [go_number(v) for v in value]
+        return go_number(value)
     raise KeyError(name)
 
 
