@@ -38,6 +38,7 @@ from trio_nsq.shared.protocol import (
     IdentifyData,
     parse_int,
     parse_mpub_body,
+    topology_fields,
 )
 from trio_nsq.shared.version import VERSION
 
@@ -287,8 +288,7 @@ class ProtocolV2:
             "auth_required": self.nsqd.auth_enabled,
             "output_buffer_size": client.output_buffer_size,
             "output_buffer_timeout": int(client.output_buffer_timeout * 1000),
-            "topology_region": opts.topology_region,
-            "topology_zone": opts.topology_zone,
+            **topology_fields(opts.topology_zone, opts.topology_region),
         }
         client.write_frame(FRAME_TYPE_RESPONSE, json.dumps(response, separators=(",", ":")).encode())
         await client.flush()

@@ -128,8 +128,6 @@ class ClientStats:
             "deflate": self.deflate,
             "snappy": self.snappy,
             "user_agent": self.user_agent,
-            "topology_zone": "",
-            "topology_region": "",
             "tls": self.tls,
             "tls_cipher_suite": self.tls_cipher_suite,
             "tls_version": self.tls_version,

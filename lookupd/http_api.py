@@ -39,6 +39,7 @@ from trio_nsq.shared.http_api import (
     routed_reply,
 )
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.protocol import topology_fields
 from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
@@ -139,14 +140,14 @@ def debug(lookupd: NSQLookupd, query: bytes) -> dict:
     for r, producers in lookupd.db.registrations.items():
         for p in producers.values():
             peer = p.peer
-            entry = {  # a Go map: keys sorted
+            entry = {
                 "broadcast_address": peer.broadcast_address, "hostname": peer.hostname,
                 "http_port": peer.http_port, "id": peer.id, "last_update": wall_ns(peer.last_update),
                 "tcp_port": peer.tcp_port, "tombstoned": p.tombstoned,
                 "tombstoned_at": wall_ns(p.tombstoned_at) if p.tombstoned else GO_ZERO_TIME_UNIX_NANO,
-                "topology_region": peer.topology_region, "topology_zone": peer.topology_zone,
-                "version": peer.version,
+                "version": peer.version, **topology_fields(peer.topology_zone, peer.topology_region),
             }
+            entry = dict(sorted(entry.items()))  # a Go map: keys sorted
             data.setdefault(f"{r.category}:{r.key}:{r.subkey}", []).append(entry)
     return dict(sorted(data.items()))
 

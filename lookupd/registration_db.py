@@ -10,6 +10,8 @@ import time
 
 import attrs
 
+from trio_nsq.shared.protocol import topology_fields
+
 
 @attrs.frozen
 class Registration:
@@ -43,7 +45,7 @@ class PeerInfo:
             "remote_address": self.remote_address, "hostname": self.hostname,
             "broadcast_address": self.broadcast_address, "tcp_port": self.tcp_port,
             "http_port": self.http_port, "version": self.version,
-            "topology_zone": self.topology_zone, "topology_region": self.topology_region,
+            **topology_fields(self.topology_zone, self.topology_region),
         }
 
 

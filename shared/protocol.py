@@ -353,6 +353,18 @@ def parse_int(value: bytes) -> int:
 # --- IDENTIFY ---------------------------------------------------------------------------------------
 
 
+def topology_fields(zone: str, region: str) -> dict[str, str]:
+    """A node's topology as nsqd after 1.3.0 reports it (IDENTIFY's answer, /info, nsqlookupd's
+    producers): only when --topology-zone/--topology-region are set, so that a node without them answers
+    byte for byte as nsqd 1.3.0, which has no such fields."""
+    fields = {}
+    if zone:
+        fields["topology_zone"] = zone
+    if region:
+        fields["topology_region"] = region
+    return fields
+
+
 @attrs.define
 class IdentifyData:
     """The JSON a client sends in IDENTIFY (unknown keys ignored, as Go's json.Unmarshal does)."""

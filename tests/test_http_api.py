@@ -83,9 +83,22 @@ def test_info(http, broker):
     assert info["tcp_port"] == broker.tcp_port
     assert abs(info["start_time"] - time.time()) < 600
     assert info["max_heartbeat_interval"] == 60 * 10**9  # durations in ns, as Go marshals them
-    for key in ("broadcast_address", "hostname", "max_output_buffer_size", "max_output_buffer_timeout",
-                "max_deflate_level", "topology_zone", "topology_region"):
-        assert key in info
+    # nsqd 1.3.0's fields in its order, then ours; no topology fields without --topology-zone/-region
+    assert list(info) == ["version", "broadcast_address", "hostname", "http_port", "tcp_port", "start_time",
+                          "max_heartbeat_interval", "max_output_buffer_size", "max_output_buffer_timeout",
+                          "max_deflate_level", "idempotent_publish"]
+
+
+def test_topology_flags_add_their_fields_to_info_and_identify(tmp_path):
+    broker = BrokerProcess(tmp_path, "--topology-zone=eu-1a", "--topology-region=eu").start()
+    try:
+        info = httpx.get(f"{broker.http_url}/info", timeout=5).json()
+        assert (info["topology_zone"], info["topology_region"]) == ("eu-1a", "eu")
+        with RawNSQ(broker.tcp_address) as conn:
+            answer = conn.identify(feature_negotiation=True)
+        assert (answer["topology_zone"], answer["topology_region"]) == ("eu-1a", "eu")
+    finally:
+        broker.stop()
 
 
 def test_accept_header_does_not_change_the_answer(http):

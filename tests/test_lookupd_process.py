@@ -124,7 +124,7 @@ def test_identify_register_ping_unregister(lookupd):
     assert r.headers["x-nsq-content-type"] == "nsq; version=1.0"
     assert r.json() == {"channels": ["p_chan"], "producers": [{
         "remote_address": peer.local_address, "hostname": "nsqd.test", "broadcast_address": "127.0.0.1",
-        "tcp_port": 5150, "http_port": 5151, "version": "1.3.0", "topology_zone": "", "topology_region": ""}]}
+        "tcp_port": 5150, "http_port": 5151, "version": "1.3.0"}]}  # nsqlookupd 1.3.0's fields, no more
     assert {"p_topic", "p_topic2"} <= set(lookupd.http.get("/topics").json()["topics"])
     assert lookupd.http.get("/channels", params={"topic": "p_topic"}).json() == {"channels": ["p_chan"]}
     assert lookupd.http.get("/channels", params={"topic": "p_none"}).json() == {"channels": []}

@@ -155,6 +155,7 @@ def test_decode_identify_fields_and_real_remote_address():
     peer = decode_identify(identify_body(remote_address="spoofed:1", topology_zone="z", extra=[1]), "10.0.0.1:5")
     assert (peer.id, peer.remote_address, peer.broadcast_address, peer.hostname) == ("10.0.0.1:5", "10.0.0.1:5", "b1", "h1")
     assert (peer.tcp_port, peer.http_port, peer.version, peer.topology_zone) == (4150, 4151, "1.3.0", "z")
+    assert peer.public()["topology_zone"] == "z" and "topology_region" not in peer.public()
 
 
 def test_decode_identify_is_as_lenient_and_as_strict_as_encoding_json():
@@ -450,7 +451,7 @@ def test_lookup_handler(lk):
     assert answer["channels"] == ["c1"]
     [producer] = answer["producers"]
     assert list(producer) == ["remote_address", "hostname", "broadcast_address", "tcp_port", "http_port",
-                              "version", "topology_zone", "topology_region"]  # PeerInfo's field order
+                              "version"]  # PeerInfo's field order; topology fields only when the peer has them
     assert (producer["remote_address"], producer["broadcast_address"], producer["http_port"]) == (
         "127.0.0.1:5000", "b1", 4151)
     assert http_error(lookup, lk, b"topic=nope") == (404, "TOPIC_NOT_FOUND")

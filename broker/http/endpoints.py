@@ -38,7 +38,7 @@ from trio_nsq.shared.http_api import (
 )
 from trio_nsq.shared.logs import GO_LOG_LEVELS, parse_level
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
-from trio_nsq.shared.protocol import FatalClientError, parse_mpub_body
+from trio_nsq.shared.protocol import FatalClientError, parse_mpub_body, topology_fields
 from trio_nsq.shared.version import VERSION
 
 log = logging.getLogger("nsqd")
@@ -145,8 +145,7 @@ class Api:
             "max_output_buffer_size": opts.max_output_buffer_size,
             "max_output_buffer_timeout": _ns(opts.max_output_buffer_timeout),
             "max_deflate_level": opts.max_deflate_level,
-            "topology_zone": "",
-            "topology_region": "",
+            **topology_fields(opts.topology_zone, opts.topology_region),
             "idempotent_publish": True,  # /pub and /mpub honour Idempotency-Key (Go nsqd lacks the field)
         })
 

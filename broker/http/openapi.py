@@ -49,7 +49,7 @@ def _schemas() -> dict:
     client = {"type": "object", "properties": {
         **{k: {"type": "string"} for k in ("client_id", "hostname", "version", "remote_address", "user_agent",
                                             "tls_cipher_suite", "tls_version", "tls_negotiated_protocol",
-                                            "auth_identity", "auth_identity_url", "topology_zone", "topology_region")},
+                                            "auth_identity", "auth_identity_url")},
         **{k: _INTEGER for k in ("state", "ready_count", "in_flight_count", "message_count", "finish_count",
                                   "requeue_count", "connect_ts", "sample_rate", "output_buffer_size",
                                   "output_buffer_timeout")},
@@ -89,7 +89,8 @@ def _schemas() -> dict:
         "max_output_buffer_size": _INTEGER,
         "max_output_buffer_timeout": {**_INTEGER, "description": "nanoseconds"},
         "max_deflate_level": {"type": "integer"},
-        "topology_zone": {"type": "string"}, "topology_region": {"type": "string"},
+        "topology_zone": {"type": "string", "description": "only with --topology-zone"},
+        "topology_region": {"type": "string", "description": "only with --topology-region"},
         "idempotent_publish": {"type": "boolean"},
     }}
     error = {"type": "object", "required": ["message"], "properties": {"message": {"type": "string"}}}
