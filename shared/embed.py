@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 import trio
 
-from trio_nsq.shared.http import join_host_port
+from trio_nsq.shared.addresses import join_host_port
 
 _LOOPBACK_ANY = "127.0.0.1:0"
 

@@ -15,6 +15,9 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 from quart import Response
 
+# the address helpers live in shared/addresses.py (the client needs them without this module's stack);
+# imported here for the daemons that import them from this module
+from trio_nsq.shared.addresses import address_text, is_unix_address, join_host_port, split_host_port  # noqa: F401
 from trio_nsq.shared.http_api import Reply
 
 log = logging.getLogger(__name__)
@@ -42,26 +45,6 @@ _HYPERCORN_ERRORS = logging.getLogger("hypercorn.error")
 _HYPERCORN_ERRORS.addFilter(_OneLine())
 
 
-def split_host_port(address: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
-    """'127.0.0.1:4151', ':4151', '[::1]:4151' -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep:
-        raise ValueError(f"address {address!r} has no port")
-    host = host.strip("[]") or default_host
-    return host, int(port)
-
-
-def is_unix_address(address: str) -> bool:
-    """nsqd's TypeOfAddr: what is not host:port is a path for a unix socket."""
-    host, sep, port = address.rpartition(":")
-    return not (sep and port.isdigit())
-
-
-def address_text(host: str, port: int) -> str:
-    """A bound address as nsqd logs it: host:port, or the unix socket's path."""
-    return host if is_unix_address(host) and port == 0 and host.startswith(("/", ".")) else join_host_port(host, port)
-
-
 async def open_unix_listener(path: str) -> trio.SocketListener:
     """A listening unix socket at `path` (which must not exist, as with Go's net.Listen)."""
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -72,10 +55,6 @@ async def open_unix_listener(path: str) -> trio.SocketListener:
         sock.close()
         raise
     return trio.SocketListener(sock)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def hypercorn_config(address: str, *, max_body_size: int | None = None, **extra: Any) -> Config:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from trio_nsq.shared.http import join_host_port
+from trio_nsq.shared.addresses import join_host_port
 
 
 async def serve_connection(

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from trio_nsq.shared.http import split_host_port
+from trio_nsq.shared.addresses import split_host_port
 from trio_nsq.shared.protocol import (
     CLOSE_WAIT,
     FRAME_TYPE_ERROR,

@@ -38,16 +38,18 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import httpx
 import trio
 
 from trio_nsq.shared.client.backoff import backoff_delay, requeue_delay_ms
 from trio_nsq.shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
 from trio_nsq.shared.client.lookupd import lookup_producers
 from trio_nsq.shared.protocol import DecodedMessage, encode_sub
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("trio_nsq.client")
 
@@ -289,6 +291,8 @@ class Consumer(ConnectOptions):
         self._apply_rdy()
 
     async def _poll_lookupd(self) -> None:
+        import httpx  # only a consumer that uses lookupd loads an HTTP client
+
         async with httpx.AsyncClient(timeout=self.connect_timeout) as client:
             while True:
                 await self._query_lookupd(client)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import httpx
 import trio
 
 from trio_nsq.shared.client.backoff import backoff_delay
 from trio_nsq.shared.client.connection import NSQConnectionError, NSQError, OwnedNursery
 from trio_nsq.shared.protocol import encode_mpub_body
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("trio_nsq.client")
 
@@ -63,6 +65,8 @@ class HTTPProducer:
         self._open = False
 
     async def __aenter__(self) -> HTTPProducer:
+        import httpx  # loaded when an HTTPProducer opens, not when the client is imported
+
         self._client = httpx.AsyncClient(timeout=self.timeout)
         nursery = await self._tasks.open()
         nursery.start_soon(self._sender)
@@ -167,6 +171,8 @@ class HTTPProducer:
             self.published += len(batch)
 
     async def _post_retrying(self, path: str, params: dict[str, str], content: bytes) -> None:
+        import httpx
+
         attempt = 0
         while True:
             try:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import httpx
+from trio_nsq.shared.addresses import join_host_port
 
-from trio_nsq.shared.http import join_host_port
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("trio_nsq.client")
 
@@ -21,6 +23,8 @@ async def lookup_producers(client: httpx.AsyncClient, lookupd_http_address: str,
     [] when lookupd does not know the topic (404 TOPIC_NOT_FOUND); None when lookupd could not be asked
     (unreachable, or an answer that is not a lookup), so the caller keeps what it already has.
     """
+    import httpx  # loaded by the caller already: only consumers that use lookupd pay for it
+
     try:
         response = await client.get(f"{lookupd_url(lookupd_http_address)}/lookup", params={"topic": topic},
                                     headers={"Accept": "application/vnd.nsq; version=1.0"})
