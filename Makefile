@@ -17,7 +17,7 @@ run: $(STAMP)
 	@mkdir -p data
 	@echo "trio-nsq: nsqlookupd on 127.0.0.1:4160/4161, nsqd on 127.0.0.1:4150/4151 (data in ./data)"
 	@echo "  publish: curl -d 'hello' 'http://127.0.0.1:4151/pub?topic=test'"
-	@echo "  consume: $(BIN)/python -m trio_nsq.shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic test"
+	@echo "  consume: $(BIN)/nsq_tail --nsqd-tcp-address=127.0.0.1:4150 --topic=test"
 	@echo "  stats:   curl 'http://127.0.0.1:4151/stats?format=json'"
 	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
 	@echo "  admin:   http://127.0.0.1:4171/ (trio-nsqadmin)"

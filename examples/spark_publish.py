@@ -2,7 +2,7 @@
 
     make run                              # in another shell: nsqd on 127.0.0.1:4151
     python examples/spark_publish.py      # needs the spark extra: pip install -e '.[spark]', and Java 17
-    python -m trio_nsq.shared.client.tail --nsqd-tcp-address 127.0.0.1:4150 --topic spark-example    # to see the messages
+    nsq_tail --nsqd-tcp-address=127.0.0.1:4150 --topic=spark-example    # to see the messages
 
 NSQD_HTTP=host:port and TOPIC=name change where it publishes.
 """

@@ -9,7 +9,6 @@ count show that FINs arrived.
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,12 +16,10 @@ import httpx
 import pytest
 import trio
 from processes import (
-    REPO_ROOT,
     BrokerProcess,
     Daemon,
     LookupdProcess,
     free_port,
-    repo_env,
 )
 
 from trio_nsq.shared.client import (
@@ -479,17 +476,3 @@ async def test_http_producer_batches_into_mpub_and_surfaces_errors(cluster):
         await wait_for(lambda: len(got.bodies) >= 122)
         await trio.sleep(0.1)
     assert sorted(got.bodies) == sorted([b"line\n%d" % i for i in range(120)] + [b"single", b"deferred"])
-
-
-# --- CLI ----------------------------------------------------------------------------------------------
-
-
-async def test_tail_prints_bodies_in_order(cluster):
-    broker = cluster.broker()
-    async with Producer(broker.tcp_address) as producer:
-        await producer.mpub("tour", [b"hello", b"new\nline", b"world", b"not printed"])
-    result = await trio.run_process(
-        [sys.executable, "-m", "trio_nsq.shared.client.tail", "--nsqd-tcp-address", broker.tcp_address, "--topic", "tour",
-         "-n", "3"], cwd=REPO_ROOT, env=repo_env(), capture_stdout=True, capture_stderr=True, check=False)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == b"hello\nnew\nline\nworld\n"

@@ -1,0 +1,102 @@
+"""nsq_tail: print a topic's messages to stdout, one per line, as nsqio/nsq's apps/nsq_tail.
+
+    nsq_tail --nsqd-tcp-address=127.0.0.1:4150 --topic=T [--topic=U] [--channel=C] [-n N] [--print-topic]
+    nsq_tail --lookupd-http-address=127.0.0.1:4161 --topic=T
+
+Without --channel it reads on an ephemeral channel of its own (`tail123456#ephemeral`). `-n N` exits
+after N messages of one topic; SIGINT/SIGTERM close every consumer cleanly (what was received is
+printed and FIN'd) and exit 0. A command-line tool, so it prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import random
+import sys
+
+import attrs
+import trio
+
+from trio_nsq.shared.apps.app import ConfigError, Main, fatal, parse_config_opts, run_app, setup_logging, user_agent
+from trio_nsq.shared.options import option
+
+APP = "nsq_tail"
+log = logging.getLogger("trio_nsq.apps")
+
+
+@attrs.define
+class Options:
+    channel: str = option("", "NSQ channel")
+    consumer_opt: list = option([], "option to passthrough to nsq.Consumer (may be given multiple times, "
+                                    "http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
+    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
+    max_in_flight: int = option(200, "max number of messages to allow in flight")
+    n: int = option(0, "total messages to show (will wait if starved)")
+    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
+    print_topic: bool = option(False, "print topic name where message was received")
+    topic: list = option([], "NSQ topic (may be given multiple times)", repeat=True)
+
+
+def setup(opts: Options) -> Main:
+    if not opts.channel:
+        opts.channel = f"tail{random.randrange(999999):06d}#ephemeral"
+    if not opts.nsqd_tcp_address and not opts.lookupd_http_address:
+        fatal("--nsqd-tcp-address or --lookupd-http-address required")
+    if opts.nsqd_tcp_address and opts.lookupd_http_address:
+        fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+    if not opts.topic:
+        fatal("--topic required")
+    try:
+        settings = parse_config_opts(opts.consumer_opt, consumer=True)
+    except ConfigError as exc:
+        fatal(str(exc))
+    settings.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
+    max_in_flight = settings.pop("max_in_flight", opts.max_in_flight)
+    if 0 < opts.n < max_in_flight:
+        max_in_flight = opts.n  # don't ask for more messages than we want
+    return functools.partial(tail, opts, settings, max_in_flight)
+
+
+async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Event) -> int:
+    from trio_nsq.shared.client import Consumer
+
+    out = sys.stdout.buffer
+
+    def handler_for(topic: str):
+        shown = 0
+        prefix = f"{topic} | ".encode() if opts.print_topic else b""
+
+        async def handle(message) -> None:
+            nonlocal shown
+            if opts.n and shown >= opts.n:
+                # one more than wanted was in flight: give it back untouched for whoever reads next
+                await message.requeue(delay_ms=0, backoff=False)
+                return
+            shown += 1
+            out.write(prefix + message.body + b"\n")
+            out.flush()
+            if opts.n and shown >= opts.n:
+                stop.set()
+
+        return handle
+
+    async with contextlib.AsyncExitStack() as stack:
+        for topic in opts.topic:
+            log.info("Adding consumer for topic: %s", topic)
+            await stack.enter_async_context(Consumer(
+                topic, opts.channel, handler_for(topic), nsqd_tcp_addresses=opts.nsqd_tcp_address,
+                lookupd_http_addresses=opts.lookupd_http_address, max_in_flight=max_in_flight, concurrency=1,
+                **settings))
+        await stop.wait()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    return run_app(Options, APP, setup, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""nsq_to_http: deliver a topic's messages to HTTP endpoints, as nsqio/nsq's apps/nsq_to_http.
+
+    nsq_to_http --topic=T --nsqd-tcp-address=127.0.0.1:4150 --post=http://host/path [--post=...]
+    nsq_to_http --topic=T --lookupd-http-address=127.0.0.1:4161 --get='http://host/path?data=%s'
+
+--post sends the body (Content-Type --content-type); --get puts it, query-escaped, in place of the one
+`%s`. --mode picks the endpoint (see shared/apps/relay.py); -n requests run at once. A message is
+FIN'd only once its endpoint answered 2xx (GET: 200); a failure (refused, timed out, another status)
+REQs it with a growing delay and backs the consumer off, so nothing is lost while an endpoint is away.
+--consumer-opt max_attempts defaults to 0 (unlimited) here, where go-nsq's default 5 would drop a
+message after five failed deliveries. SIGINT/SIGTERM close cleanly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+import urllib.parse
+
+import attrs
+import trio
+
+from trio_nsq.shared.apps.app import Main, fatal, parse_config_opts, run_app, setup_logging, user_agent
+from trio_nsq.shared.apps.relay import HostPool, StatusTimer
+from trio_nsq.shared.options import option
+from trio_nsq.shared.version import VERSION
+
+APP = "nsq_to_http"
+DEFAULT_CONTENT_TYPE = "application/octet-stream"
+log = logging.getLogger("trio_nsq.apps")
+
+
+@attrs.define
+class Options:
+    channel: str = option("nsq_to_http", "nsq channel")
+    consumer_opt: list = option([], "option to passthrough to nsq.Consumer (may be given multiple times, "
+                                    "http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
+    content_type: str = option(DEFAULT_CONTENT_TYPE, "the Content-Type used for POST requests")
+    get: list = option([], "HTTP address to make a GET request to. '%s' will be printf replaced with data (may be "
+                           "given multiple times)", repeat=True)
+    header: list = option([], "Custom header for HTTP requests (may be given multiple times)", repeat=True)
+    http_client_connect_timeout: float = option(2.0, "timeout for HTTP connect", kind="duration")
+    http_client_request_timeout: float = option(20.0, "timeout for HTTP request", kind="duration")
+    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
+    max_in_flight: int = option(200, "max number of messages to allow in flight")
+    mode: str = option("hostpool", "the upstream request mode options: round-robin, hostpool (default), "
+                                   "epsilon-greedy")
+    n: int = option(100, "number of concurrent publishers")
+    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
+    post: list = option([], "HTTP address to make a POST request to.  data will be in the body (may be given "
+                            "multiple times)", repeat=True)
+    sample: float = option(1.0, "% of messages to publish (float b/w 0 -> 1)", kind="float")
+    status_every: int = option(250, "the # of requests between logging status (per handler), 0 disables")
+    topic: str = option("", "nsq topic")
+
+
+def parse_headers(values: list[str]) -> dict[str, str]:
+    """--header `Key: value` (nsq_to_http splits at the first colon); ValueError for a bad one."""
+    headers = {}
+    for text in values:
+        key, sep, value = text.partition(":")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"invalid header: {text!r}")
+        headers[key.strip()] = value.strip()
+    return headers
+
+
+def setup(opts: Options) -> Main:
+    try:
+        headers = parse_headers(opts.header)
+    except ValueError:
+        fatal("--header value format should be 'key=value'")
+    if not opts.topic or not opts.channel:
+        fatal("--topic and --channel are required")
+    if opts.content_type != DEFAULT_CONTENT_TYPE:
+        if not opts.post:
+            fatal("--content-type only used with --post")
+        if not opts.content_type:
+            fatal("--content-type requires a value when used")
+    if not opts.nsqd_tcp_address and not opts.lookupd_http_address:
+        fatal("--nsqd-tcp-address or --lookupd-http-address required")
+    if opts.nsqd_tcp_address and opts.lookupd_http_address:
+        fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+    if not opts.get and not opts.post:
+        fatal("--get or --post required")
+    if opts.get and opts.post:
+        fatal("use --get or --post not both")
+    if any(get.count("%s") != 1 for get in opts.get):
+        fatal("invalid GET address - must be a printf string")
+    if not 0.0 <= opts.sample <= 1.0:
+        fatal("ERROR: --sample must be between 0.0 and 1.0")
+    consumer = {"max_attempts": 0, **parse_config_opts(opts.consumer_opt, consumer=True)}
+    consumer.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
+    consumer.setdefault("max_in_flight", opts.max_in_flight)
+    return functools.partial(deliver, opts, consumer, headers)
+
+
+class DeliveryError(Exception):
+    """An endpoint that did not accept a message (the consumer REQs it)."""
+
+
+async def deliver(opts: Options, consumer_settings: dict, headers: dict[str, str], stop: trio.Event) -> int:
+    import httpx
+
+    from trio_nsq.shared.client import Consumer
+
+    addresses = opts.post or opts.get
+    mode = opts.mode if opts.mode in ("round-robin", "hostpool", "epsilon-greedy") else "all"
+    pool = HostPool(addresses, mode)
+    aggregate = StatusTimer(opts.status_every, "[aggregate]:")
+    per_address = {a: StatusTimer(opts.status_every if len(pool.hosts) > 1 else 0, f"[{a}]:") for a in pool.hosts}
+    headers = {"User-Agent": f"nsq_to_http v{VERSION}", **headers}
+    if opts.post:
+        headers["Content-Type"] = opts.content_type
+    timeout = httpx.Timeout(opts.http_client_request_timeout, connect=opts.http_client_connect_timeout)
+    limits = httpx.Limits(max_connections=max(1, opts.n), max_keepalive_connections=max(1, opts.n))
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        async def send(address: str, body: bytes) -> None:
+            started = time.monotonic()
+            try:
+                if opts.post:
+                    response = await client.post(address, content=body)
+                    ok = 200 <= response.status_code < 300
+                else:
+                    response = await client.get(address.replace("%s", urllib.parse.quote_plus(body), 1))
+                    ok = response.status_code == 200
+            except httpx.HTTPError as exc:
+                raise DeliveryError(f"{address}: {exc!r}") from None
+            if not ok:
+                raise DeliveryError(f"got status code {response.status_code}")
+            per_address[address].status(started)
+
+        async def handle(message) -> None:
+            if opts.sample < 1.0 and random.random() > opts.sample:
+                return
+            started = time.monotonic()
+            if mode == "all":
+                for address in pool.hosts:
+                    await send(address, message.body)
+            else:
+                address = pool.pick()
+                try:
+                    await send(address, message.body)
+                except DeliveryError:
+                    pool.mark(address, False)
+                    raise  # the consumer REQs it and backs off
+                pool.mark(address, True)
+            aggregate.status(started)
+
+        async with Consumer(opts.topic, opts.channel, handle, nsqd_tcp_addresses=opts.nsqd_tcp_address,
+                            lookupd_http_addresses=opts.lookupd_http_address, concurrency=max(1, opts.n),
+                            **consumer_settings) as consumer:
+            await stop.wait()
+            await consumer.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    return run_app(Options, APP, setup, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
