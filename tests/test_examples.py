@@ -8,7 +8,9 @@ import subprocess
 import sys
 import tomllib
 
+import trustme
 import yaml
+from auth_server import AuthServer
 from processes import REPO_ROOT, LookupdProcess
 
 
@@ -43,6 +45,48 @@ def test_multi_broker_example(tmp_path, broker_factory):
         assert "received 10 messages from 2 brokers found through lookupd" in proc.stdout
     finally:
         lk.stop()
+
+
+def test_tls_compression_auth_example(tmp_path, broker_factory):
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")
+    ca.issue_cert("client.example", common_name="client.example").private_key_and_cert_chain_pem.write_to_path(
+        tmp_path / "client.pem")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    authd = AuthServer()
+    authd.thread.start()
+    authd.allow("s3cret", [{"topic": "^secure", "channels": [".*"], "permissions": ["publish", "subscribe"]}],
+                identity="example-user")
+    try:
+        broker = broker_factory(tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.pem",
+                                tls_root_ca_file=tmp_path / "ca.pem", tls_client_auth_policy="require",
+                                tls_required="true", auth_http_address=authd.address)
+        env = {"NSQD_TCP": broker.tcp_address, "TLS_CA": str(tmp_path / "ca.pem"),
+               "TLS_CERT": str(tmp_path / "client.pem"), "TLS_KEY": str(tmp_path / "client.pem"),
+               "AUTH_SECRET": "s3cret"}
+        for compression in ("snappy", "deflate"):
+            proc = run([sys.executable, "examples/tls_compression_auth.py"],
+                       {**env, "COMPRESSION": compression, "TOPIC": f"secure-{compression}"})
+            assert proc.returncode == 0, proc.stderr
+            assert "done: over, tls" in proc.stdout
+            assert f"tls=True, snappy={compression == 'snappy'}, deflate={compression == 'deflate'}, " \
+                   "identity=example-user" in proc.stdout
+        proc = run([sys.executable, "examples/tls_compression_auth.py"], {**env, "AUTH_SECRET": "wrong"})
+        assert proc.returncode != 0
+        assert "cannot connect: " in proc.stderr and "E_UNAUTHORIZED AUTH no authorizations found" in proc.stderr
+        assert authd.last("s3cret")["params"]["common_name"] == "client.example"
+    finally:
+        authd.httpd.shutdown()
+        authd.httpd.server_close()
+
+
+def test_backoff_max_attempts_example(broker):
+    proc = run([sys.executable, "examples/backoff_max_attempts.py"], {"NSQD_TCP": broker.tcp_address})
+    assert proc.returncode == 0, proc.stderr
+    assert "handled: one, two" in proc.stdout
+    assert "given up: poison after 3 attempts" in proc.stdout
+    backoffs = int(re.search(r"backoffs: (\d+)", proc.stdout).group(1))
+    assert backoffs >= 1
 
 
 def test_compose_file_is_consistent():

@@ -18,6 +18,7 @@ import logging
 import random
 import time
 import urllib.parse
+from contextlib import AsyncExitStack
 
 import attrs
 import trio
@@ -115,11 +116,19 @@ async def deliver(opts: Options, consumer_settings: dict, headers: dict[str, str
     if opts.post:
         headers["Content-Type"] = opts.content_type
     timeout = httpx.Timeout(opts.http_client_request_timeout, connect=opts.http_client_connect_timeout)
-    limits = httpx.Limits(max_connections=max(1, opts.n), max_keepalive_connections=max(1, opts.n))
+    # one client (one keep-alive connection per endpoint) per concurrent publisher: httpx's pool scans
+    # every connection for each request, which with -n 100 in one pool took most of the time
+    limits = httpx.Limits(max_connections=len(pool.hosts), max_keepalive_connections=len(pool.hosts))
+    idle: list[httpx.AsyncClient] = []
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+    async with AsyncExitStack() as stack:
+        for _ in range(max(1, opts.n)):
+            idle.append(await stack.enter_async_context(
+                httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)))
+
         async def send(address: str, body: bytes) -> None:
             started = time.monotonic()
+            client = idle.pop()  # there are as many as handlers run at once (the consumer's concurrency)
             try:
                 if opts.post:
                     response = await client.post(address, content=body)
@@ -129,6 +138,8 @@ async def deliver(opts: Options, consumer_settings: dict, headers: dict[str, str
                     ok = response.status_code == 200
             except httpx.HTTPError as exc:
                 raise DeliveryError(f"{address}: {exc!r}") from None
+            finally:
+                idle.append(client)
             if not ok:
                 raise DeliveryError(f"got status code {response.status_code}")
             per_address[address].status(started)
