@@ -25,6 +25,7 @@ import socket
 import time
 import zlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -32,6 +33,9 @@ import trio
 from trio_nsq.shared.apps.app import Main, fatal, parse_config_opts, run_app, user_agent
 from trio_nsq.shared.logs import NSQFormatter, parse_level
 from trio_nsq.shared.options import option
+
+if TYPE_CHECKING:
+    from trio_nsq.shared.client import Message
 
 APP = "nsq_to_file"
 log = logging.getLogger("trio_nsq.apps")
@@ -286,23 +290,16 @@ async def log_topic(opts: Options, settings: dict, topic: str, stop: trio.Event,
         log.error("couldn't create logger for new topic %s: %s", topic, exc)
         return
     logger = FileLogger(opts, topic, fmt)
-    held: list[trio.Event] = []  # one event per message written and not yet synced
+    incoming: list[tuple[Message, trio.Event]] = []  # received, for the router to write
+    held: list[trio.Event] = []  # written and not yet synced: set once they are on disk
     wake = trio.Event()
-    writing = trio.Lock()  # rotation and write are one step; handlers take turns in arrival order
     sync_at = max(1, int(opts.max_in_flight * 0.85))  # go-nsq's "starved": the RDY is nearly all held
-    closing = False
+    closing = finished = False
 
-    async def handle(message) -> None:
-        async with writing:
-            if logger.needs_rotation():
-                await sync_held()  # what is held is in the old file, which close() fsyncs
-                await logger.close()
-                logger.open_next()
-            logger.write(message.body)
-            synced = trio.Event()
-            held.append(synced)
-            if closing or len(held) >= sync_at:
-                wake.set()
+    async def handle(message: Message) -> None:
+        synced = trio.Event()
+        incoming.append((message, synced))
+        wake.set()
         await synced.wait()  # returning FINs it: only once it is on disk
 
     async def sync_held() -> None:
@@ -314,39 +311,58 @@ async def log_topic(opts: Options, settings: dict, topic: str, stop: trio.Event,
             for event in done:
                 event.set()
 
-    async def syncer() -> None:
-        nonlocal wake
+    async def router() -> None:
+        """nsq_to_file's router: the one writer of the file, in the order messages were published."""
+        nonlocal incoming, wake
         last_hup = hup()
+        next_sync = trio.current_time() + opts.sync_interval
         while True:
-            with trio.move_on_after(opts.sync_interval):
+            with trio.move_on_at(next_sync):
                 await wake.wait()
             wake = trio.Event()
-            async with writing:
-                if hup() != last_hup:
-                    last_hup = hup()
-                    await sync_held()
-                    await logger.close()
-                elif not held and logger.out is not None and logger.needs_rotation():
-                    await logger.close()
-                    if not opts.skip_empty_files:
-                        logger.open_next()
+            tick = trio.current_time() >= next_sync
+            if tick:
+                next_sync = trio.current_time() + opts.sync_interval
+            # handlers woken together may run in any order: what arrived together is written by
+            # nsqd's timestamp, as one reader of one nsqd would see it
+            batch = sorted(incoming, key=lambda item: (item[0].timestamp, item[0].id))
+            incoming = []
+            if hup() != last_hup:
+                last_hup = hup()
                 await sync_held()
+                await logger.close()
+            if tick and not batch and logger.out is not None and logger.needs_rotation():
+                await sync_held()
+                await logger.close()
+                if not opts.skip_empty_files:
+                    logger.open_next()
+            for message, synced in batch:
+                if logger.needs_rotation():
+                    await sync_held()  # what is held is in the old file
+                    await logger.close()
+                    logger.open_next()
+                logger.write(message.body)
+                held.append(synced)
+            if tick or closing or len(held) >= sync_at:
+                await sync_held()
+            if finished:
+                await sync_held()
+                await logger.close()
+                return
 
-    # up to max_in_flight handlers park on their message's event until a sync
+    # up to max_in_flight handlers wait on their message's event until a sync
     async with Consumer(topic, opts.channel, handle, nsqd_tcp_addresses=opts.nsqd_tcp_address,
                         lookupd_http_addresses=opts.lookupd_http_address, concurrency=settings["max_in_flight"],
                         **settings) as consumer:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(syncer)
+            nursery.start_soon(router)
             await stop.wait()
             # no more messages come (CLS); every one held is synced and FIN'd, then the file is closed
             closing = True
             wake.set()
             await consumer.close()
-            async with writing:
-                await sync_held()
-                await logger.close()
-            nursery.cancel_scope.cancel()
+            finished = True
+            wake.set()
 
 
 async def discover_topics(opts: Options, settings: dict, stop: trio.Event) -> int:
