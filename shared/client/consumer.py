@@ -81,7 +81,8 @@ class Message:
         return self._responded
 
     async def finish(self) -> None:
-        """FIN: the message is done."""
+        """FIN: the message is done; nsqd forgets it. Once per message (later answers do nothing); never
+        raises: on a connection that has gone, nsqd redelivers the message after its msg_timeout."""
         if not self._responded:
             self._responded = True
             self._consumer._finished(self)
@@ -89,14 +90,15 @@ class Message:
 
     async def requeue(self, delay_ms: int | None = None, backoff: bool = True) -> None:
         """REQ: deliver it again after `delay_ms` (default requeue_delay_ms × attempts, capped).
-        With backoff=True this counts as a failure for the consumer's backoff."""
+        With backoff=True this counts as a failure for the consumer's backoff. Never raises (as finish)."""
         if not self._responded:
             self._responded = True
             self._consumer._requeued(self, delay_ms, backoff)
             await self.conn.drain()
 
     async def touch(self) -> None:
-        """TOUCH: reset the message's timeout on the broker (msg_timeout, see conn.msg_timeout ms)."""
+        """TOUCH: reset the message's timeout on the broker (msg_timeout, see conn.msg_timeout ms), for a
+        handler that needs longer; any number of times, up to nsqd's --max-msg-timeout. Never raises."""
         if not self._responded:
             try:
                 self.conn.touch(self.id)
@@ -116,7 +118,12 @@ def _addresses(addresses: Sequence[str]) -> list[str]:
 @attrs.define(eq=False, slots=False, repr=False)
 class Consumer(ConnectOptions):
     """Subscribes `handler` to topic/channel (see the module's docstring); the connection keywords
-    (identify, auth_secret, tls, snappy, deflate, connect_timeout) are ConnectOptions'."""
+    (identify, auth_secret, tls, snappy, deflate, connect_timeout) are ConnectOptions'.
+
+    Raises ValueError when made without nsqd_tcp_addresses or lookupd_http_addresses, or with
+    max_in_flight < 1. Entering does not wait for a broker: an unreachable one, or one refusing
+    (E_AUTH..., a TLS failure), is logged and retried with backoff; `await consumer.wait_connected()`
+    waits for the first subscription. A handler's exception never leaves the consumer: it REQs."""
 
     topic: str
     channel: str

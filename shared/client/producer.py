@@ -98,10 +98,20 @@ class Producer(ConnectOptions):
                 # nsqd never executed it: send it again on the next connection
 
     async def pub(self, topic: str, body: bytes) -> None:
+        """Publish one message and return once nsqd answered OK (it is stored: in memory, or on disk
+        past --mem-queue-size, fsynced first with --sync-every=1).
+
+        Raises NSQError for nsqd's refusal (E_BAD_TOPIC, E_BAD_MESSAGE for an empty or too big body,
+        E_UNAUTHORIZED, E_PUB_FAILED), NSQConnectionError when no connection came within
+        `reconnect_timeout` or the answer was lost (see `maybe_processed`)."""
         await self._command(encode_pub(topic, body))
 
     async def mpub(self, topic: str, bodies: Iterable[bytes]) -> None:
+        """Publish several messages in one command: all are stored, or none (E_BAD_BODY, E_MPUB_FAILED...).
+        Raises as pub() does."""
         await self._command(encode_mpub(topic, bodies))
 
     async def dpub(self, topic: str, delay_ms: int, body: bytes) -> None:
+        """Publish one message that consumers get only after `delay_ms` (at most nsqd's --max-req-timeout:
+        E_INVALID beyond it). Raises as pub() does."""
         await self._command(encode_dpub(topic, int(delay_ms), body))
