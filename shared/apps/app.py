@@ -134,6 +134,25 @@ def run_app(cls: type, app: str, setup: Callable[[Any], Main], argv: list[str] |
     return status or 0
 
 
+def command(cls: type, app: str, setup: Callable[[Any], Main]) -> Callable[..., int]:
+    """The console script's entry point: `main = command(Options, "nsq_tail", setup)`. Logs go to stderr
+    in Go's log format unless setup() installs its own (nsq_to_file's NSQ-style lines)."""
+
+    def main(argv: list[str] | None = None) -> int:
+        setup_logging()
+        return run_app(cls, app, setup, argv)
+
+    return main
+
+
+def client_settings(opts: list[str], app: str, *, consumer: bool, **defaults: Any) -> dict[str, Any]:
+    """--consumer-opt/--producer-opt as Consumer/Producer keywords over `defaults`, with the tool's
+    user agent in IDENTIFY unless an option sets one."""
+    settings = {**defaults, **parse_config_opts(opts, consumer=consumer)}
+    settings.setdefault("identify", {}).setdefault("user_agent", user_agent(app))
+    return settings
+
+
 def _first(group: BaseException) -> BaseException:
     while isinstance(group, BaseExceptionGroup):
         group = group.exceptions[0]

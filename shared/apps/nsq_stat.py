@@ -19,7 +19,7 @@ import sys
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, fatal, run_app, setup_logging
+from trio_nsq.shared.apps.app import Main, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "nsq_stat"
@@ -156,9 +156,7 @@ async def stat_loop(opts: Options, stop: trio.Event) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    return run_app(Options, APP, setup, argv)
+main = command(Options, APP, setup)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import ConfigError, Main, fatal, parse_config_opts, run_app, setup_logging, user_agent
+from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "nsq_tail"
@@ -48,12 +48,9 @@ def setup(opts: Options) -> Main:
         fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
     if not opts.topic:
         fatal("--topic required")
-    try:
-        settings = parse_config_opts(opts.consumer_opt, consumer=True)
-    except ConfigError as exc:
-        fatal(str(exc))
-    settings.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
-    max_in_flight = settings.pop("max_in_flight", opts.max_in_flight)
+    settings = client_settings(opts.consumer_opt, APP, consumer=True)
+    settings.pop("max_in_flight", None)  # as Go's: the flag is set after the options and wins
+    max_in_flight = opts.max_in_flight
     if 0 < opts.n < max_in_flight:
         max_in_flight = opts.n  # don't ask for more messages than we want
     return functools.partial(tail, opts, settings, max_in_flight)
@@ -93,9 +90,7 @@ async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Eve
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    return run_app(Options, APP, setup, argv)
+main = command(Options, APP, setup)
 
 
 if __name__ == "__main__":

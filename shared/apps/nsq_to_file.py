@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, fatal, parse_config_opts, run_app, user_agent
+from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.logs import NSQFormatter, parse_level
 from trio_nsq.shared.options import option
 
@@ -97,9 +97,8 @@ def setup(opts: Options) -> Main:
     if not opts.topic and not opts.lookupd_http_address:
         fatal("--lookupd-http-address must be specified when no --topic specified")
     opts.work_dir = opts.work_dir or opts.output_dir
-    settings = parse_config_opts(opts.consumer_opt, consumer=True)
-    settings.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
-    settings["max_in_flight"] = opts.max_in_flight
+    # nsq_to_file sets max_in_flight after the options, so its flag wins over --consumer-opt
+    settings = {**client_settings(opts.consumer_opt, APP, consumer=True), "max_in_flight": opts.max_in_flight}
     return functools.partial(discover_topics, opts, settings)
 
 
@@ -418,8 +417,7 @@ async def discover_topics(opts: Options, settings: dict, stop: trio.Event) -> in
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_app(Options, APP, setup, argv)
+main = command(Options, APP, setup)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, fatal, parse_config_opts, run_app, setup_logging, user_agent
+from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.apps.relay import HostPool, StatusTimer
 from trio_nsq.shared.options import option
 from trio_nsq.shared.version import VERSION
@@ -93,9 +93,9 @@ def setup(opts: Options) -> Main:
         fatal("invalid GET address - must be a printf string")
     if not 0.0 <= opts.sample <= 1.0:
         fatal("ERROR: --sample must be between 0.0 and 1.0")
-    consumer = {"max_attempts": 0, **parse_config_opts(opts.consumer_opt, consumer=True)}
-    consumer.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
-    consumer.setdefault("max_in_flight", opts.max_in_flight)
+    # as Go's: --max-in-flight is set after the options, so it wins over --consumer-opt=max_in_flight
+    consumer = {**client_settings(opts.consumer_opt, APP, consumer=True, max_attempts=0),
+                "max_in_flight": opts.max_in_flight}
     return functools.partial(deliver, opts, consumer, headers)
 
 
@@ -171,9 +171,7 @@ async def deliver(opts: Options, consumer_settings: dict, headers: dict[str, str
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    return run_app(Options, APP, setup, argv)
+main = command(Options, APP, setup)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, fatal, parse_config_opts, run_app, setup_logging, user_agent
+from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.apps.relay import HostPool, StatusTimer
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.options import option
@@ -71,11 +71,10 @@ def setup(opts: Options) -> Main:
         fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
     if not opts.destination_nsqd_tcp_address:
         fatal("--destination-nsqd-tcp-address required")
-    consumer = {"max_attempts": 0, **parse_config_opts(opts.consumer_opt, consumer=True)}
-    consumer.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
-    consumer.setdefault("max_in_flight", opts.max_in_flight)
-    producer = parse_config_opts(opts.producer_opt, consumer=False)
-    producer.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
+    # as Go's: --max-in-flight is set after the options, so it wins over --consumer-opt=max_in_flight
+    consumer = {**client_settings(opts.consumer_opt, APP, consumer=True, max_attempts=0),
+                "max_in_flight": opts.max_in_flight}
+    producer = client_settings(opts.producer_opt, APP, consumer=False)
     return functools.partial(relay, opts, consumer, producer)
 
 
@@ -163,9 +162,7 @@ async def relay(opts: Options, consumer_settings: dict, producer_settings: dict,
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    return run_app(Options, APP, setup, argv)
+main = command(Options, APP, setup)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, fatal, parse_config_opts, run_app, setup_logging, user_agent
+from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "to_nsq"
@@ -44,8 +44,7 @@ def setup(opts: Options) -> Main:
         fatal("--delimiter must be a single byte")
     if not opts.nsqd_tcp_address:
         fatal("--nsqd-tcp-address required")
-    settings = parse_config_opts(opts.producer_opt, consumer=False)
-    settings.setdefault("identify", {}).setdefault("user_agent", user_agent(APP))
+    settings = client_settings(opts.producer_opt, APP, consumer=False)
     return functools.partial(publish_stdin, opts, delimiter, settings)
 
 
@@ -118,9 +117,7 @@ async def publish_stdin(opts: Options, delimiter: bytes, settings: dict, stop: t
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    return run_app(Options, APP, setup, argv)
+main = command(Options, APP, setup)
 
 
 if __name__ == "__main__":
