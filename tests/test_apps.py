@@ -162,6 +162,26 @@ def test_nsq_tail_stops_cleanly_on_sigterm(module_broker, tmp_path):
     assert channel_stats(module_broker, "tail3", "c")["depth"] == 0
 
 
+def test_nsq_tail_into_a_closed_pipe_ends_as_go_s(module_broker):
+    mpub(module_broker, "tail4", [b"%d" % i for i in range(50)])
+    proc = subprocess.Popen(command("nsq_tail", f"--nsqd-tcp-address={module_broker.tcp_address}", "--topic=tail4",
+                                    "--channel=c"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
+                            env=repo_env())
+    try:
+        assert proc.stdout.readline() == b"0\n"
+        proc.stdout.close()  # `| head -1`: the next write fails
+        assert proc.wait(30) == 141  # what a shell shows for Go's nsq_tail, killed by SIGPIPE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"Traceback" not in proc.stderr.read()
+    proc.stderr.close()
+    # what it did not print went back to the channel, untouched
+    wait_for(lambda: channel_stats(module_broker, "tail4", "c")["in_flight_count"] == 0, timeout=10)
+    assert channel_stats(module_broker, "tail4", "c")["depth"] >= 1
+
+
 # --- nsq_stat ------------------------------------------------------------------------------------------
 
 

@@ -91,13 +91,15 @@ def _usage(cls: type, app: str) -> str:
 
 
 Main = Callable[[trio.Event], Awaitable["int | None"]]
+SIGPIPE_STATUS = 128 + signal.SIGPIPE
 
 
 def run_app(cls: type, app: str, setup: Callable[[Any], Main], argv: list[str] | None = None) -> int:
     """Parse the command line; `setup(options)` checks them (fatal() as Go's tools refuse, before
     anything starts) and returns `main(stop)`, run under Trio. `stop` is set by SIGINT or SIGTERM:
     main finishes what it holds (a clean close) and returns its exit status (None: 0). A fatal() inside
-    exits 1 with Go's log line; a closed stdout (`| head`) ends the tool with status 0, as Go's do."""
+    exits 1 with Go's log line; a closed stdout (`| head`) ends the tool with status 141, the status a
+    shell shows for Go's tools, which die of SIGPIPE."""
     opts = parse_command_line(cls, app, argv)
     failure: list[str] = []
 
@@ -116,18 +118,20 @@ def run_app(cls: type, app: str, setup: Callable[[Any], Main], argv: list[str] |
                     status = await main(stop)
                 except* Fatal as group:
                     failure.append(str(_first(group)))
+                except* BrokenPipeError:
+                    status = SIGPIPE_STATUS
                 nursery.cancel_scope.cancel()
         return status
 
+    status: int | None = None
     try:
         main = setup(opts)
         status = trio.run(with_signals)
     except Fatal as exc:
         failure.append(str(exc))
-    except BrokenPipeError:
+    if status == SIGPIPE_STATUS:
         # stdout went away: say nothing more (Python would complain when it flushes at exit)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     if failure:
         sys.stderr.write(time.strftime("%Y/%m/%d %H:%M:%S ") + failure[0] + "\n")
         return 1

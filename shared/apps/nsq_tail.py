@@ -60,6 +60,7 @@ async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Eve
     from trio_nsq.shared.client import Consumer
 
     out = sys.stdout.buffer
+    broken = trio.Event()
 
     def handler_for(topic: str):
         shown = 0
@@ -71,9 +72,16 @@ async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Eve
                 # one more than wanted was in flight: give it back untouched for whoever reads next
                 await message.requeue(delay_ms=0, backoff=False)
                 return
+            try:
+                out.write(prefix + message.body + b"\n")
+                out.flush()
+            except BrokenPipeError:
+                # stdout is gone (`| head`): give the message back and end, as Go's tool dies of SIGPIPE
+                await message.requeue(delay_ms=0, backoff=False)
+                broken.set()
+                stop.set()
+                return
             shown += 1
-            out.write(prefix + message.body + b"\n")
-            out.flush()
             if opts.n and shown >= opts.n:
                 stop.set()
 
@@ -87,6 +95,8 @@ async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Eve
                 lookupd_http_addresses=opts.lookupd_http_address, max_in_flight=max_in_flight, concurrency=1,
                 **settings))
         await stop.wait()
+    if broken.is_set():
+        raise BrokenPipeError()
     return 0
 
 
