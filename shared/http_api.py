@@ -1,7 +1,7 @@
 """The HTTP layer nsqd and nsqlookupd share, in the role of NSQ's internal/http_api and the router both
 daemons use (julienschmidt/httprouter v1.3.0): replies in the V1 shape, Go's query parsing and JSON,
 httprouter's dispatch and redirects, and the request log line. Pure: no sockets, no framework; each
-daemon's app turns a Reply into its framework's response (to_response for Quart).
+shared/http_server writes a Reply's bytes.
 
 httprouter, as the daemons configure it: a route is found in the tree of the request's method; a path
 that misses by a trailing slash, or by case or `//`, `.`, `..` (CleanPath), is redirected to the route
