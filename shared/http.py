@@ -137,9 +137,8 @@ async def serve_site(
         try:
             tls = isinstance(stream, trio.SSLStream)
             sock = stream.transport_stream.socket if tls else stream.socket  # type: ignore[attr-defined]
-            remote, server_port = _addresses(sock)
             try:
-                await Connection(stream, site, remote=remote, server_port=server_port, can_hand_off=not tls).serve()
+                await Connection(stream, site, remote=_remote(sock), server_port=bound[1], can_hand_off=not tls).serve()
             except HandOff as hand_off:
                 # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
                 await TCPServer(wrapped, config, context, ConnectionState({}),
@@ -147,18 +146,23 @@ async def serve_site(
         except* Exception as group:
             log.error("HTTP: connection failed - %s", _first_error(group))
         finally:
-            await trio.aclose_forcefully(stream)
+            if isinstance(stream, trio.SocketStream):
+                stream.socket.close()  # at once: aclose_forcefully's cancellation cost a fifth of a short connection
+            else:
+                await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, serve_one, listeners)
         task_status.started((bound[0], bound[1]))
 
 
-def _addresses(sock: Any) -> tuple[str, int]:
-    """(the client's host:port as logged, our port) of a connection; ("", 0) parts for a unix socket."""
-    peer, own = sock.getpeername(), sock.getsockname()
-    remote = join_host_port(peer[0], peer[1]) if isinstance(peer, tuple) else ""
-    return remote, own[1] if isinstance(own, tuple) else 0
+def _remote(sock: Any) -> str:
+    """The client's address as the request log shows it: host:port ("" on a unix socket)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:  # already gone
+        return ""
+    return join_host_port(peer[0], peer[1]) if isinstance(peer, tuple) else ""
 
 
 class _Replayed(trio.abc.Stream):
