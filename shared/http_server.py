@@ -425,10 +425,12 @@ class Connection:
             elif current.method:  # a head came whole: nothing before it is to be replayed
                 self.replay = None
                 self.partial_head = 0
+            elif self.heads != heads:  # an unfinished head began in this read, where is not known
+                self.replay = None
+                self.partial_head = 0
             else:
-                if self.heads != heads:
-                    self.replay = None
-                # llhttp keeps an unfinished header's bytes itself: bound them here
+                # llhttp keeps an unfinished header's bytes itself: bound them here (the count may
+                # miss the part of the head that came with the read where it began: < READ_SIZE)
                 self.partial_head += len(data)
                 if self.partial_head > MAX_HEAD:
                     self._give_up(self.replay, 431)
