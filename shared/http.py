@@ -4,6 +4,7 @@ by hypercorn (over the same Site, through asgi_app)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -16,7 +17,16 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-from trio_nsq.shared.http_server import LINGER_BYTES, LINGER_SECONDS, ClientGone, Connection, HandOff, Request, Site
+from trio_nsq.shared.http_server import (
+    LINGER_BYTES,
+    LINGER_SECONDS,
+    ClientGone,
+    Connection,
+    HandOff,
+    IdleTimeouts,
+    Request,
+    Site,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +148,8 @@ async def serve_site(
             tls = isinstance(stream, trio.SSLStream)
             sock = stream.transport_stream.socket if tls else stream.socket  # type: ignore[attr-defined]
             try:
-                await Connection(stream, site, remote=_remote(sock), server_port=bound[1], can_hand_off=not tls).serve()
+                await Connection(stream, site, idle, remote=_remote(sock), server_port=bound[1],
+                                 can_hand_off=not tls).serve()
             except HandOff as hand_off:
                 # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
                 await TCPServer(wrapped, config, context, ConnectionState({}),
@@ -151,9 +162,32 @@ async def serve_site(
             else:
                 await trio.aclose_forcefully(stream)
 
+    idle = IdleTimeouts()
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, serve_one, listeners)
+        nursery.start_soon(idle.run)
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, serve_one, nursery)
         task_status.started((bound[0], bound[1]))
+
+
+# accept() errors that mean "out of a resource for now": wait and accept again (as trio.serve_listeners)
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+async def _accept_loop(listener: trio.abc.Listener[Any], serve_one: Callable[[Any], Awaitable[None]],
+                       nursery: trio.Nursery) -> None:
+    """trio.serve_listeners' loop without its aclose_forcefully per connection (a cancelled scope and a
+    caught Cancelled: a fifth of a `Connection: close` request); serve_one closes its stream itself."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                raise
+            log.error("HTTP: accept failed (%s); retrying in 100 ms", exc)
+            await trio.sleep(0.1)
+            continue
+        nursery.start_soon(serve_one, stream)
 
 
 def _remote(sock: Any) -> str:

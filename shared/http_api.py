@@ -219,6 +219,9 @@ class Router(Generic[H]):
         self.routes = routes
         self._split = {method: [(pattern, pattern.split("/"), handler) for pattern, handler in tree.items()]
                        for method, tree in routes.items()}
+        # a path spelled exactly as a route without parameters: found by one look-up (the hot routes)
+        self._exact = {(method, pattern): Resolved("handle", handler=handler)
+                       for method, tree in routes.items() for pattern, handler in tree.items() if ":" not in pattern}
 
     def _match(self, method: str, path: str, fold: bool = False) -> tuple[str, H, dict[str, str]] | None:
         """The route of `method` that `path` names (ignoring case if fold): its spelling, handler, params."""
@@ -249,6 +252,9 @@ class Router(Generic[H]):
 
     def resolve(self, method: str, path: str) -> Resolved[H]:
         """Router.ServeHTTP."""
+        exact = self._exact.get((method, path))
+        if exact is not None:
+            return exact
         if method in self.routes:
             found = self._match(method, path)
             if found is not None:

@@ -29,7 +29,6 @@ connection are not counted (as Go's net/http).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -243,13 +242,32 @@ class _Message:
         self.keep = True  # body pieces are kept (False once past max_body or when draining)
 
 
+class IdleTimeouts:
+    """The read timeouts of a server's connections: one task (run) ends every wait past its due time by
+    trio.lowlevel.notify_closing (the wait raises ClosedResourceError and the connection closes), checked
+    every second. A cancel scope per connection or per read cost more than a short request's parsing."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, float] = {}  # descriptor -> when its wait ends
+
+    async def run(self) -> None:
+        waiting = self.waiting
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for fd in [fd for fd, due in waiting.items() if due <= now]:
+                del waiting[fd]
+                trio.lowlevel.notify_closing(fd)
+
+
 class Connection:
     """One HTTP/1.1 connection: read, parse, answer in order, until the client or a limit ends it.
     Run by shared/http.serve_http's accept loop, inside its guard."""
 
-    def __init__(self, stream: trio.abc.Stream, site: Site[Any], *, remote: str, server_port: int,
-                 can_hand_off: bool) -> None:
+    def __init__(self, stream: trio.abc.Stream, site: Site[Any], idle: IdleTimeouts, *, remote: str,
+                 server_port: int, can_hand_off: bool) -> None:
         self.stream = stream
+        self.idle = idle
         self.site = site
         self.remote = remote
         self.server_port = server_port
@@ -259,7 +277,6 @@ class Connection:
         self.current: _Message | None = None  # the message the parser is filling
         self.out: list[bytes] = []
         self.eof = False
-        self.scope = trio.CancelScope()
         # the socket's descriptor for reads and writes without a trip through the scheduler (-1: TLS)
         self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         self.quick_reads = 0
@@ -324,8 +341,7 @@ class Connection:
 
     async def serve(self) -> None:
         try:
-            with self.scope:  # its deadline is the read timeout of the moment (see _receive)
-                await self._serve()
+            await self._serve()
         except HandOff:
             raise
         except BadRequest as exc:
@@ -390,7 +406,7 @@ class Connection:
         m.body.clear()
         with trio.move_on_after(LINGER_SECONDS):
             while not m.complete and m.size <= LINGER_BYTES:
-                if not await self._feed(LINGER_SECONDS + 1):  # this scope, not the connection's, ends it
+                if not await self._feed(LINGER_SECONDS + 1):  # this scope ends it first
                     raise ClientGone()
         return m.complete
 
@@ -445,17 +461,15 @@ class Connection:
         self.broken = status
 
     async def _receive(self, timeout: float) -> bytes | bytearray:
-        """What the client sent next (b"" at its end). On a plain socket the read is tried first and
-        awaited only when nothing is there (a trio stream yields to the scheduler on every call, which
-        cost as much as the rest of a request); every QUICK_READS reads it yields anyway, so a client
-        that never pauses cannot starve the others."""
+        """What the client sent next (b"" at its end, or after `timeout` seconds of silence). On a plain
+        socket the read is tried first and awaited only when nothing is there (a trio stream yields to
+        the scheduler on every call, which cost as much as the rest of a request); every QUICK_READS
+        reads it yields anyway, so a client that never pauses cannot starve the others."""
         fd = self.fd
-        scope = self.scope
         if fd < 0:
-            scope.deadline = trio.current_time() + timeout
-            data = await self.stream.receive_some(READ_SIZE)
-            scope.deadline = math.inf
-            return data
+            with trio.move_on_after(timeout):
+                return await self.stream.receive_some(READ_SIZE)
+            return b""
         if self.quick_reads < QUICK_READS:
             self.quick_reads += 1
             try:
@@ -465,17 +479,19 @@ class Connection:
             except OSError:
                 return b""
         self.quick_reads = 0
-        scope.deadline = trio.current_time() + timeout
-        while True:
-            await trio.lowlevel.wait_readable(fd)
-            try:
-                data = os.read(fd, READ_SIZE)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            scope.deadline = math.inf
-            return data
+        waiting = self.idle.waiting
+        waiting[fd] = trio.current_time() + timeout
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(fd)
+                try:
+                    return os.read(fd, READ_SIZE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return b""
+        finally:
+            waiting.pop(fd, None)
 
     async def _flush(self) -> None:
         """Write the answers gathered so far: at once when the socket takes them all (the usual case),
