@@ -4,7 +4,7 @@ answered with bytes written here, one write per batch of pipelined answers. No t
 ASGI events, no framework on the way.
 
 Who calls what: a daemon builds a `Site` (its Router, how a route is called, its log) and hands it to
-shared/http.serve_http, whose accept loop runs `Connection(...).serve()` for each connection inside a
+shared/http.serve_site, whose accept loop runs `Connection(...).serve()` for each connection inside a
 guard. `Site.__call__` is the one dispatch of the three daemons: the router's own answers (redirects,
 405 with Allow, OPTIONS, 404), the handler's Reply, and the request log line.
 
@@ -125,7 +125,7 @@ class Site(Generic[H]):
     """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router`, `call(request,
     handler, params)` for a route, and nsqd's request log line (except for the `unlogged` handlers:
     nsqd logs no /pub or /mpub). `base_path` is stripped first (nsqadmin's --base-path). Handed to
-    serve_http; the ASGI adapter behind hypercorn calls the same."""
+    serve_site; the ASGI adapter behind hypercorn calls the same."""
 
     def __init__(self, router: Router[H], call: Callable[[Request, H, Mapping[str, str]], Awaitable[Reply]],
                  log: logging.Logger, *, base_path: str = "", unlogged: Container[H] = (),
@@ -262,7 +262,7 @@ class IdleTimeouts:
 
 class Connection:
     """One HTTP/1.1 connection: read, parse, answer in order, until the client or a limit ends it.
-    Run by shared/http.serve_http's accept loop, inside its guard."""
+    Run by shared/http.serve_site's accept loop, inside its guard."""
 
     def __init__(self, stream: trio.abc.Stream, site: Site[Any], idle: IdleTimeouts, *, remote: str,
                  server_port: int, can_hand_off: bool) -> None:
