@@ -508,6 +508,14 @@ class Connection:
                 raise trio.BrokenResourceError(exc) from exc
             if sent == len(data):
                 return
-            await self.stream.send_all(memoryview(data)[sent:])
+            await self._send_slowly(memoryview(data)[sent:])
             return
-        await self.stream.send_all(data)
+        await self._send_slowly(data)
+
+    async def _send_slowly(self, data: bytes | memoryview) -> None:
+        """A client that reads nothing for IDLE_TIMEOUT seconds while answers wait is gone (no request
+        is read meanwhile, so what it holds is bounded by one read's worth of answers)."""
+        with trio.move_on_after(IDLE_TIMEOUT):
+            await self.stream.send_all(data)
+            return
+        raise trio.BrokenResourceError("the client read nothing for the idle timeout")

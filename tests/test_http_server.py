@@ -56,3 +56,21 @@ async def test_a_handler_bug_is_a_500_and_the_connection_goes_on(autojump_clock,
         assert "panic in HTTP handler - RuntimeError('a bug of ours')" in caplog.text
         await stream.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_never_reads_its_answers_is_dropped(autojump_clock):
+    """Pipelined requests whose answers the client never reads: the server stops reading once the socket
+    is full, and closes the connection after the idle timeout."""
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(functools.partial(serve_site, SITE, "127.0.0.1:0"))
+        stream = await trio.open_tcp_stream(host, port)
+        started = trio.current_time()
+        burst = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n" * 20_000
+        try:
+            while True:  # until the server, having stopped reading, cuts the connection
+                await stream.send_all(burst)
+        except trio.BrokenResourceError:
+            pass
+        assert trio.current_time() - started >= IDLE_TIMEOUT
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
