@@ -30,10 +30,12 @@ test: $(STAMP)
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side run against Go nsqd
+# NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side runs against Go nsqd
+# (the HTTP scenarios need wrk: apt-get install wrk; without it they are skipped with a line saying so)
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run $(if $(QUICK),--quick,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.versus --reference $(NSQ_REFERENCE) $(if $(QUICK),--rounds 1 --runfor 3,),)
+	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .hypothesis bench-results.json

@@ -1,4 +1,4 @@
-"""nsqlookupd's HTTP API (nsqlookupd/http.go) on quart-trio: the same paths, methods, status codes and bodies.
+"""nsqlookupd's HTTP API (nsqlookupd/http.go): the same paths, methods, status codes and bodies.
 
 Modern nsqlookupd answers every client alike, whatever its Accept header: plain JSON, no
 {"status_code", "data"} envelope (pynsq and gnsq take both), `X-NSQ-Content-Type: nsq; version=1.0`,
@@ -11,33 +11,29 @@ it in Go. Bodies are encoded as Go's encoding/json does: struct fields in order,
 escaped. Go's /debug/pprof is not served.
 
 The handlers are pure functions the tests call directly; the router, replies, query parsing and JSON
-are shared/http_api.py's (nsqd uses the same); `create_app` wires them into Quart.
+are shared/http_api.py's (nsqd uses the same); `lookupd_site` hands them to the shared HTTP server.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from quart import Response, request
-from quart_trio import QuartTrio
 
 from trio_nsq.lookupd.registration_db import Registration, filter_active, filter_registrations, keys, subkeys
-from trio_nsq.shared.http import join_host_port, to_response
 from trio_nsq.shared.http_api import (
     HTTPError,
     Reply,
     Router,
     call_logged,
-    log_request,
     parse_query,
     plain,
     respond_v1,
-    routed_reply,
 )
+from trio_nsq.shared.http_server import Request, Site
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import topology_fields
 from trio_nsq.shared.version import VERSION
@@ -230,38 +226,13 @@ ROUTES: dict[str, dict[str, Route]] = {
 ROUTER = Router(ROUTES)
 
 
-def create_app(lookupd: NSQLookupd) -> QuartTrio:
-    app = QuartTrio(__name__)
+def lookupd_site(lookupd: NSQLookupd) -> Site[Route]:
+    """nsqlookupd's routes as the shared HTTP server's Site."""
 
-    @app.before_request
-    async def dispatch() -> Response:
-        # every request is answered here, so werkzeug's routing never gets a say
-        start = time.perf_counter_ns()
-        # the ASGI path as received (percent-decoded), as Go's URL.Path: Quart's request.path is normalised
-        method, path = request.method, request.scope.get("path") or request.path
-        query = request.query_string
-        where = ROUTER.resolve(method, path)
-        reply = routed_reply(method, query, where)
-        if reply is None:
-            assert where.handler is not None
-            reply = _call(where.handler, lookupd, query)
-        _log_request(reply.status, method, query, start)
-        return to_response(reply)
+    async def call(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
+        status, value = call_logged(log, lambda: route.handler(lookupd, req.query))
+        if route.plain:
+            return plain(str(value), status)
+        return respond_v1(status, value)
 
-    return app
-
-
-def _call(route: Route, lookupd: NSQLookupd, query: bytes) -> Reply:
-    status, value = call_logged(log, lambda: route.handler(lookupd, query))
-    if route.plain:
-        return plain(str(value), status)
-    return respond_v1(status, value)
-
-
-def _log_request(status: int, method: str, query: bytes, start_ns: int) -> None:
-    scope = request.scope
-    uri = scope.get("raw_path", b"").decode("latin-1") or request.path
-    if query:
-        uri += "?" + query.decode("latin-1")
-    client = scope.get("client") or ("", 0)
-    log_request(log, status, method, uri, join_host_port(client[0], client[1]), time.perf_counter_ns() - start_ns)
+    return Site(ROUTER, call, log, max_body=0)

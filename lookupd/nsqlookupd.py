@@ -1,5 +1,5 @@
 """NSQLookupd: the directory (nsqlookupd/nsqlookupd.go). `run()` owns the root nursery: the TCP listener
-(protocol V1, one task per peer) and the HTTP server (hypercorn + the quart-trio app)."""
+(protocol V1, one task per peer) and the HTTP server (shared/http_server serving http_api's Site)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import logging
 import attrs
 import trio
 
-from trio_nsq.lookupd.http_api import create_app
+from trio_nsq.lookupd.http_api import lookupd_site
 from trio_nsq.lookupd.options import Options
 from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1, frame
 from trio_nsq.lookupd.registration_db import RegistrationDB
-from trio_nsq.shared.http import join_host_port, serve_app, split_host_port
+from trio_nsq.shared.http import join_host_port, serve_site, split_host_port
 from trio_nsq.shared.service import error_text
 from trio_nsq.shared.tcp import serve_connection
 
@@ -49,7 +49,7 @@ class NSQLookupd:
                     functools.partial(trio.serve_tcp, self._handle_tcp, port, host=host or None))
                 address = self.options.http_address
                 self.http_address = await nursery.start(
-                    functools.partial(serve_app, create_app(self), address))
+                    functools.partial(serve_site, lookupd_site(self), address))
             except* (OSError, ValueError) as group:  # trio.serve_tcp raises inside a group
                 raise RuntimeError(f"listen ({address}) failed - {error_text(group)}") from None
             sockname = listeners[0].socket.getsockname()

@@ -1,24 +1,35 @@
-"""HTTP glue shared by nsqd and nsqlookupd: hypercorn serving a quart-trio app inside the caller's nursery."""
+"""HTTP serving shared by nsqd, nsqlookupd and trio-nsqadmin: the listeners and accept loop inside the
+caller's nursery, each connection served by shared/http_server.Connection and, for what it hands off,
+by hypercorn (over the same Site, through asgi_app)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
-from quart import Response
 
 # the address helpers live in shared/addresses.py (the client needs them without this module's stack);
 # imported here for the daemons that import them from this module
 from trio_nsq.shared.addresses import address_text, is_unix_address, join_host_port, split_host_port  # noqa: F401
-from trio_nsq.shared.http_api import Reply
+from trio_nsq.shared.http_server import (
+    LINGER_BYTES,
+    LINGER_SECONDS,
+    ClientGone,
+    Connection,
+    HandOff,
+    IdleTimeouts,
+    Request,
+    Site,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,26 +86,25 @@ def hypercorn_config(address: str, *, max_body_size: int | None = None, **extra:
     return config
 
 
-async def serve_app(
-    app: Any,
+async def serve_site(
+    site: Site[Any],
     address: str,
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
     **config_extra: Any,
 ) -> None:
-    """Serve `app` on `address` until cancelled; reports the bound (host, port) to task_status.
+    """Serve `site` on `address` until cancelled; reports the bound (host, port) to task_status.
 
-    Port 0 binds a free port, which is how tests run several servers side by side. Hypercorn's
-    `serve()` runs every connection in one nursery, so one connection's exception (hypercorn and h11
-    have raised several on malformed input) would end the server and the process with it. Here our own
-    accept loop hands each connection to hypercorn's per-connection TCPServer inside a guard, as
-    shared/tcp.py does for TCP: a failure costs that connection and one log line.
+    Port 0 binds a free port, which is how tests run several servers side by side. Our own accept
+    loop runs each connection in shared/http_server.Connection inside a guard, as shared/tcp.py does
+    for TCP: a failure costs that connection and one log line. What that loop hands off (an Upgrade,
+    HTTP/2, a head llhttp refuses) goes to hypercorn's per-connection TCPServer, with the bytes already
+    read replayed first, serving the same site through asgi_app. TLS settings (certfile, keyfile,
+    ca_certs, verify_mode, alpn_protocols) are hypercorn's config keys, as before.
     """
     config = hypercorn_config(address, **config_extra)
-    wrapped = wrap_app(_http_only(app), config.wsgi_max_body_size, None)
+    wrapped = wrap_app(asgi_app(site), config.wsgi_max_body_size, None)  # type: ignore[arg-type]
     context = WorkerContext(None)
-    lifespan_state: dict[str, Any] = {}
-    lifespan = Lifespan(wrapped, config, lifespan_state)
     sockets = config.create_sockets()
     listeners: list[trio.abc.Listener] = []
     if sockets.secure_sockets:
@@ -114,31 +124,162 @@ async def serve_app(
 
     async def serve_one(stream: trio.abc.Stream) -> None:
         try:
-            # hypercorn annotates SSLStream, yet its own trio worker hands it plain SocketStreams too
-            await TCPServer(wrapped, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
+            tls = isinstance(stream, trio.SSLStream)
+            sock = stream.transport_stream.socket if tls else stream.socket  # type: ignore[attr-defined]
+            try:
+                await Connection(stream, site, idle, remote=_remote(sock), server_port=bound[1],
+                                 can_hand_off=not tls).serve()
+            except HandOff as hand_off:
+                # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
+                await TCPServer(wrapped, config, context, ConnectionState({}),
+                                _Replayed(stream, hand_off.data))  # type: ignore[arg-type]
         except* Exception as group:
             log.error("HTTP: connection failed - %s", _first_error(group))
         finally:
-            await trio.aclose_forcefully(stream)
+            if isinstance(stream, trio.SocketStream):
+                stream.socket.close()  # at once: aclose_forcefully's cancellation cost a fifth of a short connection
+            else:
+                await trio.aclose_forcefully(stream)
 
+    idle = IdleTimeouts()
     async with trio.open_nursery() as nursery:
-        await nursery.start(lifespan.handle_lifespan)
-        await lifespan.wait_for_startup()
-        await nursery.start(trio.serve_listeners, serve_one, listeners)
+        nursery.start_soon(idle.run)
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, serve_one, nursery)
         task_status.started((bound[0], bound[1]))
 
 
-def _http_only(app: Any) -> Any:
-    """nsqd speaks plain HTTP: a WebSocket upgrade is refused (hypercorn answers 403) before the app
-    sees a scope type it was not written for."""
+# accept() errors that mean "out of a resource for now": wait and accept again (as trio.serve_listeners)
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
-    async def asgi(scope: dict, receive: Any, send: Any) -> None:
+
+async def _accept_loop(listener: trio.abc.Listener[Any], serve_one: Callable[[Any], Awaitable[None]],
+                       nursery: trio.Nursery) -> None:
+    """trio.serve_listeners' loop without its aclose_forcefully per connection (a cancelled scope and a
+    caught Cancelled: a fifth of a `Connection: close` request); serve_one closes its stream itself."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                raise
+            log.error("HTTP: accept failed (%s); retrying in 100 ms", exc)
+            await trio.sleep(0.1)
+            continue
+        nursery.start_soon(serve_one, stream)
+
+
+def _remote(sock: Any) -> str:
+    """The client's address as the request log shows it: host:port ("" on a unix socket)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:  # already gone
+        return ""
+    return join_host_port(peer[0], peer[1]) if isinstance(peer, tuple) else ""
+
+
+class _Replayed(trio.abc.Stream):
+    """A connection handed to hypercorn: the bytes our loop read first, then the stream."""
+
+    def __init__(self, stream: trio.abc.Stream, data: bytes) -> None:
+        self.stream = stream
+        self.data = data
+        self.socket = getattr(stream, "socket", None)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self.data:
+            data, self.data = self.data, b""
+            return data
+        return await self.stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        if isinstance(self.stream, trio.abc.HalfCloseableStream):
+            await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class AsgiBody:
+    """A request body read straight from ASGI receive() events, never more than asked for."""
+
+    __slots__ = ("receive", "done", "received")
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        self.receive = receive
+        self.done = False
+        self.received = 0
+
+    async def read(self, cap: int) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        receive = self.receive
+        while not self.done:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            data = message.get("body", b"")
+            if not message.get("more_body", False):
+                self.done = True
+            size += len(data)
+            if size > cap:
+                self.received += size
+                return None
+            chunks.append(data)
+        self.received += size
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def linger(self, content_length: int | None) -> None:
+        """Read and drop what is left within LINGER_SECONDS and LINGER_BYTES, so the answer reaches a
+        client still uploading (hypercorn closes a connection whose request is unfinished when the
+        answer ends); an upload declared bigger than that is answered at once."""
+        if self.done or (content_length is not None and content_length > LINGER_BYTES):
+            return
+        with trio.move_on_after(LINGER_SECONDS):
+            while not self.done and self.received <= LINGER_BYTES:
+                message = await self.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                self.received += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    self.done = True
+
+
+def asgi_app(site: Site[Any]) -> Callable[[dict, Any, Any], Awaitable[None]]:
+    """The ASGI app hypercorn serves handed-off connections with: the same site; a WebSocket upgrade
+    is refused (hypercorn answers 403)."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1000})
             return
-        await app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        headers: dict[str, str] = {}
+        for key, value in scope["headers"]:
+            headers.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
+        body = AsgiBody(receive)
+        client = scope.get("client") or ("", 0)
+        req = Request(scope["method"], scope["raw_path"].decode("latin-1"), scope["query_string"], headers,
+                      reader=body.read, remote=join_host_port(client[0], client[1]) if client[0] else "",
+                      server_port=(scope.get("server") or ("", 0))[1] or 0, version=scope["http_version"])
+        try:
+            reply = await site(req)
+            await body.linger(req.content_length)
+        except ClientGone:
+            return
+        response_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.header_list()]
+        response_headers.append((b"content-length", str(len(reply.body)).encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": response_headers})
+        await send({"type": "http.response.body", "body": reply.body})
 
-    return asgi
+    return app
 
 
 def _first_error(group: BaseExceptionGroup) -> str:
@@ -146,13 +287,3 @@ def _first_error(group: BaseExceptionGroup) -> str:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
-
-
-def to_response(reply: Reply) -> Response:
-    """A Quart response carrying exactly the reply's headers (Quart adds none of its own)."""
-    response = Response(reply.body, status=reply.status)
-    response.headers.clear()
-    for key, value in reply.header_list():
-        response.headers[key] = value
-    response.headers["Content-Length"] = str(len(reply.body))
-    return response

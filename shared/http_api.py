@@ -1,7 +1,7 @@
 """The HTTP layer nsqd and nsqlookupd share, in the role of NSQ's internal/http_api and the router both
 daemons use (julienschmidt/httprouter v1.3.0): replies in the V1 shape, Go's query parsing and JSON,
 httprouter's dispatch and redirects, and the request log line. Pure: no sockets, no framework; each
-daemon's app turns a Reply into its framework's response (to_response for Quart).
+shared/http_server writes a Reply's bytes.
 
 httprouter, as the daemons configure it: a route is found in the tree of the request's method; a path
 that misses by a trailing slash, or by case or `//`, `.`, `..` (CleanPath), is redirected to the route
@@ -219,6 +219,9 @@ class Router(Generic[H]):
         self.routes = routes
         self._split = {method: [(pattern, pattern.split("/"), handler) for pattern, handler in tree.items()]
                        for method, tree in routes.items()}
+        # a path spelled exactly as a route without parameters: found by one look-up (the hot routes)
+        self._exact = {(method, pattern): Resolved("handle", handler=handler)
+                       for method, tree in routes.items() for pattern, handler in tree.items() if ":" not in pattern}
 
     def _match(self, method: str, path: str, fold: bool = False) -> tuple[str, H, dict[str, str]] | None:
         """The route of `method` that `path` names (ignoring case if fold): its spelling, handler, params."""
@@ -249,6 +252,9 @@ class Router(Generic[H]):
 
     def resolve(self, method: str, path: str) -> Resolved[H]:
         """Router.ServeHTTP."""
+        exact = self._exact.get((method, path))
+        if exact is not None:
+            return exact
         if method in self.routes:
             found = self._match(method, path)
             if found is not None:

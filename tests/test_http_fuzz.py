@@ -178,3 +178,65 @@ async def test_no_malformed_http_ends_either_daemon(broker_factory, lookupd_proc
     assert not SERVER_ERRORS, SERVER_ERRORS[:5]
     for log in (broker.log_text(), lookupd_process.log_text()):
         assert "Traceback" not in log, log[log.index("Traceback") - 500 : log.index("Traceback") + 3000]
+
+
+async def _trickle(port: int, data: bytes, piece: int, pause: float) -> bytes | None:
+    """Send `data` `piece` bytes at a time, `pause` seconds apart; then what the server answers (None
+    if the server cut the connection before it had all of `data`)."""
+    sock = trio.socket.socket()
+    answer: bytes | None = b""
+    try:
+        await sock.connect(("127.0.0.1", port))
+        for i in range(0, len(data), piece):
+            view = memoryview(data)[i:i + piece]
+            while view:
+                view = view[await sock.send(view):]
+            await trio.sleep(pause)
+        with trio.move_on_after(5):
+            while chunk := await sock.recv(65536):
+                answer += chunk
+    except OSError:
+        answer = None  # cut by the server mid-way (its answer, if any, lost to the reset)
+    finally:
+        sock.close()
+    return answer
+
+
+async def test_slow_clients_and_endless_heads_cost_one_connection_each(broker_factory):
+    """Clients that trickle a request a few bytes at a time are served; a head that never ends is cut
+    at 16 KiB (431) however slowly it comes; meanwhile everyone else is answered at once; and a burst of
+    pipelined requests in one write is answered in order."""
+    broker = broker_factory()
+    port = broker.http_port
+    slow = b"POST /pub?topic=slow HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello"
+    endless = b"GET /ping HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"p" * 40_000 + b"\r\n\r\n"
+    answers: dict[str, bytes | None] = {}
+
+    async def run(name: str, data: bytes, piece: int, pause: float) -> None:
+        answers[name] = await _trickle(port, data, piece, pause)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(10):
+            nursery.start_soon(run, f"slow{i}", slow, 3, 0.01)
+        for i in range(5):
+            nursery.start_soon(run, f"endless{i}", endless, 1000, 0.005)
+        await trio.sleep(0.2)
+        for _ in range(5):  # others are served while those crawl
+            assert (await trio.to_thread.run_sync(http_get, port, "/ping")) == (200, b"OK")
+    for i in range(10):
+        answer = answers[f"slow{i}"]
+        assert answer is not None and answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\nOK")
+    for i in range(5):  # cut, its 431 (if it got through before the reset) the only answer
+        answer = answers[f"endless{i}"]
+        assert answer is None or answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+
+    n = 1000
+    burst = b"".join(_request("POST", f"/pub?topic=burst&n={i}", [f"Content-Length: {len(str(i))}"], str(i).encode())
+                     for i in range(n)) + _request("GET", "/nope", ["Connection: close"])
+    answer = await _trickle(port, burst, len(burst), 0)
+    assert answer is not None and answer.count(b"HTTP/1.1 200 ") == n and answer.endswith(b'{"message":"NOT_FOUND"}')
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub("burst", "c")
+        conn.rdy(n)
+        assert [conn.expect_message(timeout=10).body for _ in range(n)] == [str(i).encode() for i in range(n)]
+    assert broker.is_alive() and "Traceback" not in broker.log_text()

@@ -1,6 +1,6 @@
 """nsqd's HTTP endpoints (nsqd/http.go): class Api, one method per endpoint, free of any framework.
 
-Each takes an ApiRequest and returns a Reply. Parameters, checks, their order, status codes and messages
+Each takes an Request and returns a Reply. Parameters, checks, their order, status codes and messages
 are nsqd's, so nsqadmin, nsq_stat, nsq_to_http and every client library keep working."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,6 @@ import attrs
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.http.openapi import openapi_bytes
-from trio_nsq.broker.http.request import ApiRequest
 from trio_nsq.broker.idempotency import valid_key
 from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
 from trio_nsq.broker.topic import Topic
@@ -30,12 +28,12 @@ from trio_nsq.shared.http_api import (
     Reply,
     error_reply,
     go_number,
-    log_request,
     ok_json,
     parse_go_int,
     parse_query,
     plain,
 )
+from trio_nsq.shared.http_server import Request
 from trio_nsq.shared.logs import GO_LOG_LEVELS, parse_level
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import FatalClientError, parse_mpub_body, topology_fields
@@ -63,40 +61,30 @@ class Api:
         self.options = nsqd.options
         self.https_address: tuple[str, int] | None = None
 
-    async def call(self, name: str, req: ApiRequest, **kwargs: Any) -> Reply:
-        """Run one endpoint, turning HTTPError into nsqd's error reply; every endpoint but /pub and
-        /mpub is logged as nsqd's Log decorator does."""
-        start = time.perf_counter_ns()
+    async def call(self, name: str, req: Request, **kwargs: Any) -> Reply:
+        """Run one endpoint, turning HTTPError into nsqd's error reply (the Site logs the request)."""
         try:
-            reply = await getattr(self, name)(req, **kwargs)
+            return await getattr(self, name)(req, **kwargs)
         except HTTPError as exc:
             if name == "ping":  # nsqd's PlainText decorator: the text as it is
-                reply = plain(exc.text, exc.status)
-            else:
-                reply = error_reply(exc.status, exc.text)
-        if name not in ("pub", "mpub"):
-            self.log_request(req, reply.status, start)
-        return reply
-
-    @staticmethod
-    def log_request(req: ApiRequest, status: int, start_ns: int) -> None:
-        log_request(log, status, req.method, req.uri, req.remote, time.perf_counter_ns() - start_ns)
+                return plain(exc.text, exc.status)
+            return error_reply(exc.status, exc.text)
 
     # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
 
-    def _params(self, req: ApiRequest) -> dict[str, list[str]]:
+    def _params(self, req: Request) -> dict[str, list[str]]:
         try:
             return parse_query(req.query)
         except ValueError as exc:
             log.error("failed to parse request params - %s", exc)
             raise HTTPError(400, "INVALID_REQUEST") from None
 
-    def _topic_from_query(self, req: ApiRequest) -> tuple[dict[str, list[str]], Topic]:
+    def _topic_from_query(self, req: Request) -> tuple[dict[str, list[str]], Topic]:
         """Creates the topic if needed, as nsqd's GetTopic."""
         params = self._params(req)
         return params, self.nsqd.get_topic(_name_arg(params, "topic", "INVALID_TOPIC", is_valid_topic_name))
 
-    def _topic_name(self, req: ApiRequest) -> str:
+    def _topic_name(self, req: Request) -> str:
         names = self._params(req).get("topic")
         if names is None:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
@@ -108,14 +96,14 @@ class Api:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
         return topic
 
-    def _existing_topic_and_channel_name(self, req: ApiRequest) -> tuple[Topic, str]:
+    def _existing_topic_and_channel_name(self, req: Request) -> tuple[Topic, str]:
         """nsqd's getExistingTopicFromQuery (the channel endpoints' argument checks)."""
         params = self._params(req)
         topic = _name_arg(params, "topic", "INVALID_ARG_TOPIC", is_valid_topic_name)
         channel = _name_arg(params, "channel", "INVALID_ARG_CHANNEL", is_valid_channel_name)
         return self._existing_topic(topic), channel
 
-    def _existing_channel(self, req: ApiRequest) -> Channel:
+    def _existing_channel(self, req: Request) -> Channel:
         topic, name = self._existing_topic_and_channel_name(req)
         channel = topic.get_existing_channel(name)
         if channel is None:
@@ -124,13 +112,13 @@ class Api:
 
     # --- /ping /info ------------------------------------------------------------------------
 
-    async def ping(self, req: ApiRequest) -> Reply:
+    async def ping(self, req: Request) -> Reply:
         text = health(self.nsqd)
         if self.nsqd.health_error is not None:
             raise HTTPError(500, text)
         return plain(text)
 
-    async def info(self, req: ApiRequest) -> Reply:
+    async def info(self, req: Request) -> Reply:
         opts = self.options
         tcp = self.nsqd.tcp_address
         http = self.nsqd.http_address
@@ -151,7 +139,7 @@ class Api:
 
     # --- publishing -------------------------------------------------------------------------
 
-    async def pub(self, req: ApiRequest) -> Reply:
+    async def pub(self, req: Request) -> Reply:
         key = self._idempotency_key(req)
         max_msg_size = self.options.max_msg_size
         if req.content_length is not None and req.content_length > max_msg_size:
@@ -175,7 +163,7 @@ class Api:
         await self._publish(topic, [body], "pub", key, deferred)
         return OK
 
-    async def mpub(self, req: ApiRequest) -> Reply:
+    async def mpub(self, req: Request) -> Reply:
         key = self._idempotency_key(req)
         opts = self.options
         if req.content_length is not None and req.content_length > opts.max_body_size:
@@ -205,7 +193,7 @@ class Api:
         return OK
 
     @staticmethod
-    def _idempotency_key(req: ApiRequest) -> str | None:
+    def _idempotency_key(req: Request) -> str | None:
         key = req.idempotency_key
         if key is not None and not valid_key(key):
             log.error("invalid Idempotency-Key header (%d bytes) on %s", len(key), req.path)
@@ -239,7 +227,7 @@ class Api:
 
     # --- /stats /metrics /openapi.json -----------------------------------------------------
 
-    async def stats(self, req: ApiRequest) -> Reply:
+    async def stats(self, req: Request) -> Reply:
         params = self._params(req)
 
         def first(key: str) -> str:
@@ -252,26 +240,26 @@ class Api:
             return Reply(200, stats_text(snapshot).encode(), TEXT_TYPE)
         return ok_json(snapshot.to_json())
 
-    async def metrics(self, req: ApiRequest) -> Reply:
+    async def metrics(self, req: Request) -> Reply:
         return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)
 
-    async def openapi(self, req: ApiRequest) -> Reply:
+    async def openapi(self, req: Request) -> Reply:
         return Reply(200, openapi_bytes(), JSON_TYPE, nsq_header=False)
 
     # --- topics -----------------------------------------------------------------------------
 
-    async def topic_create(self, req: ApiRequest) -> Reply:
+    async def topic_create(self, req: Request) -> Reply:
         self._topic_from_query(req)
         return EMPTY
 
-    async def topic_delete(self, req: ApiRequest) -> Reply:
+    async def topic_delete(self, req: Request) -> Reply:
         try:
             self.nsqd.delete_topic(self._topic_name(req))
         except KeyError:
             raise HTTPError(404, "TOPIC_NOT_FOUND") from None
         return EMPTY
 
-    async def topic_empty(self, req: ApiRequest) -> Reply:
+    async def topic_empty(self, req: Request) -> Reply:
         name = self._topic_name(req)
         if not is_valid_topic_name(name):
             raise HTTPError(400, "INVALID_TOPIC")
@@ -283,10 +271,10 @@ class Api:
             raise HTTPError(500, "INTERNAL_ERROR") from None
         return EMPTY
 
-    async def topic_pause(self, req: ApiRequest) -> Reply:
+    async def topic_pause(self, req: Request) -> Reply:
         return self._set_paused(self._existing_topic(self._topic_name(req)), True)
 
-    async def topic_unpause(self, req: ApiRequest) -> Reply:
+    async def topic_unpause(self, req: Request) -> Reply:
         return self._set_paused(self._existing_topic(self._topic_name(req)), False)
 
     def _set_paused(self, target: Topic | Channel, paused: bool) -> Reply:
@@ -300,12 +288,12 @@ class Api:
 
     # --- channels ---------------------------------------------------------------------------
 
-    async def channel_create(self, req: ApiRequest) -> Reply:
+    async def channel_create(self, req: Request) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
         topic.get_channel(name)
         return EMPTY
 
-    async def channel_delete(self, req: ApiRequest) -> Reply:
+    async def channel_delete(self, req: Request) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
         try:
             topic.delete_channel(name)
@@ -313,7 +301,7 @@ class Api:
             raise HTTPError(404, "CHANNEL_NOT_FOUND") from None
         return EMPTY
 
-    async def channel_empty(self, req: ApiRequest) -> Reply:
+    async def channel_empty(self, req: Request) -> Reply:
         channel = self._existing_channel(req)
         try:
             await channel.empty()
@@ -322,15 +310,15 @@ class Api:
             raise HTTPError(500, "INTERNAL_ERROR") from None
         return EMPTY
 
-    async def channel_pause(self, req: ApiRequest) -> Reply:
+    async def channel_pause(self, req: Request) -> Reply:
         return self._set_paused(self._existing_channel(req), True)
 
-    async def channel_unpause(self, req: ApiRequest) -> Reply:
+    async def channel_unpause(self, req: Request) -> Reply:
         return self._set_paused(self._existing_channel(req), False)
 
     # --- /config/:opt -----------------------------------------------------------------------
 
-    async def config(self, req: ApiRequest, opt: str) -> Reply:
+    async def config(self, req: Request, opt: str) -> Reply:
         """GET any option by its config-file name; PUT nsqlookupd_tcp_addresses (a JSON list) or
         log_level (debug, info, warn, error, fatal; bare or as a JSON string). Answers with the value."""
         if req.method == "PUT":

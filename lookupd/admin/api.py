@@ -1,4 +1,4 @@
-"""nsqadmin 1.3.0's HTTP API on quart-trio: the same paths, methods and JSON shapes, the actions and their
+"""nsqadmin 1.3.0's HTTP API: the same paths, methods and JSON shapes, the actions and their
 notifications, `/config/:opt`, and the page (static/) under --base-path.
 
 Routing is shared/http_api's httprouter; answers are nsqadmin's: JSON with a `message` ("" or the
@@ -8,18 +8,17 @@ nodes that failed), 400 {"message": ...} for a bad request, 403 for an action a 
 
 from __future__ import annotations
 
+import contextvars
 import ipaddress
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
-from quart import Response, request
-from quart_trio import QuartTrio
 
 from trio_nsq.lookupd.admin.cluster import (
     Cluster,
@@ -29,7 +28,6 @@ from trio_nsq.lookupd.admin.cluster import (
     node_topic_rows,
 )
 from trio_nsq.lookupd.admin.options import Options
-from trio_nsq.shared.http import join_host_port, to_response
 from trio_nsq.shared.http_api import (
     HTML_TYPE,
     JSON_TYPE,
@@ -38,10 +36,9 @@ from trio_nsq.shared.http_api import (
     Router,
     error_reply,
     go_json,
-    log_request,
     plain,
-    routed_reply,
 )
+from trio_nsq.shared.http_server import Request, Site
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.version import VERSION
 
@@ -50,6 +47,13 @@ log = logging.getLogger("nsqadmin")
 STATIC = Path(__file__).parent / "static"
 STATIC_TYPES = {".html": HTML_TYPE, ".js": "application/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
 MAX_BODY = 1 << 20  # an action's JSON body
+# the request being answered, for the few handlers that look past its path and body (each connection is a
+# task of its own and answers one request at a time, so this is that request)
+_REQUEST: contextvars.ContextVar[Request] = contextvars.ContextVar("nsqadmin_request")
+
+
+def _client_host(request: Request) -> str:
+    return request.remote.rpartition(":")[0].strip("[]")
 
 Handler = Callable[["Admin", dict[str, str], bytes], Awaitable[Reply]]
 
@@ -59,7 +63,7 @@ def _ok(value: dict[str, Any], errors: Errors | None = None) -> Reply:
 
 
 class Admin:
-    """The handlers; one per process, called by the Quart app for each request."""
+    """The handlers; one per process, called by admin_site's Site for each request."""
 
     def __init__(self, options: Options, cluster: Cluster) -> None:
         self.options = options
@@ -137,7 +141,7 @@ class Admin:
 
     def _admin(self) -> str:
         """The acting user; 403 when --admin-user is set and the ACL header names none of them."""
-        user = request.headers.get(self.options.acl_http_header, "")
+        user = _REQUEST.get().headers.get(self.options.acl_http_header.lower(), "")
         if self.options.admin_users and user not in self.options.admin_users:
             raise HTTPError(403, "FORBIDDEN")
         return user
@@ -253,10 +257,13 @@ class Admin:
         endpoint = self.options.notification_http_endpoint
         if not endpoint:
             return
-        client = request.scope.get("client") or ("", 0)
+        request = _REQUEST.get()
+        url = f"http://{request.headers.get('host', '')}{request.raw_path}"
+        if request.query:
+            url += "?" + request.query.decode("latin-1")
         event = {"action": action, "topic": topic, "channel": channel, "node": node, "timestamp": int(time.time()),
-                 "user": user, "remote_ip": client[0], "user_agent": request.headers.get("User-Agent", ""),
-                 "url": request.url, "via": "trio-nsqadmin"}
+                 "user": user, "remote_ip": _client_host(request), "user_agent": request.headers.get("user-agent", ""),
+                 "url": url, "via": "trio-nsqadmin"}
         if self.nursery is not None:
             self.nursery.start_soon(self._send_notification, endpoint, event)
 
@@ -270,9 +277,8 @@ class Admin:
     # --- /config/:opt -------------------------------------------------------------------------------
 
     def _config_allowed(self) -> None:
-        client = request.scope.get("client") or ("", 0)
         try:
-            allowed = ipaddress.ip_address(client[0]) in ipaddress.ip_network(self.options.allow_config_from_cidr,
+            allowed = ipaddress.ip_address(_client_host(_REQUEST.get())) in ipaddress.ip_network(self.options.allow_config_from_cidr,
                                                                               strict=False)
         except ValueError:
             allowed = False
@@ -282,7 +288,7 @@ class Admin:
     async def config(self, params: dict[str, str], body: bytes) -> Reply:
         self._config_allowed()
         opt = params["opt"]
-        if request.method == "PUT":
+        if _REQUEST.get().method == "PUT":
             try:
                 value = json.loads(body)
             except ValueError:
@@ -351,39 +357,22 @@ ROUTES: dict[str, dict[str, str]] = {
 ROUTER = Router(ROUTES)
 
 
-def create_app(admin: Admin, nursery: trio.Nursery) -> QuartTrio:
-    app = QuartTrio(__name__)
+def admin_site(admin: Admin, nursery: trio.Nursery) -> Site[str]:
+    """nsqadmin's routes under --base-path as the shared HTTP server's Site; notifications are sent
+    from `nursery`."""
     admin.nursery = nursery
-    base = admin.options.base_path.rstrip("/")
 
-    @app.before_request
-    async def dispatch() -> Response:
-        start = time.perf_counter_ns()
-        method = request.method
-        path = request.scope.get("path") or request.path
-        query = request.query_string
-        if base and (path == base or path.startswith(base + "/")):
-            path = path[len(base):] or "/"
-        where = ROUTER.resolve(method, path)
-        reply = routed_reply(method, query, where)
-        if reply is None:
-            assert where.handler is not None
-            body = b""
-            if method in ("POST", "PUT", "DELETE"):
-                data = await request.get_data(cache=False)  # bounded by MAX_CONTENT_LENGTH
-                body = data if isinstance(data, bytes) else data.encode()
-            handler = getattr(admin, where.handler)
-            try:
-                reply = await handler(dict(where.params), body)
-            except HTTPError as err:
-                reply = error_reply(err.status, err.text)
-            except Exception as exc:  # our bug: one request fails, the server goes on
-                log.error("panic in HTTP handler - %r", exc, exc_info=exc)
-                reply = error_reply(500, "INTERNAL_ERROR")
-        client = request.scope.get("client") or ("", 0)
-        uri = path + ("?" + query.decode("latin-1") if query else "")
-        log_request(log, reply.status, method, uri, join_host_port(client[0], client[1]), time.perf_counter_ns() - start)
-        return to_response(reply)
+    async def call(req: Request, name: str, params: Mapping[str, str]) -> Reply:
+        _REQUEST.set(req)
+        body = b""
+        if req.method in ("POST", "PUT", "DELETE"):
+            data = await req.read(MAX_BODY)
+            if data is None:
+                return error_reply(413, "REQUEST_ENTITY_TOO_LARGE")
+            body = data
+        try:
+            return await getattr(admin, name)(dict(params), body)
+        except HTTPError as err:
+            return error_reply(err.status, err.text)
 
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
-    return app
+    return Site(ROUTER, call, log, base_path=admin.options.base_path, max_body=MAX_BODY)

@@ -1,4 +1,4 @@
-"""NSQAdmin: `run()` owns the nursery of the HTTP server (hypercorn + the quart-trio app of api.py) and
+"""NSQAdmin: `run()` owns the nursery of the HTTP server (shared/http_server serving api.py's Site) and
 of the notifications it sends; cancelling it closes both and the HTTP client."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 
 import trio
 
-from trio_nsq.lookupd.admin.api import Admin, create_app
+from trio_nsq.lookupd.admin.api import Admin, admin_site
 from trio_nsq.lookupd.admin.cluster import Cluster
 from trio_nsq.lookupd.admin.options import Options
-from trio_nsq.shared.http import join_host_port, serve_app
+from trio_nsq.shared.http import join_host_port, serve_site
 from trio_nsq.shared.service import error_text
 
 log = logging.getLogger("nsqadmin")
@@ -46,9 +46,9 @@ class NSQAdmin:
                           request_timeout=o.http_client_request_timeout, verify=self._verify(), max_nodes=o.max_nodes)
         try:
             async with trio.open_nursery() as nursery:
-                app = create_app(Admin(o, cluster), nursery)
+                site = admin_site(Admin(o, cluster), nursery)
                 try:
-                    self.http_address = await nursery.start(functools.partial(serve_app, app, o.http_address))
+                    self.http_address = await nursery.start(functools.partial(serve_site, site, o.http_address))
                 except* (OSError, ValueError) as group:
                     raise RuntimeError(f"listen ({o.http_address}) failed - {error_text(group)}") from None
                 assert self.http_address is not None

@@ -2,7 +2,6 @@
 
     python -m tests.bench.http_load --spawn                      # start a broker, run both loads
     python -m tests.bench.http_load --url http://127.0.0.1:4151 --mode pub --connections 4 --seconds 10
-    python -m tests.bench.http_load --spawn --fast-path 0        # /pub and /mpub through Quart
 
 Each connection is a process with a blocking socket sending one pre-built request and reading the
 answer by Content-Length (no HTTP library on the client side, no pipelining), so what is measured is
@@ -175,8 +174,8 @@ def bench_mpub(url: str, duration: float) -> dict:
 # --- a broker of our own ---------------------------------------------------------------------------
 
 
-def spawn_broker(fast_path: bool, extra: list[str]) -> Broker:
-    env = dict(os.environ, TRIO_NSQ_HTTP_FAST_PATH="1" if fast_path else "0")
+def spawn_broker(extra: list[str]) -> Broker:
+    env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return Broker("--mem-queue-size=100000000", *extra, env=env)
@@ -186,7 +185,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.http_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running broker's HTTP address (else use --spawn)")
     parser.add_argument("--spawn", action="store_true", help="start a broker for the run")
-    parser.add_argument("--fast-path", type=int, default=1, help="with --spawn: 0 serves /pub and /mpub via Quart")
     parser.add_argument("--broker-flag", action="append", default=[], help="extra flag for the spawned broker")
     parser.add_argument("--mode", default="both", choices=["pub", "mpub", "mpub-binary", "both"])
     parser.add_argument("--connections", type=int, default=4)
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --url or --spawn")
     modes = ["pub", "mpub"] if args.mode == "both" else [args.mode]
     for mode in modes:
-        broker = spawn_broker(bool(args.fast_path), args.broker_flag) if args.spawn else None
+        broker = spawn_broker(args.broker_flag) if args.spawn else None
         url = broker.http_url if broker else args.url
         try:
             figures = load(url, mode, connections=args.connections, seconds=args.seconds, size=args.size,

@@ -1,0 +1,521 @@
+"""The HTTP/1.1 server of the three daemons (nsqd, nsqlookupd, trio-nsqadmin): one loop per connection
+on a trio stream, requests parsed by httptools (llhttp, in C), routed by shared/http_api.Router and
+answered with bytes written here, one write per batch of pipelined answers. No task per request, no
+ASGI events, no framework on the way.
+
+Who calls what: a daemon builds a `Site` (its Router, how a route is called, its log) and hands it to
+shared/http.serve_site, whose accept loop runs `Connection(...).serve()` for each connection inside a
+guard. `Site.__call__` is the one dispatch of the three daemons: the router's own answers (redirects,
+405 with Allow, OPTIONS, 404), the handler's Reply, and the request log line.
+
+Answers are byte for byte what the daemons gave when hypercorn (h11) served them: lowercase header
+names, the reply's headers then content-length, date and server; an empty reason phrase; `Connection:
+close` when the client asked for it or spoke HTTP/1.0; `100 Continue` first for `Expect: 100-continue`;
+a protocol error is `400` (`431` for a head over 16 KiB) with `connection: close`.
+
+What this loop does not serve it hands, with the bytes it has read replayed in front of the stream, to
+hypercorn's per-connection server (shared/http.py), which keeps doing what it did: an Upgrade (h2c,
+WebSocket: refused), HTTP/2 with prior knowledge, and a request head llhttp refuses but h11 takes
+(a lowercase method, `HTTP/9.9`, ...) or answers in its own way. Over TLS there is no hand-off: such a
+request is answered 400 and the connection closed.
+
+Limits: a request head (request line and headers) of at most MAX_HEAD bytes; a body is kept up to the
+site's max_body (the endpoints apply their own smaller limits while reading); a refused body is read
+and dropped within LINGER_SECONDS and LINGER_BYTES so its client sees the answer (past them the
+connection closes); a connection idle or stalled for IDLE_TIMEOUT seconds is closed; requests per
+connection are not counted (as Go's net/http).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Container, Mapping
+from typing import Any, Generic, TypeVar
+from urllib.parse import unquote
+from wsgiref.handlers import format_date_time
+
+import httptools
+import trio
+
+from trio_nsq.shared.http_api import Reply, Router, error_reply, log_request, routed_reply
+
+LINGER_SECONDS = 10.0
+LINGER_BYTES = 64 * 1024 * 1024
+MAX_HEAD = 16 * 1024  # h11's max_incomplete_event_size, which decided 431 before
+IDLE_TIMEOUT = 75.0  # hypercorn's keep_alive_timeout as the daemons configured it
+READ_SIZE = 65536
+QUICK_READS = 16  # reads in a row without yielding to the scheduler
+
+H = TypeVar("H")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete: nothing is done with it."""
+
+
+class HandOff(Exception):
+    """This connection goes to hypercorn from here, with `data` replayed first."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__("hand-off")
+        self.data = data
+
+
+class BadRequest(Exception):
+    """A protocol error we answer ourselves: status, then the connection closes."""
+
+    def __init__(self, status: int = 400) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class Request:
+    """One HTTP request as the endpoints see it, whichever server received it (this loop, or the ASGI
+    adapter behind hypercorn). ``read(cap)`` returns the body, or None as soon as more than ``cap``
+    bytes have arrived; it raises ClientGone if the client leaves first."""
+
+    __slots__ = ("method", "raw_path", "query", "version", "headers", "content_length", "remote",
+                 "server_port", "expect_continue", "close", "_reader", "_path")
+
+    def __init__(self, method: str, raw_path: str, query: bytes, headers: dict[str, str], *,
+                 reader: Callable[[int], Awaitable[bytes | None]], remote: str = "", server_port: int = 0,
+                 version: str = "1.1") -> None:
+        self.method = method
+        self.raw_path = raw_path
+        self.query = query
+        self.version = version
+        self.headers = headers  # lowercased names; a repeated header keeps its first value
+        length = headers.get("content-length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self.remote = remote
+        self.server_port = server_port
+        self._reader = reader
+        self._path: str | None = None
+        connection = headers.get("connection", "").lower()
+        self.close = version != "1.1" or "close" in connection
+        self.expect_continue = version == "1.1" and "100-continue" in headers.get("expect", "").lower()
+
+    @property
+    def path(self) -> str:
+        """The path percent-decoded, as Go's URL.Path (and ASGI's "path")."""
+        if self._path is None:
+            self._path = unquote(self.raw_path) if "%" in self.raw_path else self.raw_path
+        return self._path
+
+    @property
+    def uri(self) -> str:
+        """The request URI as logged: the path as received, then the query."""
+        return self.path + ("?" + self.query.decode("latin-1") if self.query else "")
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return self.headers.get("idempotency-key")
+
+    def read(self, cap: int) -> Awaitable[bytes | None]:
+        return self._reader(cap)
+
+
+# --- the one dispatch of the three daemons ----------------------------------------------------------
+
+
+class Site(Generic[H]):
+    """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router`, `call(request,
+    handler, params)` for a route, and nsqd's request log line (except for the `unlogged` handlers:
+    nsqd logs no /pub or /mpub). `base_path` is stripped first (nsqadmin's --base-path). Handed to
+    serve_site; the ASGI adapter behind hypercorn calls the same."""
+
+    def __init__(self, router: Router[H], call: Callable[[Request, H, Mapping[str, str]], Awaitable[Reply]],
+                 log: logging.Logger, *, base_path: str = "", unlogged: Container[H] = (),
+                 max_body: int = 16 * 1024 * 1024, refusal: Reply | None = None) -> None:
+        self.router = router
+        self.call = call
+        self.log = log
+        self.base = base_path.rstrip("/")
+        self.unlogged = unlogged
+        self.max_body = max_body
+        self.refusal = refusal  # answered to every request instead (nsqd's TLS_REQUIRED), unlogged
+
+    def refusing(self, reply: Reply) -> Site[H]:
+        """The same site answering every request with `reply`."""
+        return Site(self.router, self.call, self.log, base_path=self.base, unlogged=self.unlogged,
+                    max_body=self.max_body, refusal=reply)
+
+    async def __call__(self, req: Request) -> Reply:
+        if self.refusal is not None:
+            return self.refusal
+        start = time.perf_counter_ns()
+        method, path = req.method, req.path
+        base = self.base
+        if base and (path == base or path.startswith(base + "/")):
+            path = path[len(base):] or "/"
+        where = self.router.resolve(method, path)
+        reply = routed_reply(method, req.query, where)
+        if reply is None:
+            assert where.handler is not None
+            try:
+                reply = await self.call(req, where.handler, where.params)
+            except (ClientGone, BadRequest):  # the connection's end, not the handler's
+                raise
+            except Exception as exc:  # our bug, not the client's input: worth its traceback
+                self.log.error("panic in HTTP handler - %r", exc, exc_info=exc)
+                reply = error_reply(500, "INTERNAL_ERROR")
+            if where.handler in self.unlogged:
+                return reply
+        uri = path + ("?" + req.query.decode("latin-1") if req.query else "")
+        log_request(self.log, reply.status, method, uri, req.remote, time.perf_counter_ns() - start)
+        return reply
+
+
+# --- answers ----------------------------------------------------------------------------------------
+
+_SERVER = b"server: hypercorn-h11\r\n"  # what every answer said before; kept byte for byte
+
+
+class _Date:
+    """The date header's line, formatted once a second."""
+
+    second = -1
+    line = b""
+
+    @classmethod
+    def now(cls) -> bytes:
+        second = int(time.time())
+        if second != cls.second:
+            cls.second = second
+            cls.line = b"date: " + format_date_time(second).encode() + b"\r\n" + _SERVER
+        return cls.line
+
+
+_heads: dict[tuple, bytes] = {}
+
+
+def _head(reply: Reply) -> bytes:
+    """Status line and the reply's own headers (memoised: replies are few and mostly constants)."""
+    key = (reply.status, reply.content_type, reply.nsq_header, reply.headers)
+    head = _heads.get(key)
+    if head is None:
+        lines = [b"HTTP/1.1 %d \r\n" % reply.status]
+        lines += [b"%s: %s\r\n" % (k.lower().encode("latin-1"), v.encode("latin-1"))
+                  for k, v in reply.header_list()]
+        head = b"".join(lines)
+        if len(_heads) < 1024:  # redirects carry their Location: keep the table bounded
+            _heads[key] = head
+    return head
+
+
+def reply_bytes(reply: Reply, close: bool, head: bool = False) -> bytes:
+    """The whole answer as h11 wrote it for hypercorn (to HEAD without the body)."""
+    body = reply.body
+    return b"".join((_head(reply), b"content-length: %d\r\n" % len(body), _Date.now(),
+                     b"Connection: close\r\n\r\n" if close else b"\r\n", b"" if head else body))
+
+
+def error_bytes(status: int) -> bytes:
+    """A protocol error's answer (hypercorn's _send_error_response)."""
+    return b"HTTP/1.1 %d \r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (status, _Date.now())
+
+
+def continue_bytes() -> bytes:
+    return b"HTTP/1.1 100 \r\n" + _Date.now() + b"\r\n"
+
+
+# --- the connection loop --------------------------------------------------------------------------
+
+
+class _Message:
+    """A request as the parser delivers it: head, then body pieces, then complete."""
+
+    __slots__ = ("method", "url", "headers", "version", "body", "size", "complete", "head_size", "keep")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict[str, str] = {}
+        self.method = ""
+        self.version = "1.1"
+        self.body: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.head_size = 0
+        self.keep = True  # body pieces are kept (False once past max_body or when draining)
+
+
+class IdleTimeouts:
+    """The read timeouts of a server's connections: one task (run) ends every wait past its due time by
+    trio.lowlevel.notify_closing (the wait raises ClosedResourceError and the connection closes), checked
+    every second. A cancel scope per connection or per read cost more than a short request's parsing."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, float] = {}  # descriptor -> when its wait ends
+
+    async def run(self) -> None:
+        waiting = self.waiting
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for fd in [fd for fd, due in waiting.items() if due <= now]:
+                del waiting[fd]
+                trio.lowlevel.notify_closing(fd)
+
+
+class Connection:
+    """One HTTP/1.1 connection: read, parse, answer in order, until the client or a limit ends it.
+    Run by shared/http.serve_site's accept loop, inside its guard."""
+
+    def __init__(self, stream: trio.abc.Stream, site: Site[Any], idle: IdleTimeouts, *, remote: str,
+                 server_port: int, can_hand_off: bool) -> None:
+        self.stream = stream
+        self.idle = idle
+        self.site = site
+        self.remote = remote
+        self.server_port = server_port
+        self.can_hand_off = can_hand_off
+        self.parser = httptools.HttpRequestParser(self)
+        self.ready: deque[_Message] = deque()  # parsed heads, in order; the first is being answered
+        self.current: _Message | None = None  # the message the parser is filling
+        self.out: list[bytes] = []
+        self.eof = False
+        # the socket's descriptor for reads and writes without a trip through the scheduler (-1: TLS)
+        self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        self.quick_reads = 0
+        self.broken = 0  # a status to answer once the requests before the error are answered
+        self.heads = 0  # request heads parsed so far
+        self.partial_head = 0  # bytes fed since the unfinished head began (at most)
+        # what was fed since the last message boundary, while a head is incomplete: replayed to
+        # hypercorn if llhttp refuses the head
+        self.replay: bytearray | None = bytearray()
+
+    # parser callbacks (httptools calls these from feed_data)
+
+    def on_message_begin(self) -> None:
+        self.current = _Message()
+
+    def on_url(self, url: bytes) -> None:
+        m = self.current
+        assert m is not None
+        m.url += url
+        m.head_size += len(url)
+        if m.head_size > MAX_HEAD:
+            raise BadRequest(431)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        m = self.current
+        assert m is not None
+        m.head_size += len(name) + len(value) + 4
+        if m.head_size > MAX_HEAD:
+            raise BadRequest(431)
+        key = name.decode("latin-1").lower()
+        if key not in m.headers:
+            m.headers[key] = value.decode("latin-1").strip()
+
+    def on_headers_complete(self) -> None:
+        m = self.current
+        assert m is not None
+        m.version = self.parser.get_http_version()
+        if m.version not in ("1.1", "1.0"):
+            raise BadRequest(400)  # to hypercorn, if it can be handed off: h11 decides, as before
+        m.method = self.parser.get_method().decode("latin-1")
+        self.heads += 1
+        self.ready.append(m)
+
+    def on_body(self, body: bytes) -> None:
+        m = self.current
+        assert m is not None
+        m.size += len(body)
+        if m.keep:
+            if m.size > self.site.max_body:
+                m.keep = False
+                m.body.clear()
+            else:
+                m.body.append(body)
+
+    def on_message_complete(self) -> None:
+        m = self.current
+        assert m is not None
+        m.complete = True
+        self.current = None
+
+    # the loop
+
+    async def serve(self) -> None:
+        try:
+            await self._serve()
+        except HandOff:
+            raise
+        except BadRequest as exc:
+            self.out.append(error_bytes(exc.status))
+        except (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if self.out:
+            with trio.move_on_after(LINGER_SECONDS):
+                await self._flush()
+
+    async def _serve(self) -> None:
+        site = self.site
+        while True:
+            while not self.ready:
+                if self.out:
+                    await self._flush()
+                if not await self._feed(IDLE_TIMEOUT):
+                    return
+            m = self.ready[0]
+            if m.version == "1.1" and "host" not in m.headers:
+                raise BadRequest(400)  # h11's rule
+            url = m.url
+            path, _, query = url.partition(b"?")
+            req = Request(m.method, path.decode("latin-1"), query, m.headers, reader=self._reader(m),
+                          remote=self.remote, server_port=self.server_port, version=m.version)
+            if req.expect_continue:
+                self.out.append(continue_bytes())
+                await self._flush()
+            reply = await site(req)
+            close = req.close
+            if not m.complete:
+                # answered before the body was in (a limit): read and drop the rest first, so that a
+                # client still uploading gets the answer and the connection can carry on
+                close = not await self._linger(m, req.content_length) or close
+            self.ready.popleft()
+            self.out.append(reply_bytes(reply, close, m.method == "HEAD"))
+            if close:
+                return
+
+    def _reader(self, m: _Message) -> Callable[[int], Awaitable[bytes | None]]:
+        declared = m.headers.get("content-length", "")
+
+        async def read(cap: int) -> bytes | None:
+            if declared.isdigit() and int(declared) > cap:
+                return None  # refused before it is sent
+            while not m.complete and m.size <= cap:
+                if not await self._feed(IDLE_TIMEOUT):
+                    raise ClientGone()
+            if m.size > cap or not m.keep:
+                return None
+            body = m.body
+            return body[0] if len(body) == 1 else b"".join(body)
+
+        return read
+
+    async def _linger(self, m: _Message, declared: int | None) -> bool:
+        """Read and drop the rest of `m`'s body within LINGER_SECONDS and LINGER_BYTES: True if it all
+        came, False if the connection is to close after the answer."""
+        if declared is not None and declared > LINGER_BYTES:
+            return False
+        m.keep = False
+        m.body.clear()
+        with trio.move_on_after(LINGER_SECONDS):
+            while not m.complete and m.size <= LINGER_BYTES:
+                if not await self._feed(LINGER_SECONDS + 1):  # this scope ends it first
+                    raise ClientGone()
+        return m.complete
+
+    async def _feed(self, timeout: float) -> bool:
+        """Read once and parse what came; False when the client has gone (or stayed silent)."""
+        if self.broken:
+            raise BadRequest(self.broken)
+        if self.eof:
+            return False
+        data = await self._receive(timeout)
+        if not data:
+            self.eof = True
+            return False
+        heads = self.heads
+        replay = self.replay
+        if replay is not None:
+            replay += data
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.ready.pop()  # the upgrade's head, the last one parsed
+            self._give_up(replay if self.heads - heads == 1 else None, 400)
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            self._give_up(replay if self.heads == heads else None,
+                          cause.status if isinstance(cause, BadRequest) else 400)
+        else:
+            current = self.current
+            if current is None:  # the feed ended on a message boundary
+                self.replay = bytearray()
+                self.partial_head = 0
+            elif current.method:  # a head came whole: nothing before it is to be replayed
+                self.replay = None
+                self.partial_head = 0
+            elif self.heads != heads:  # an unfinished head began in this read, where is not known
+                self.replay = None
+                self.partial_head = 0
+            else:
+                # llhttp keeps an unfinished header's bytes itself: bound them here (the count may
+                # miss the part of the head that came with the read where it began: < READ_SIZE)
+                self.partial_head += len(data)
+                if self.partial_head > MAX_HEAD:
+                    self._give_up(self.replay, 431)
+        return True
+
+    def _give_up(self, replay: bytearray | None, status: int) -> None:
+        """llhttp refused what came after the answered requests: hypercorn takes the connection over
+        if everything since the last message boundary is at hand; else the requests parsed before it
+        are answered, then `status` and the connection closes."""
+        if self.can_hand_off and replay is not None and not self.ready:
+            raise HandOff(bytes(replay))
+        self.broken = status
+
+    async def _receive(self, timeout: float) -> bytes | bytearray:
+        """What the client sent next (b"" at its end, or after `timeout` seconds of silence). On a plain
+        socket the read is tried first and awaited only when nothing is there (a trio stream yields to
+        the scheduler on every call, which cost as much as the rest of a request); every QUICK_READS
+        reads it yields anyway, so a client that never pauses cannot starve the others."""
+        fd = self.fd
+        if fd < 0:
+            with trio.move_on_after(timeout):
+                return await self.stream.receive_some(READ_SIZE)
+            return b""
+        if self.quick_reads < QUICK_READS:
+            self.quick_reads += 1
+            try:
+                return os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                pass
+            except OSError:
+                return b""
+        self.quick_reads = 0
+        waiting = self.idle.waiting
+        waiting[fd] = trio.current_time() + timeout
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(fd)
+                try:
+                    return os.read(fd, READ_SIZE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return b""
+        finally:
+            waiting.pop(fd, None)
+
+    async def _flush(self) -> None:
+        """Write the answers gathered so far: at once when the socket takes them all (the usual case),
+        else through the stream."""
+        out = self.out
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        if self.fd >= 0:
+            try:
+                sent = os.write(self.fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise trio.BrokenResourceError(exc) from exc
+            if sent == len(data):
+                return
+            await self._send_slowly(memoryview(data)[sent:])
+            return
+        await self._send_slowly(data)
+
+    async def _send_slowly(self, data: bytes | memoryview) -> None:
+        """A client that reads nothing for IDLE_TIMEOUT seconds while answers wait is gone (no request
+        is read meanwhile, so what it holds is bounded by one read's worth of answers)."""
+        with trio.move_on_after(IDLE_TIMEOUT):
+            await self.stream.send_all(data)
+            return
+        raise trio.BrokenResourceError("the client read nothing for the idle timeout")
