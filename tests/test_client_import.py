@@ -40,5 +40,5 @@ def test_client_imports_no_server_framework(statement):
 
 def test_the_daemons_still_load_their_http_stack():
     # the other side of the split: shared/http.py keeps serving, and re-exports the moved helpers
-    modules = loaded_after("from trio_nsq.shared.http import serve_app, split_host_port, join_host_port")
+    modules = loaded_after("from trio_nsq.shared.http import serve_site, split_host_port, join_host_port")
     assert "hypercorn" in modules and "trio_nsq.shared.addresses" in modules
