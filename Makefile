@@ -33,6 +33,7 @@ test: $(STAMP)
 # NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side run against Go nsqd
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run $(if $(QUICK),--quick,)
+	$(BIN)/python -m tests.bench.spark --output bench-results.json $(if $(QUICK),--runs 1,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.versus --reference $(NSQ_REFERENCE) $(if $(QUICK),--rounds 1 --runfor 3,),)
 
 clean:

@@ -84,8 +84,7 @@ class Fetcher:
         self._thread.join()
 
     async def _close(self, requeue_held: bool) -> None:
-        self.paused = True
-        self._apply_rdy()  # RDY 0: nothing more is sent to us
+        self.pause()
         conns = [conn for conns in self.connections.values() for conn in conns]
         with trio.move_on_after(5):
             # CLS: nsqd answers CLOSE_WAIT after the last message it sends us, so every message it has out
@@ -242,6 +241,11 @@ class Fetcher:
         if taken:  # (a read planned twice for one batch adds to it)
             self.batches.setdefault(batch, []).extend(taken)
         return taken
+
+    def pause(self) -> None:
+        """RDY 0 everywhere: nsqd sends no more (a FIN would otherwise make room for new messages)."""
+        self.paused = True
+        self._apply_rdy()
 
     def arrived_count(self) -> int:
         return len(self.arrived)

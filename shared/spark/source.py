@@ -1,26 +1,23 @@
-"""The streaming source `spark.readStream.format("nsq")`: a `SimpleDataSourceStreamReader` holding a Trio
-`Consumer` (shared/client) on a thread of its own.
+"""The streaming source `spark.readStream.format("nsq")`: a `DataSourceStreamReader` whose messages are
+received and FIN'd in the driver process Spark keeps for the source, and handed to Spark by executor
+tasks as Arrow record batches.
 
-Why the simple reader: a message can only be FIN'd on the connection that received it, and Spark tells
-a source that a micro-batch is done by calling `commit(end)` on the driver, in the one long-lived Python
-process that also calls `read()`. `SimpleDataSourceStreamReader` reads on the driver in that same process
-(Spark caches what `read()` returned and ships it with the batch's single partition), so the consumer,
-its connections and the messages waiting for their FIN all live where `commit()` runs. The partitioned
-`DataSourceStreamReader` reads in executor tasks, which cannot FIN on the driver's connections (and
-NSQ cannot read a range again by offset).
+Why there: a message can only be FIN'd on the connection that received it, and Spark tells a source that
+a micro-batch is done by calling `commit(end)` in that driver process, after the tasks are gone (and NSQ
+cannot read a range again by offset, as Kafka's source does). So the Fetcher (fetcher.py: several
+connections per broker, on a Trio thread) lives there; the tasks only carry what it received.
 
 Offsets are `{"batch": n}`: a count of micro-batches, not positions in NSQ (a channel has none).
-- `read(start)` takes up to `max_messages_per_batch` of the messages that arrived, files them under
-  batch start+1 and returns them as one Arrow record batch; nothing arrived: the offset stays.
-- the messages stay in flight on the broker meanwhile: a task TOUCHes them every msg_timeout / 2.
+- `latestOffset(start)` takes what arrived (up to max_messages_per_batch / max_bytes_per_batch), files it
+  under batch start+1 and turns it into one record batch; nothing arrived: the offset stays (or moves by
+  one empty batch, so that Spark commits the last one now).
+- `partitions(start, end)` slices that record batch into the tasks' partitions; `read()` yields a slice.
 - `commit(end)` FINs every message of the batches up to `end`, each on its own connection.
-- the process ends (query stopped or crashed): the connections close and, once their msg_timeout has
-  passed since the last TOUCH, nsqd gives the messages they held to another consumer. On restart from a checkpoint, Spark replays a batch that was planned
-  but not committed through `readBetweenOffsets`: its messages are no longer ours (nsqd has them back
-  and delivers them again, to this query or to another consumer of the channel), so that batch is
-  replayed empty and its messages arrive in later batches, with `attempts` one higher.
+- `stop()`, or the process ending: what was not committed goes back to nsqd (REQ, or msg_timeout after
+  the connections close). On restart from a checkpoint, Spark replays a batch that was planned but not
+  committed: its messages are no longer ours, so that batch is replayed empty and its messages arrive in
+  later batches, with `attempts` one higher.
 """
-
 from __future__ import annotations
 
 import logging
@@ -146,3 +143,10 @@ class NSQStreamReader(DataSourceStreamReader):
     def commit(self, end: dict) -> None:
         if self._fetcher is not None:
             self._fetcher.call(self._fetcher.commit, int(end["batch"]))
+
+    def stop(self) -> None:
+        """The query stops (or failed): what was not committed is REQ'd, so nsqd delivers it again at
+        once instead of after msg_timeout, and the connections close (the process may outlive the query)."""
+        if self._fetcher is not None:
+            fetcher, self._fetcher = self._fetcher, None
+            fetcher.close(requeue_held=True)

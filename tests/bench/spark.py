@@ -52,9 +52,11 @@ def publish(http: str, topic: str, count: int) -> None:
             client.publish(topic, bodies[i:i + 5000])
 
 
-def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str, options: dict[str, str]) -> float:
+def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
+                options: dict[str, str]) -> tuple[float, float]:
     """Seconds from the query's start until `count` messages were read into a noop sink and FIN'd (each
-    after the commit of its micro-batch)."""
+    after the commit of its micro-batch); and the messages/s of its micro-batches that carried messages
+    (their rows over their trigger durations: the sustained rate, without the query's start)."""
     reader = spark.readStream.format("nsq").option("topic", topic).option("channel", "bench") \
         .option("nsqd_tcp_address", broker.tcp_address)
     for key, value in options.items():
@@ -66,7 +68,11 @@ def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str, opt
             assert query.isActive, query.exception()
             s = channel_stats(broker.http_url, topic, "bench")
             if s and s["message_count"] == count and s["depth"] == 0 and s["in_flight_count"] == 0:
-                return time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                busy = [p for p in query.recentProgress if p["numInputRows"]]
+                sustained = sum(p["numInputRows"] for p in busy) / (
+                    sum(p["durationMs"]["triggerExecution"] for p in busy) / 1000)
+                return elapsed, sustained
             time.sleep(0.02)
     finally:
         query.stop()
@@ -82,6 +88,45 @@ def batch_read(spark, broker: Broker, topic: str, count: int) -> float:
     s = channel_stats(broker.http_url, topic, "bench")
     assert (s["message_count"], s["depth"], s["in_flight_count"]) == (count, 0, 0), s
     return elapsed
+
+
+def trickle_latency(spark, broker: Broker, scratch: str, rate: int = 100, seconds: float = 6.0) -> list[float]:
+    """Seconds from publish (nsqd's timestamp) to the foreachBatch sink, for `rate` messages/s."""
+    import threading
+
+    seen: list[float] = []
+
+    def sink(df, _batch_id) -> None:
+        now = time.time()
+        seen.extend(now - r.timestamp.timestamp() for r in df.select("timestamp").collect())
+
+    query = spark.readStream.format("nsq").option("topic", "trickle").option("channel", "bench") \
+        .option("nsqd_tcp_address", broker.tcp_address).load() \
+        .writeStream.foreachBatch(sink).option("checkpointLocation", f"{scratch}/trickle").start()
+    stop = threading.Event()
+
+    def publisher() -> None:
+        with MPubClient([broker.http_address]) as client:
+            n = 0
+            start = time.monotonic()
+            while not stop.is_set() and n < rate * seconds:
+                client.publish("trickle", [b"trickle-%d" % n])
+                n += 1
+                time.sleep(max(0.0, start + n / rate - time.monotonic()))
+
+    try:
+        time.sleep(3)  # the query's start, so that what is measured is the steady trickle
+        thread = threading.Thread(target=publisher)
+        thread.start()
+        thread.join()
+        deadline = time.monotonic() + 30
+        while len(seen) < rate * seconds and time.monotonic() < deadline:
+            assert query.isActive, query.exception()
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        query.stop()
+    return sorted(seen)
 
 
 def merge_results(path: str, figures: dict) -> None:
@@ -156,20 +201,32 @@ def main() -> None:
         # a warm-up query: the first one of a session starts the source's Python worker
         publish(http, "read-warm-up", 1000)
         stream_read(spark, broker, "read-warm-up", 1000, scratch, options)
-        stream, batch = [], []
+        publish(http, "batch-warm-up", 1000)
+        batch_read(spark, broker, "batch-warm-up", 1000)
+        stream, sustained, batch = [], [], []
         for run in range(args.runs):
             publish(http, f"stream-{run}", args.messages)
-            stream.append(args.messages / stream_read(spark, broker, f"stream-{run}", args.messages, scratch,
-                                                      options))
-            print(f"  readStream -> noop        {stream[-1]:>12,.0f} messages/s", flush=True)
+            elapsed, rate = stream_read(spark, broker, f"stream-{run}", args.messages, scratch, options)
+            stream.append(args.messages / elapsed)
+            sustained.append(rate)
+            print(f"  readStream -> noop        {stream[-1]:>12,.0f} messages/s from the query's start "
+                  f"({elapsed:.2f} s); {rate:,.0f} messages/s in its micro-batches", flush=True)
             publish(http, f"batch-{run}", args.messages)
             batch.append(args.messages / batch_read(spark, broker, f"batch-{run}", args.messages))
             print(f"  read (batch) -> noop      {batch[-1]:>12,.0f} messages/s", flush=True)
+        latencies = trickle_latency(spark, broker, scratch)
+        if latencies:
+            results["trickle 100 msg/s latency p50 s"] = latencies[len(latencies) // 2]
+            results["trickle 100 msg/s latency max s"] = latencies[-1]
+            print(f"  trickle of 100 msg/s -> foreachBatch: {len(latencies)} messages, publish to sink p50 "
+                  f"{latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s", flush=True)
         results["readStream messages/s"] = statistics.median(stream)
+        results["readStream sustained messages/s"] = statistics.median(sustained)
         results["read messages/s"] = statistics.median(batch)
         write = results.get("write nsq idempotent=true rows/s")
-        print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s"
-              + (f" = {results['readStream messages/s'] / write:.2f}x the write" if write else ""))
+        print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s, read (batch) "
+              f"{results['read messages/s']:,.0f} messages/s"
+              + (f"; readStream = {results['readStream messages/s'] / write:.2f}x the write" if write else ""))
     finally:
         spark.stop()
         broker.close()
