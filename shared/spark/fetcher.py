@@ -210,8 +210,9 @@ class Fetcher:
         """TOUCH what has been held for a quarter of msg_timeout, every quarter (so at most half of it
         passes between two TOUCHes); micro-batches that commit sooner are never touched."""
         while True:
-            timeouts = [c.msg_timeout for conns in self.connections.values() for c in conns] or [60_000]
-            period = min(timeouts) / 4000
+            # the msg_timeout asked for, else the brokers' (known once connected: until then, look again soon)
+            timeouts = [c.msg_timeout for conns in self.connections.values() for c in conns]
+            period = (self.settings.msg_timeout or min(timeouts, default=4000)) / 4000
             await trio.sleep(period)
             old = trio.current_time() - period
             for held in [h for b in list(self.batches.values()) for h in b] + list(self.arrived):

@@ -93,7 +93,7 @@ class NSQStreamReader(DataSourceStreamReader):
         self.settings = settings
         self.slices = partitions
         self._fetcher: Fetcher | None = None
-        self._planned: dict[int, Any] = {}  # batch -> its record batch, until partitions() ships it
+        self._planned: dict[int, Any] = {}  # batch -> its record batch, until its commit
 
     @property
     def fetcher(self) -> Fetcher:
@@ -109,6 +109,8 @@ class NSQStreamReader(DataSourceStreamReader):
 
     def latestOffset(self, start: dict, limit=None) -> dict:
         batch = int(start["batch"]) + 1
+        if batch in self._planned:  # asked again for the same start: the same batch
+            return {"batch": batch}
         messages = self.fetcher.call(self.fetcher.take, batch)
         if not messages:
             if self.fetcher.call(self.fetcher.holding, batch):
@@ -121,7 +123,7 @@ class NSQStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         first, last = int(start["batch"]) + 1, int(end["batch"])
-        planned = [self._planned.pop(b) for b in range(first, last + 1) if b in self._planned]
+        planned = [self._planned[b] for b in range(first, last + 1) if b in self._planned]
         if not planned:
             if last >= first and self._fetcher is None:
                 # a batch planned by an earlier run of the query and not committed: its messages went back
@@ -141,6 +143,8 @@ class NSQStreamReader(DataSourceStreamReader):
             yield partition.rows
 
     def commit(self, end: dict) -> None:
+        for batch in [b for b in self._planned if b <= int(end["batch"])]:
+            del self._planned[batch]
         if self._fetcher is not None:
             self._fetcher.call(self._fetcher.commit, int(end["batch"]))
 
