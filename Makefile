@@ -34,6 +34,7 @@ test: $(STAMP)
 # (the HTTP scenarios need wrk: apt-get install wrk; without it they are skipped with a line saying so)
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run $(if $(QUICK),--quick,)
+	$(BIN)/python -m tests.bench.spark --output bench-results.json $(if $(QUICK),--runs 1,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.versus --reference $(NSQ_REFERENCE) $(if $(QUICK),--rounds 1 --runfor 3,),)
 	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 

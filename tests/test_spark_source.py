@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
+import threading
 import time
 import urllib.request
 
 import pytest
-from processes import BrokerProcess
+from processes import BrokerProcess, LookupdProcess
 
 from trio_nsq.shared.spark.publisher import MPubClient
 
@@ -153,3 +156,198 @@ def test_reader_options_are_checked(spark, module_broker, tmp_path):
     fails(r"no broker", topic="t", channel="c")
     fails("max_messages_per_batch='0' must be an integer >= 1", topic="t", channel="c", max_messages_per_batch="0",
           nsqd_tcp_address=module_broker.tcp_address)
+
+
+# --- at least once, at scale and under failures --------------------------------------------------------
+
+
+def source_runner_pids(spark) -> list[int]:
+    """The Python processes this session's JVM runs streaming sources in (one per query)."""
+    jvm = spark.sparkContext._gateway.proc.pid
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            status = open(f"/proc/{entry}/status").read()
+        except OSError:
+            continue
+        ppid = int(status.split("PPid:")[1].split()[0])
+        if b"python_streaming_source_runner" in cmdline and ppid == jvm:
+            pids.append(int(entry))
+    return pids
+
+
+def test_three_brokers_through_lookupd_200k_messages_all_read_and_none_left_in_flight(spark, tmp_path):
+    from test_lookupd_discovery import eventually as soon
+
+    lookupd = LookupdProcess(tmp_path).start()
+    brokers: list[BrokerProcess] = []
+    try:
+        for _ in range(3):
+            brokers.append(BrokerProcess(tmp_path, lookupd_tcp_address=lookupd.tcp_address,
+                                         broadcast_address="127.0.0.1").start())
+        sent = [b"m-%06d" % i for i in range(200_000)]
+        for n, broker in enumerate(brokers):
+            publish(broker, "wide", sent[n::3])
+        soon(lambda: len(lookupd.get("/lookup?topic=wide").json()["producers"]) == 3)
+
+        stream = spark.readStream.format("nsq").option("topic", "wide").option("channel", "spark") \
+            .option("lookupd_http_address", lookupd.http_address).load()  # every other option by default
+        query = stream.writeStream.format("memory").queryName("nsq_wide") \
+            .option("checkpointLocation", str(tmp_path / "checkpoint")).start()
+        try:
+            def drained():
+                stats = [channel_stats(b, "wide", "spark") for b in brokers]
+                return all(s and s["message_count"] == len(sent[n::3]) and s["depth"] == 0
+                           and s["in_flight_count"] == 0 for n, s in enumerate(stats))
+
+            eventually(drained, "every broker drained and every message FIN'd", query=query)
+        finally:
+            query.stop()
+        rows = spark.sql("SELECT count(*) AS n, count(DISTINCT value) AS distinct_values, "
+                         "count(DISTINCT nsqd_address) AS brokers, max(attempts) AS attempts FROM nsq_wide").first()
+        assert (rows.n, rows.distinct_values, rows.brokers, rows.attempts) == (200_000, 200_000, 3, 1)
+        assert {s["requeue_count"] + s["timeout_count"] for s in (channel_stats(b, "wide", "spark")
+                                                                  for b in brokers)} == {0}
+    finally:
+        for b in brokers:
+            b.stop()
+        lookupd.stop()
+
+
+def test_a_query_killed_between_its_batch_and_its_commit_loses_nothing(spark, broker_factory, tmp_path):
+    broker = broker_factory()
+    sent = bodies_for("k", 3000)
+    publish(broker, "kill", sent)
+    checkpoint = str(tmp_path / "checkpoint")
+    first: list[tuple[bytes, int]] = []
+    held_at_kill = []
+
+    def record_then_kill(df, batch_id):
+        rows = [(bytes(r.value), r.attempts) for r in df.collect()]
+        if rows and not first:
+            first.extend(rows)
+            # the sink has the batch; Spark commits it when it plans the next one: kill the source's
+            # process now, so that commit never comes
+            held_at_kill.append(channel_stats(broker, "kill", "spark")["in_flight_count"])
+            for pid in source_runner_pids(spark):
+                os.kill(pid, signal.SIGKILL)
+
+    stream = read_stream(spark, broker, "kill", "spark", msg_timeout=2000, max_messages_per_batch=1000)
+    query = stream.writeStream.foreachBatch(record_then_kill).option("checkpointLocation", checkpoint).start()
+    with pytest.raises(Exception):
+        query.awaitTermination(120)  # the source's process is gone: the query fails
+    assert len(first) == 1000 and held_at_kill[0] >= 1000  # the batch reached the sink and was not FIN'd
+
+    again: list[tuple[bytes, int]] = []
+    query = read_stream(spark, broker, "kill", "spark").writeStream \
+        .foreachBatch(lambda df, _: again.extend((bytes(r.value), r.attempts) for r in df.collect())) \
+        .option("checkpointLocation", checkpoint).start()
+    try:
+        eventually(lambda: (s := channel_stats(broker, "kill", "spark"))["depth"] == 0
+                   and s["in_flight_count"] == 0 and len({b for b, _ in again}) == 3000, "3000 rows", query=query)
+    finally:
+        query.stop()
+    assert sorted({body for body, _ in first + again}) == sorted(sent)  # nothing lost
+    redelivered = {body for body, attempts in again if attempts > 1}
+    assert {body for body, _ in first} <= redelivered  # the uncommitted batch came again
+
+
+def test_a_broker_killed_and_restarted_mid_query_costs_no_message(spark, broker_factory, tmp_path):
+    broker = broker_factory(mem_queue_size=0, sync_every=1)
+    sent = bodies_for("b", 10_000)
+    publish(broker, "durable", sent)
+    got: list[bytes] = []
+    batches = []
+    blocked, release = threading.Event(), threading.Event()
+
+    def sink(df, batch_id):
+        rows = [bytes(r.value) for r in df.collect()]
+        got.extend(rows)
+        if rows:
+            batches.append(len(rows))
+        if len(batches) == 2 and not release.is_set():
+            blocked.set()
+            release.wait(60)  # the broker is killed and restarted while this batch waits for its commit
+
+    stream = read_stream(spark, broker, "durable", "spark", max_in_flight=2000, max_messages_per_batch=1000)
+    query = stream.writeStream.foreachBatch(sink).option("checkpointLocation", str(tmp_path / "ck")).start()
+    try:
+        eventually(blocked.is_set, "the second batch in the sink", query=query)
+        # the window is full: 1000 in the waiting batch, 1000 received since; all of them delivered to us
+        eventually(lambda: channel_stats(broker, "durable", "spark")["in_flight_count"] == 2000, "a full window")
+        broker.kill()
+        broker.start()
+        release.set()
+        eventually(lambda: set(got) >= set(sent), "every message", query=query)
+        eventually(lambda: (s := channel_stats(broker, "durable", "spark"))["depth"] == 0
+                   and s["in_flight_count"] == 0, "all FIN'd", query=query)
+    finally:
+        release.set()
+        query.stop()
+    assert set(got) == set(sent)
+    assert max(batches) <= 1000
+
+
+# --- the batch read ------------------------------------------------------------------------------------
+
+
+def batch_read(spark, broker: BrokerProcess, topic: str, **options):
+    # a task that sees no message for idle_timeout takes its broker as drained: generous, for a loaded machine
+    reader = spark.read.format("nsq").option("topic", topic).option("channel", "spark") \
+        .option("nsqd_tcp_address", broker.tcp_address)
+    for key, value in {"idle_timeout": 5000, **options}.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def test_a_batch_read_takes_what_the_channel_holds_up_to_max_messages_and_fins_it(spark, module_broker):
+    sent = bodies_for("r", 5000)
+    publish(module_broker, "batch", sent[:10])
+    assert batch_read(spark, module_broker, "batch").count() == 10  # makes the channel, reads what it holds
+    publish(module_broker, "batch", sent[10:])
+    df = batch_read(spark, module_broker, "batch", max_messages=3000)
+    assert df.schema == batch_read(spark, module_broker, "batch").schema == read_stream(
+        spark, module_broker, "batch", "spark").schema
+    rows = df.collect()
+    assert len(rows) == 3000 and len({r.id for r in rows}) == 3000
+    stats = channel_stats(module_broker, "batch", "spark")
+    assert (stats["depth"], stats["in_flight_count"]) == (1990, 0)
+    rows += batch_read(spark, module_broker, "batch", max_messages=3000).collect()
+    assert sorted(bytes(r.value) for r in rows) == sorted(sent[10:])  # each once over the two reads
+    assert {(r.topic, r.channel, r.nsqd_address) for r in rows} == {("batch", "spark", module_broker.tcp_address)}
+    assert batch_read(spark, module_broker, "batch").count() == 0
+    stats = channel_stats(module_broker, "batch", "spark")
+    assert (stats["depth"], stats["in_flight_count"], stats["message_count"]) == (0, 0, 5000)
+
+
+def test_a_failing_batch_read_job_leaves_its_messages_to_come_back(spark, module_broker):
+    sent = bodies_for("x", 1000)
+    publish(module_broker, "batch-fail", sent)
+    channel = "spark"
+    # the tasks hold every message and wait for more (idle_timeout): the job is cancelled meanwhile
+    df = batch_read(spark, module_broker, "batch-fail", max_messages=5000, msg_timeout=2000, idle_timeout=120_000)
+    failure = []
+
+    def run():
+        try:
+            spark.sparkContext.setJobGroup("nsq-batch-fail", "a batch read that fails")
+            df.collect()
+        except Exception as exc:  # noqa: BLE001 - the test checks that it failed
+            failure.append(exc)
+
+    job = threading.Thread(target=run)
+    job.start()
+    eventually(lambda: channel_stats(module_broker, "batch-fail", channel).get("in_flight_count") == 1000, "all held")
+    spark.sparkContext.cancelJobGroup("nsq-batch-fail")
+    job.join(60)
+    assert failure and not job.is_alive()
+    eventually(lambda: (s := channel_stats(module_broker, "batch-fail", channel))["depth"] == 1000
+               and s["in_flight_count"] == 0, "all back on the channel")
+    rows = batch_read(spark, module_broker, "batch-fail").collect()
+    assert sorted(bytes(r.value) for r in rows) == sorted(sent)
+    # every one delivered again (not FIN'd by the failed job); twice again when the other task of the cancelled
+    # job was still subscribed as the first one's messages came back
+    assert min(r.attempts for r in rows) >= 2

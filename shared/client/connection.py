@@ -355,16 +355,21 @@ class Connection:
         reason: BaseException | None = None
         try:
             while True:
+                # every frame already received, then one timed read: a deadline per read, not per frame
+                for kind, data in self._parser:
+                    if kind == FRAME_TYPE_MESSAGE:
+                        await self._got_message(decode_message(data))
+                    elif kind == FRAME_TYPE_RESPONSE and data == HEARTBEAT:
+                        self.write(encode_nop())
+                    elif kind == FRAME_TYPE_ERROR:
+                        self._got_error(NSQError.from_frame(data))
+                    else:
+                        self._got_response(data)
                 with trio.fail_after(timeout):
-                    kind, data = await self._read_frame()
-                if kind == FRAME_TYPE_MESSAGE:
-                    await self._got_message(decode_message(data))
-                elif kind == FRAME_TYPE_RESPONSE and data == HEARTBEAT:
-                    self.write(encode_nop())
-                elif kind == FRAME_TYPE_ERROR:
-                    self._got_error(NSQError.from_frame(data))
-                else:
-                    self._got_response(data)
+                    received = await self.stream.receive_some(RECV_SIZE)
+                if not received:
+                    raise NSQConnectionError(f"{self.address} closed the connection")
+                self._parser.feed(received)
         except trio.TooSlowError:
             reason = NSQConnectionError(f"{self.address}: no data for {timeout:g}s (heartbeats missed)")
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as exc:

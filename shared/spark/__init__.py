@@ -1,5 +1,6 @@
 """The PySpark connector: `df.write.format("nsq")` and `df.writeStream.format("nsq")` publish rows to NSQ
-through nsqd's `POST /mpub?binary=true`.
+through nsqd's `POST /mpub?binary=true`; `spark.readStream.format("nsq")` and `spark.read.format("nsq")`
+read a channel.
 
     from trio_nsq.shared.spark import NSQDataSource
     spark.dataSource.register(NSQDataSource)
@@ -8,7 +9,8 @@ With the package installed normally (not editable), no call is needed: Spark fin
 `pyspark_nsq`, which exports this class as DefaultSource. See shared/spark/README.md.
 
 Modules: options (checked at planning time), rows (Arrow rows to message bodies), publisher (batches and
-HTTP, plain Python), datasource (the Spark classes).
+HTTP, plain Python), datasource (the Spark classes), source (the streaming reader), fetcher (its
+connections and held messages, on a Trio thread), batch (the batch reader).
 """
 
 __all__ = ["NSQDataSource"]

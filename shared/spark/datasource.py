@@ -174,13 +174,21 @@ class NSQDataSource(DataSource):
 
         return SCHEMA
 
-    def simpleStreamReader(self, schema: StructType):
-        """`spark.readStream.format("nsq")`: see shared/spark/source.py for why the simple (driver-side)
-        reader."""
+    def streamReader(self, schema: StructType):
+        """`spark.readStream.format("nsq")`: see shared/spark/source.py."""
         from trio_nsq.shared.spark.options import read_settings
         from trio_nsq.shared.spark.source import NSQStreamReader
 
         return NSQStreamReader(read_settings(dict(self.options)))
+
+    def reader(self, schema: StructType):
+        """`spark.read.format("nsq")`: see shared/spark/batch.py."""
+        from trio_nsq.shared.spark.batch import NSQBatchReader
+        from trio_nsq.shared.spark.options import read_settings
+
+        settings, (partitions_per_broker, idle_timeout) = read_settings(dict(self.options), batch=True)
+        return NSQBatchReader(settings, settings.max_messages_per_batch, settings.max_bytes_per_batch,
+                              partitions_per_broker, idle_timeout)
 
     def writer(self, schema: StructType, overwrite: bool) -> NSQWriter:
         if overwrite:

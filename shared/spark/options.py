@@ -167,28 +167,42 @@ READ_OPTIONS = {
     "nsqd_tcp_address": (None, "nsqd TCP address(es), comma-separated: host:4150[,host2:4150]"),
     "lookupd_http_address": (None, "nsqlookupd HTTP address(es), comma-separated: the topic's brokers are "
                                    "found there and polled for, as a consumer does"),
-    "max_messages_per_batch": ("10000", "messages per micro-batch, at most"),
-    "max_in_flight": ("2500", "messages held unacknowledged, at most, over every broker (nsqd caps each "
-                              "connection at its --max-rdy-count)"),
+    "max_messages_per_batch": ("100000", "messages per micro-batch, at most"),
+    "max_bytes_per_batch": ("67108864", "bytes of message bodies per micro-batch, at most (one message more "
+                                        "if it alone is larger)"),
+    "max_in_flight": ("200000", "messages held unacknowledged, at most, over every broker (each broker gets "
+                                "as many connections as its --max-rdy-count needs for its share)"),
     "msg_timeout": (None, "milliseconds nsqd waits for a TOUCH or FIN before giving a message to someone "
                           "else (IDENTIFY msg_timeout); default: the broker's --msg-timeout"),
 }
+# the batch read's (spark.read.format("nsq")): the same, with limits for the whole read
+BATCH_READ_OPTIONS = {
+    **{k: v for k, v in READ_OPTIONS.items() if k not in ("max_messages_per_batch", "max_bytes_per_batch",
+                                                           "max_in_flight")},
+    "max_messages": ("100000", "messages to read, at most"),
+    "max_bytes": ("67108864", "bytes of message bodies to read, at most (one message more per task if it "
+                              "alone is larger)"),
+    "partitions_per_broker": ("2", "tasks reading each broker, sharing its part of max_messages"),
+    "idle_timeout": ("1000", "milliseconds without a message after which a task considers its broker drained"),
+}
 
 
-def read_settings(options: dict[str, str]):
-    """Check the streaming source's options; raise ValueError telling what to change."""
+def read_settings(options: dict[str, str], batch: bool = False):
+    """Check the options of the streaming source (or, with `batch`, of the batch read); raise ValueError
+    telling what to change."""
     from trio_nsq.shared.names import is_valid_channel_name
     from trio_nsq.shared.spark.source import ReadSettings
 
+    known = BATCH_READ_OPTIONS if batch else READ_OPTIONS
     options = {k.lower(): v for k, v in options.items()}
-    unknown = sorted(set(options) - set(READ_OPTIONS) - SPARK_OPTIONS - {"path"})
+    unknown = sorted(set(options) - set(known) - SPARK_OPTIONS - {"path"})
     if unknown:
         hints = []
         for name in unknown:
-            close = difflib.get_close_matches(name, READ_OPTIONS, n=1)
+            close = difflib.get_close_matches(name, known, n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ValueError(f"nsq: unknown option {', '.join(hints)} for reading; the options are "
-                         f"{', '.join(READ_OPTIONS)}")
+                         f"{', '.join(known)}")
     topic, channel = options.get("topic") or options.get("path"), options.get("channel")
     if not topic or not is_valid_topic_name(topic):
         raise ValueError(f"nsq: set .option('topic', ...) to a valid topic ({TOPIC_RULE}); got {topic!r}")
@@ -201,13 +215,22 @@ def read_settings(options: dict[str, str]):
                          ".option('lookupd_http_address', 'host:4161')")
 
     def number(name: str, minimum: int) -> int:
-        text = options.get(name, READ_OPTIONS[name][0])
+        text = options.get(name, known[name][0])
         if text is None or not text.strip().isdigit() or int(text) < minimum:
-            raise ValueError(f"nsq: option {name}={text!r} must be an integer >= {minimum}; {READ_OPTIONS[name][1]}")
+            raise ValueError(f"nsq: option {name}={text!r} must be an integer >= {minimum}; {known[name][1]}")
         return int(text)
 
+    if batch:
+        max_messages = number("max_messages", 1)
+        return ReadSettings(
+            topic=topic, channel=channel, nsqd_tcp_addresses=tuple(dict.fromkeys(nsqds)),
+            lookupd_http_addresses=tuple(dict.fromkeys(lookupds)), max_messages_per_batch=max_messages,
+            max_bytes_per_batch=number("max_bytes", 1), max_in_flight=max_messages,
+            msg_timeout=number("msg_timeout", 1000) if options.get("msg_timeout") else None), \
+            (number("partitions_per_broker", 1), number("idle_timeout", 1) / 1000)
     return ReadSettings(
         topic=topic, channel=channel, nsqd_tcp_addresses=tuple(dict.fromkeys(nsqds)),
         lookupd_http_addresses=tuple(dict.fromkeys(lookupds)),
-        max_messages_per_batch=number("max_messages_per_batch", 1), max_in_flight=number("max_in_flight", 1),
+        max_messages_per_batch=number("max_messages_per_batch", 1),
+        max_bytes_per_batch=number("max_bytes_per_batch", 1), max_in_flight=number("max_in_flight", 1),
         msg_timeout=number("msg_timeout", 1000) if options.get("msg_timeout") else None)

@@ -1,11 +1,14 @@
 """Spark connector figures (not a test): rows/s of `df.write.format("nsq")` with `idempotent` on and off,
 against Spark's `noop` format on the same DataFrame, and messages/s read by `readStream.format("nsq")`.
 
-    .venv/bin/python -m tests.bench.spark [--rows 100000] [--partitions 8] [--runs 3] [--messages 100000]
-                                          [--max-in-flight 2500]
+    .venv/bin/python -m tests.bench.spark [--rows 200000] [--partitions 8] [--runs 3] [--messages 200000]
+                                          [--option NAME=VALUE ...] [--broker-flag FLAG ...] [--output FILE]
 
-One local[2] SparkSession and one trio-nsqd on loopback; each figure is the median of --runs, after a
-warm-up write (the first Python write of a session starts and imports the workers).
+One local[2] SparkSession and one trio-nsqd on loopback with default flags; each figure is the median of
+--runs, after a warm-up write and a warm-up query (the first Python write or query of a session starts and
+imports the workers). The reads are of the same 200,000 bodies the write sends, waiting on the channel:
+`readStream` into the `noop` sink (counted until every message is FIN'd, after its micro-batch's commit,
+the query's start included) and `spark.read` into a `noop` write.
 """
 
 from __future__ import annotations
@@ -42,15 +45,115 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def publish(http: str, topic: str, count: int) -> None:
+    with MPubClient([http]) as client:
+        bodies = [b"message-%08d" % i for i in range(count)]
+        for i in range(0, len(bodies), 5000):
+            client.publish(topic, bodies[i:i + 5000])
+
+
+def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
+                options: dict[str, str]) -> tuple[float, float]:
+    """Seconds from the query's start until `count` messages were read into a noop sink and FIN'd (each
+    after the commit of its micro-batch); and the messages/s of its micro-batches that carried messages
+    (their rows over their trigger durations: the sustained rate, without the query's start)."""
+    reader = spark.readStream.format("nsq").option("topic", topic).option("channel", "bench") \
+        .option("nsqd_tcp_address", broker.tcp_address)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    start = time.perf_counter()
+    query = reader.load().writeStream.format("noop").option("checkpointLocation", f"{scratch}/{topic}").start()
+    try:
+        while True:
+            assert query.isActive, query.exception()
+            s = channel_stats(broker.http_url, topic, "bench")
+            if s and s["message_count"] == count and s["depth"] == 0 and s["in_flight_count"] == 0:
+                elapsed = time.perf_counter() - start
+                busy = [p for p in query.recentProgress if p["numInputRows"]]
+                sustained = sum(p["numInputRows"] for p in busy) / (
+                    sum(p["durationMs"]["triggerExecution"] for p in busy) / 1000)
+                return elapsed, sustained
+            time.sleep(0.02)
+    finally:
+        query.stop()
+
+
+def batch_read(spark, broker: Broker, topic: str, count: int) -> float:
+    """Seconds for `spark.read.format("nsq")` of `count` waiting messages into a noop write."""
+    start = time.perf_counter()
+    spark.read.format("nsq").option("topic", topic).option("channel", "bench") \
+        .option("nsqd_tcp_address", broker.tcp_address).option("max_messages", count).load() \
+        .write.format("noop").mode("append").save()
+    elapsed = time.perf_counter() - start
+    s = channel_stats(broker.http_url, topic, "bench")
+    assert (s["message_count"], s["depth"], s["in_flight_count"]) == (count, 0, 0), s
+    return elapsed
+
+
+def trickle_latency(spark, broker: Broker, scratch: str, rate: int = 100, seconds: float = 6.0) -> list[float]:
+    """Seconds from publish (nsqd's timestamp) to the foreachBatch sink, for `rate` messages/s."""
+    import threading
+
+    seen: list[float] = []
+
+    def sink(df, _batch_id) -> None:
+        now = time.time()
+        seen.extend(now - r.timestamp.timestamp() for r in df.select("timestamp").collect())
+
+    query = spark.readStream.format("nsq").option("topic", "trickle").option("channel", "bench") \
+        .option("nsqd_tcp_address", broker.tcp_address).load() \
+        .writeStream.foreachBatch(sink).option("checkpointLocation", f"{scratch}/trickle").start()
+    stop = threading.Event()
+
+    def publisher() -> None:
+        with MPubClient([broker.http_address]) as client:
+            n = 0
+            start = time.monotonic()
+            while not stop.is_set() and n < rate * seconds:
+                client.publish("trickle", [b"trickle-%d" % n])
+                n += 1
+                time.sleep(max(0.0, start + n / rate - time.monotonic()))
+
+    try:
+        time.sleep(3)  # the query's start, so that what is measured is the steady trickle
+        thread = threading.Thread(target=publisher)
+        thread.start()
+        thread.join()
+        deadline = time.monotonic() + 30
+        while len(seen) < rate * seconds and time.monotonic() < deadline:
+            assert query.isActive, query.exception()
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        query.stop()
+    return sorted(seen)
+
+
+def merge_results(path: str, figures: dict) -> None:
+    """Put the figures under results["spark"] of bench-results.json, keeping every other key."""
+    try:
+        with open(path) as fh:
+            report = json.load(fh)
+    except (OSError, ValueError):
+        report = {}
+    report.setdefault("results", {})["spark"] = figures
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--max-in-flight", type=int, default=2500,
-                        help="the source's max_in_flight (the broker's --max-rdy-count is raised to match)")
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an option of the streaming source (to measure a variant)")
+    parser.add_argument("--broker-flag", action="append", default=[], help="a flag for the broker")
+    parser.add_argument("--skip-write", action="store_true")
+    parser.add_argument("--output", default="", help="merge the figures into this JSON file (bench-results.json)")
     args = parser.parse_args()
+    options = dict(o.split("=", 1) for o in args.option)
 
     from pyspark.sql import SparkSession
 
@@ -60,7 +163,7 @@ def main() -> None:
 
     from trio_nsq.shared.spark import NSQDataSource
 
-    broker = Broker(f"--max-rdy-count={max(2500, args.max_in_flight)}")
+    broker = Broker(*args.broker_flag)
     scratch = tempfile.mkdtemp(prefix="trio-nsq-spark-bench-")
     spark = (SparkSession.builder.master("local[2]").appName("trio-nsq-bench")
              .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
@@ -68,12 +171,12 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(NSQDataSource)
     http = broker.http_address
-    tcp = broker.tcp_address
+    results: dict[str, float] = {}
     try:
         with urllib.request.urlopen(f"{broker.http_url}/info", timeout=10) as r:
             supported = json.load(r).get("idempotent_publish") is True
         df = spark.range(args.rows, numPartitions=args.partitions) \
-            .selectExpr("concat('row-', CAST(id AS STRING)) AS value").cache()
+            .selectExpr("concat('message-', lpad(CAST(id AS STRING), 8, '0')) AS value").cache()
         df.count()
 
         def nsq(topic: str, idempotent: str):
@@ -82,43 +185,57 @@ def main() -> None:
 
         df.write.format("noop").mode("append").save()
         nsq("warm-up", "true")()
-        figures = {
-            "noop": timed(lambda: df.write.format("noop").mode("append").save(), args.runs),
-            "nsq idempotent=true": timed(nsq("idem-on", "true"), args.runs),
-            "nsq idempotent=false": timed(nsq("idem-off", "false"), args.runs),
-        }
-        print(f"write: {args.rows} rows in {args.partitions} partitions, median of {args.runs} "
-              f"(broker idempotent_publish: {supported})")
-        for name, seconds in figures.items():
-            print(f"  {name:22} {args.rows / seconds:>12,.0f} rows/s  ({seconds:.2f} s)")
+        if not args.skip_write:
+            print(f"write: {args.rows} rows in {args.partitions} partitions, median of {args.runs} "
+                  f"(broker idempotent_publish: {supported})")
+            for name, fn in [("noop", lambda: df.write.format("noop").mode("append").save()),
+                             ("nsq idempotent=true", nsq("idem-on", "true")),
+                             ("nsq idempotent=false", nsq("idem-off", "false"))]:
+                seconds = timed(fn, args.runs)
+                results[f"write {name} rows/s"] = args.rows / seconds
+                print(f"  {name:22} {args.rows / seconds:>12,.0f} rows/s  ({seconds:.2f} s)", flush=True)
 
-        with MPubClient([http]) as client:
-            bodies = [b"message-%08d" % i for i in range(args.messages)]
-            for i in range(0, len(bodies), 5000):
-                client.publish("read", bodies[i:i + 5000])
-        stream = spark.readStream.format("nsq").option("topic", "read").option("channel", "bench") \
-            .option("nsqd_tcp_address", tcp) \
-            .option("max_in_flight", args.max_in_flight).load()
-        start = time.perf_counter()
-        query = stream.writeStream.format("noop").option("checkpointLocation", f"{scratch}/checkpoint") \
-            .trigger(processingTime="100 milliseconds").start()
-        try:
-            while True:
-                assert query.isActive, query.exception()
-                s = channel_stats(broker.http_url, "read", "bench")
-                if s and s["message_count"] == args.messages and s["depth"] == 0 and s["in_flight_count"] == 0:
-                    break
-                time.sleep(0.05)
-            elapsed = time.perf_counter() - start
-        finally:
-            query.stop()
-        print(f"read: {args.messages} messages through readStream (noop sink, max_in_flight {args.max_in_flight}), "
-              f"read and FIN'd after commit (including the query's start): {args.messages / elapsed:,.0f} "
-              f"messages/s ({elapsed:.2f} s)")
+        shown = ", ".join(f"{k}={v}" for k, v in options.items()) or "default options"
+        print(f"read: {args.messages} messages waiting on one broker, median of {args.runs} ({shown}; broker "
+              f"flags: {' '.join(args.broker_flag) or 'defaults'})")
+        # a warm-up query: the first one of a session starts the source's Python worker
+        publish(http, "read-warm-up", 1000)
+        stream_read(spark, broker, "read-warm-up", 1000, scratch, options)
+        publish(http, "batch-warm-up", 1000)
+        batch_read(spark, broker, "batch-warm-up", 1000)
+        stream, sustained, batch = [], [], []
+        for run in range(args.runs):
+            publish(http, f"stream-{run}", args.messages)
+            elapsed, rate = stream_read(spark, broker, f"stream-{run}", args.messages, scratch, options)
+            stream.append(args.messages / elapsed)
+            sustained.append(rate)
+            print(f"  readStream -> noop        {stream[-1]:>12,.0f} messages/s from the query's start "
+                  f"({elapsed:.2f} s); {rate:,.0f} messages/s in its micro-batches", flush=True)
+            publish(http, f"batch-{run}", args.messages)
+            batch.append(args.messages / batch_read(spark, broker, f"batch-{run}", args.messages))
+            print(f"  read (batch) -> noop      {batch[-1]:>12,.0f} messages/s", flush=True)
+        latencies = trickle_latency(spark, broker, scratch)
+        if latencies:
+            results["trickle 100 msg/s latency p50 s"] = latencies[len(latencies) // 2]
+            results["trickle 100 msg/s latency max s"] = latencies[-1]
+            print(f"  trickle of 100 msg/s -> foreachBatch: {len(latencies)} messages, publish to sink p50 "
+                  f"{latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s", flush=True)
+        results["readStream messages/s"] = statistics.median(stream)
+        results["readStream sustained messages/s"] = statistics.median(sustained)
+        results["read messages/s"] = statistics.median(batch)
+        write = results.get("write nsq idempotent=true rows/s")
+        print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s, read (batch) "
+              f"{results['read messages/s']:,.0f} messages/s"
+              + (f"; readStream = {results['readStream messages/s'] / write:.2f}x the write" if write else ""))
     finally:
         spark.stop()
         broker.close()
         shutil.rmtree(scratch, ignore_errors=True)
+    if args.output:
+        merge_results(args.output, {"title": "PySpark connector, local[2] (write rows/s, read messages/s)",
+                                    "rows": args.rows, "messages": args.messages, "runs": args.runs,
+                                    "figures": results})
+        print(f"merged into {args.output} (results.spark)")
 
 
 if __name__ == "__main__":
