@@ -69,7 +69,7 @@ _OFFSET_MASK = (1 << POS_SHIFT) - 1
 # cursor: when more finished positions than this wait behind an unfinished one, the oldest unfinished
 # records are copied to the tail so the finished set (and the metadata that carries it) stays small
 FINISHED_LIMIT = 4096
-# reclaim copies unfinished records only when it frees at least this many records per record copied
+# reclaim copies unfinished records only when that frees at least this many times the bytes it writes
 RECLAIM_RATIO = 4
 # the metadata's extension after go-diskqueue's three lines (Go's Fscanf reads those and stops)
 _EXT_HEADER = b"trio-nsq-cursor 1"
@@ -740,13 +740,23 @@ class DiskQueue:
         """Move the mark-delete position past finished records."""
         finished = self._finished
         handed = self._handed
-        while handed and handed[0] in finished:
-            finished.discard(handed.popleft())
         claimed = self._claimed
-        if claimed:
-            read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
-            while claimed and claimed[0] < read_key and claimed[0] in finished:
+        if not claimed:
+            while handed and handed[0] in finished:
+                finished.discard(handed.popleft())
+            return
+        # both in position order: retire the lower front while it is finished, so that every finished
+        # position past the mark-delete position stays in the set (and is persisted)
+        read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
+        while True:
+            if claimed and claimed[0] < read_key and (not handed or claimed[0] < handed[0]):
+                if claimed[0] not in finished:
+                    return
                 finished.discard(claimed.popleft())
+            elif handed and handed[0] in finished:
+                finished.discard(handed.popleft())
+            else:
+                return
 
     def _maybe_reclaim(self) -> None:
         """Copy the few unfinished records that pin old files (a message held for an hour, a poison
@@ -765,19 +775,35 @@ class DiskQueue:
             return
         finished = self._finished
         read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
-        behind = [k for k in self._handed if k < cutoff]
-        behind.extend(k for k in self._claimed if k < cutoff and k < read_key)
-        pinning = [k for k in behind if k not in finished]
-        if not pinning or len(pinning) * RECLAIM_RATIO > len(behind):
-            return  # nothing pinned, or mostly unfinished (in flight): copying would not pay
-        log.info("DISKQUEUE(%s) moving %d unfinished records to the tail to free older files",
-                 self.name, len(pinning))
+        pinning = [k for k in self._handed if k < cutoff and k not in finished]
+        pinning.extend(k for k in self._claimed if k < cutoff and k < read_key and k not in finished)
+        if not pinning:
+            return
+        records: list[tuple[int, bytes | None]] = []
+        size = 0
         for key in pinning:
             try:
-                data = self._read_at(key)
+                data: bytes | None = self._read_at(key)
             except (OSError, ValueError) as exc:
                 log.error("DISKQUEUE(%s) cannot copy the record at %d of %s, giving it up - %s",
                           self.name, key & _OFFSET_MASK, self.file_name(key >> POS_SHIFT), exc)
+                data = None
+            records.append((key, data))
+            size += 4 + (len(data) if data is not None else 0)
+        freed = 0
+        for num in range(mark >> POS_SHIFT, cutoff >> POS_SHIFT):
+            try:
+                freed += os.path.getsize(self.file_name(num))
+            except OSError:
+                pass
+        if (cutoff & _OFFSET_MASK) and self.read_file_num > cutoff >> POS_SHIFT:
+            freed += cutoff & _OFFSET_MASK  # the older part of the finished set, in the file cutoff is in
+        if size * RECLAIM_RATIO > freed:
+            return  # mostly unfinished (a consumer's in-flight window): copying would not pay
+        log.info("DISKQUEUE(%s) moving %d unfinished records to the tail to free older files",
+                 self.name, len(pinning))
+        for key, data in records:
+            if data is None:
                 finished.add(key)
                 continue
             deadline = self._deadlines.pop(key, None)
