@@ -43,9 +43,14 @@ class BackendQueue(Protocol):
         `delay` > 0: they are deferred, and a restart keeps the deadline (delay_of). `positions` gets
         where each went."""
 
-    def hold(self, data: bytes, delay: float = 0.0) -> int:
+    def hold(self, data: bytes, delay: float = 0.0, old: int = -1) -> int:
         """Append a record its owner holds (in flight, or deferred `delay` seconds): not read again in this
-        process, delivered after a restart. Returns its position; raises BackendError."""
+        process, delivered after a restart; the record at `old` (if any) is finished with it, so a crash
+        finds one of the two. Returns its position; raises BackendError."""
+
+    def rewrite(self, data: bytes, old: int) -> int:
+        """Append a record to be read again in place of the one at `old` (finished with it, so a crash
+        finds one of the two). Returns its position; raises BackendError."""
 
     def finish(self, pos: int) -> None:
         """The record read or held at `pos` is done with (a no-op unless the queue keeps a cursor)."""
@@ -93,7 +98,10 @@ class DummyBackendQueue:
     def put_many(self, records: Sequence[bytes], delay: float = 0.0, positions: list[int] | None = None) -> None:
         raise BackendError("memory queue full and no backend queue")
 
-    def hold(self, data: bytes, delay: float = 0.0) -> int:
+    def hold(self, data: bytes, delay: float = 0.0, old: int = -1) -> int:
+        raise BackendError("no backend queue")
+
+    def rewrite(self, data: bytes, old: int) -> int:
         raise BackendError("no backend queue")
 
     def finish(self, pos: int) -> None:

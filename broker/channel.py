@@ -161,6 +161,7 @@ class Channel:
         this channel's records, in the same sync round); the positions were the topic's, not ours."""
         backend = self.queue.backend
         taken = backend.upstream
+        last = msgs[-1].pos  # taken now, even if all of them are skipped
         if backend.cursor:
             if 0 <= msgs[0].pos <= taken or msgs[-1].pos <= taken:
                 fresh = [msg for msg in msgs if msg.pos < 0 or msg.pos > taken]
@@ -183,8 +184,8 @@ class Channel:
                     log.info("CHANNEL(%s): skipping %d messages it had stored past its last sync",
                              self.name, len(msgs) - len(fresh))
                 msgs = fresh
-            if msgs and msgs[-1].pos > taken:
-                backend.upstream = msgs[-1].pos
+            if last > taken:
+                backend.upstream = last
         for msg in msgs:
             msg.pos = -1
         return msgs
@@ -195,14 +196,12 @@ class Channel:
         its attempts) and its old record finished, in one sync round, so one of the two always survives."""
         pos = msg.pos
         if pos >= 0:
-            backend = self.queue.backend
             try:
-                backend.put_many((msg.encode(),))
+                self.queue.backend.rewrite(msg.encode(), pos)
             except BackendError as exc:
                 log.error("CHANNEL(%s): failed to put msg(%s) - %s", self.name, msg.id.decode(), exc)
                 self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
                 return
-            backend.finish(pos)
             msg.pos = -1
             if self.waiters:
                 self._wake_waiters()
@@ -219,13 +218,10 @@ class Channel:
         backend = self.queue.backend
         if backend.cursor:
             try:
-                pos = backend.hold(msg.encode(), timeout)
+                msg.pos = backend.hold(msg.encode(), timeout, msg.pos)
             except BackendError as exc:
                 # its old record (if any) stays: a restart delivers it at once, early rather than never
                 log.error("CHANNEL(%s): failed to store deferred msg(%s) - %s", self.name, msg.id.decode(), exc)
-            else:
-                backend.finish(msg.pos)
-                msg.pos = pos
         self.start_deferred_timeout(msg, timeout)
 
     def _wake_waiters(self) -> None:

@@ -73,6 +73,14 @@ FINISHED_LIMIT = 4096
 RECLAIM_RATIO = 4
 # the metadata's extension after go-diskqueue's three lines (Go's Fscanf reads those and stops)
 _EXT_HEADER = b"trio-nsq-cursor 1"
+# the journal (`<name>.diskqueue.journal.dat`): one entry per record written with a deadline or in place
+# of another (REQ, a timeout, DPUB, reclaim), appended (not fsynced: a kill -9 keeps the page cache, as
+# it keeps the record) before the record: its position, the position it replaces (-1: none), its message
+# id, its deadline (0: none). A crash before the next round finds the pair in it for every record past
+# the persisted write position, so the record keeps its deadline and the one it replaced stays finished.
+_JOURNAL = struct.Struct(">qq16sd")
+# a journal with entries still needed is rewritten with only those once it grows past this
+_JOURNAL_REWRITE = 64 * 1024
 
 
 class _SyncRound:
@@ -162,6 +170,10 @@ class DiskQueue:
         # cursor mode: the message ids of records recovered past the persisted write position (written
         # after the last sync round, so `upstream` may not cover them): the channel skips them once
         self.recovered_ids: set[bytes] = set()
+        # the journal's entries not yet covered by a persisted write position: (position, entry)
+        self._journal: list[tuple[int, bytes]] = []
+        self._journal_fd: int | None = None
+        self._journal_size = 0
 
         self._meta_loaded = False
         self._retrieve_metadata()
@@ -179,6 +191,9 @@ class DiskQueue:
 
     def meta_file_name(self) -> str:
         return os.path.join(self.data_path, f"{self.name}.diskqueue.meta.dat")
+
+    def journal_file_name(self) -> str:
+        return os.path.join(self.data_path, f"{self.name}.diskqueue.journal.dat")
 
     def _meta_text(self) -> bytes:
         """go-diskqueue's three lines; in cursor mode the read position is the mark-delete position and the
@@ -253,6 +268,8 @@ class DiskQueue:
         """Count in the records written after the metadata was last persisted: past the write position
         in the write file, then in the files a roll had started since."""
         num, pos = self.write_file_num, self.write_pos
+        persisted = (num << POS_SHIFT) | pos
+        tail: dict[int, bytes] = {}
         recovered = 0
         while True:
             path = self.file_name(num)
@@ -282,7 +299,7 @@ class DiskQueue:
                 num, pos = num + 1, 0
                 self.write_file_num, self.write_pos = num, 0
                 continue
-            end, count = self._scan_records(path, pos, size, self.recovered_ids if self.cursor else None)
+            end, count = self._scan_records(path, pos, size, num, tail)
             if end < size:
                 log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
                             self.name, size - end, path)
@@ -294,6 +311,37 @@ class DiskQueue:
             self.write_file_num, self.write_pos = num, end
             num, pos = num + 1, 0
         self._depth += recovered
+        if self.cursor:
+            self.recovered_ids.update(tail.values())
+        self._replay_journal(persisted, tail)
+
+    def _replay_journal(self, persisted: int, tail: dict[int, bytes]) -> None:
+        """Deadlines and replaced records of the recovered records (`tail`: position -> message id): a
+        journal entry counts when its record is there, past the persisted write position."""
+        try:
+            with open(self.journal_file_name(), "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        mark = (self.read_file_num << POS_SHIFT) | self.read_pos
+        self._journal_size = len(data)
+        applied = 0
+        for offset in range(0, len(data) - _JOURNAL.size + 1, _JOURNAL.size):
+            entry = data[offset:offset + _JOURNAL.size]
+            new, old, msg_id, deadline = _JOURNAL.unpack(entry)
+            if new < persisted or tail.get(new) != msg_id:
+                continue  # covered by the metadata, or its record never written
+            applied += 1
+            self._journal.append((new, entry))
+            if deadline > 0:
+                self._deadlines[new] = deadline
+            if self.cursor and old >= mark and old not in self._finished:
+                self._finished.add(old)  # replaced by `new`: the reader skips it
+                self._hidden += 1
+                self._deadlines.pop(old, None)
+        if applied:
+            log.warning("DISKQUEUE(%s) journal: %d recovered records keep their deadline or replace an older one",
+                        self.name, applied)
 
     def _existing_files(self) -> list[int]:
         mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,})\.dat\Z")
@@ -310,9 +358,9 @@ class DiskQueue:
     def _lowest_existing_file(self) -> int:
         return min(self._existing_files(), default=self.read_file_num)
 
-    def _scan_records(self, path: str, pos: int, size: int, ids: set[bytes] | None = None) -> tuple[int, int]:
+    def _scan_records(self, path: str, pos: int, size: int, num: int, ids: dict[int, bytes]) -> tuple[int, int]:
         """(end of the last whole, valid record from pos, how many records); `ids` gets each record's
-        message id (bytes 10-26 of an NSQ message)."""
+        position and message id (bytes 10-26 of an NSQ message)."""
         count = 0
         if size == pos:
             return pos, 0
@@ -325,8 +373,8 @@ class DiskQueue:
                 (length,) = _LEN.unpack(header)
                 if length < self.min_msg_size or length > self.max_msg_size or pos + 4 + length > size:
                     break
-                if ids is not None and length >= 26:
-                    ids.add(fh.read(26)[10:])
+                if length >= 26:
+                    ids[(num << POS_SHIFT) | pos] = fh.read(26)[10:]
                     fh.seek(length - 26, os.SEEK_CUR)
                 else:
                     fh.seek(length, os.SEEK_CUR)
@@ -357,6 +405,10 @@ class DiskQueue:
                 deadline = self.clock() + delay
                 for key in positions:
                     self._deadlines[key] = deadline
+                # after the records (their positions are known only now): a kill -9 between the two
+                # writes costs these records their delay, never the records
+                self._journal_append(b"".join(
+                    _JOURNAL.pack(key, -1, data[10:26], deadline) for key, data in zip(positions, records)))
 
     def _put_many(self, records: Sequence[bytes], positions: list[int] | None) -> None:
         if self._closed:
@@ -472,6 +524,56 @@ class DiskQueue:
         self.write_file_num += 1
         self.write_pos = 0
         self._file_changed()
+
+    def _next_key(self, length: int) -> int:
+        """The position put() gives a record of `length` bytes now."""
+        if self.write_pos > 0 and self.write_pos + 4 + length > self.max_bytes_per_file:
+            return (self.write_file_num + 1) << POS_SHIFT
+        return (self.write_file_num << POS_SHIFT) | self.write_pos
+
+    def _journal_append(self, entries: bytes) -> None:
+        """Append journal entries; no fsync (see _JOURNAL). A
+        journal that cannot be written costs a crash's deadlines, not the record: logged, not raised."""
+        try:
+            if self._journal_fd is None:
+                self._journal_fd = os.open(self.journal_file_name(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                self._journal_size = os.fstat(self._journal_fd).st_size
+            os.write(self._journal_fd, entries)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to write the journal - %s", self.name, exc)
+            return
+        self._journal_size += len(entries)
+        for offset in range(0, len(entries), _JOURNAL.size):
+            entry = entries[offset:offset + _JOURNAL.size]
+            self._journal.append((_JOURNAL.unpack(entry)[0], entry))
+
+    def _trim_journal(self, persisted: int) -> None:
+        """A round persisted the write position `persisted`: entries before it are needed no more."""
+        if not self._journal_size:
+            return
+        live = [(key, entry) for key, entry in self._journal if key >= persisted]
+        self._journal = live
+        if live and self._journal_size < _JOURNAL_REWRITE:
+            return
+        try:
+            if self._journal_fd is None:
+                self._journal_fd = os.open(self.journal_file_name(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if not live:
+                os.ftruncate(self._journal_fd, 0)
+                self._journal_size = 0
+                return
+            # still needed entries: a new file renamed over the old one, so a crash finds one or the other
+            path = self.journal_file_name()
+            tmp = f"{path}.{random.getrandbits(63)}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            data = b"".join(entry for _, entry in live)
+            os.write(fd, data)
+            os.rename(tmp, path)
+            close_quietly(self._journal_fd)
+            self._journal_fd = fd
+            self._journal_size = len(data)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to trim the journal - %s", self.name, exc)
 
     def _check_write_file_linked(self, now: float) -> None:
         """A write file deleted under us (rm -rf of the data directory) would swallow writes into an
@@ -702,20 +804,40 @@ class DiskQueue:
 
     def delay_of(self, pos: int) -> float:
         """Seconds until the deadline of the deferred record at `pos` (<= 0: none, or due)."""
-        deadline = self._deadlines.get(pos)
+        deadline = self._deadlines.get(self._moved.get(pos, pos))  # reclaim may have moved it meanwhile
         return 0.0 if deadline is None else deadline - self.clock()
 
-    def hold(self, data: bytes, delay: float = 0.0) -> int:
+    def hold(self, data: bytes, delay: float = 0.0, old: int = -1) -> int:
         """Append a record its owner already holds (deferred for `delay` seconds, or in flight): the reader
-        skips it; it is delivered from here only after a restart. Returns its position."""
-        positions: list[int] = []
-        self.put_many((data,), delay, positions)
-        key = positions[0]
+        skips it; it is delivered from here only after a restart. `old`: the record it replaces, finished
+        with it. Returns its position."""
+        key = self._replace(data, self.clock() + delay if delay > 0 else 0.0, old)
         if self.cursor:
             self._claimed.append(key)
             self._claimed_set.add(key)
             self._hidden += 1
+        self.finish(old)
         return key
+
+    def rewrite(self, data: bytes, old: int) -> int:
+        """Append a record in place of the one at `old` (REQ, a timeout: the message with its attempts),
+        which is finished; the reader reads the new one. Returns its position."""
+        key = self._replace(data, 0.0, old)
+        self.finish(old)
+        return key
+
+    def _replace(self, data: bytes, deadline: float, old: int) -> int:
+        """Journal, then write, a record that has a deadline (> 0) or replaces `old` (see _JOURNAL)."""
+        if old >= 0:
+            old = self._moved.get(old, old)
+        new = self._next_key(len(data))
+        if deadline or (self.cursor and old >= 0):
+            self._journal_append(_JOURNAL.pack(new, old, data[10:26], deadline))
+        positions: list[int] = []
+        self._put_many((data,), positions)
+        if deadline:
+            self._deadlines[positions[0]] = deadline
+        return positions[0]
 
     def finish(self, pos: int) -> None:
         """The record at `pos` is done with (FIN, or written again elsewhere): never delivered again once
@@ -806,15 +928,15 @@ class DiskQueue:
             if data is None:
                 finished.add(key)
                 continue
-            deadline = self._deadlines.pop(key, None)
+            deadline = self._deadlines.get(key)
             try:
-                new = self.hold(data)
+                new = self._replace(data, 0.0 if deadline is None else deadline, key)
             except BackendError:
-                if deadline is not None:
-                    self._deadlines[key] = deadline
                 return  # logged; tried again later
-            if deadline is not None:
-                self._deadlines[new] = deadline
+            self._deadlines.pop(key, None)
+            self._claimed.append(new)
+            self._claimed_set.add(new)
+            self._hidden += 1
             first = self._moved_from.pop(key, key)
             self._moved[first] = new
             self._moved_from[new] = first
@@ -873,6 +995,7 @@ class DiskQueue:
         assert self._round is None
         current = self._round = _SyncRound(self._writes)
         meta = self._meta_text()
+        persisted = (self.write_file_num << POS_SHIFT) | self.write_pos
         dead: list[str] = []
         if self.cursor:
             # files wholly behind the mark-delete position go once the metadata saying so is persisted
@@ -911,6 +1034,8 @@ class DiskQueue:
                 self._synced_writes = max(self._synced_writes, current.writes)
                 if self._failing:
                     self._health(None)
+                if not self._closed:
+                    self._trim_journal(persisted)
             self._round = None
             current.done.set()
 
@@ -1029,10 +1154,12 @@ class DiskQueue:
         self._closed = True
         self._close_read_file()
         self._close_write_fd()
+        close_quietly(self._journal_fd)
+        self._journal_fd = None
         self._wake.set()
 
     def _remove_files(self) -> None:
-        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat|meta\.dat(\.\d+\.tmp)?)\Z")
+        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat|(meta|journal)\.dat(\.\d+\.tmp)?)\Z")
         try:
             names = os.listdir(self.data_path)
         except OSError as exc:
