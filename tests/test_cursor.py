@@ -55,3 +55,21 @@ def test_one_record_held_forever_does_not_pin_the_files_after_it(tmp_path):
     assert [data for _, data in read_all(again)] == [b"deferred"]
     trio.run(after.close)
     trio.run(again.close)
+
+
+def test_records_written_after_the_last_round_keep_their_deadline_and_replace_once(tmp_path):
+    """A crash right after a REQ's rewrite and a deferral (no round since): the journal gives the
+    recovered records their deadline and finishes the records they replaced; a round empties it."""
+    dq = cursor_queue(tmp_path)
+    dq.put_many([b"a" * 30, b"b" * 30, b"c" * 30])
+    trio.run(dq.sync)
+    (a_pos, _), (b_pos, _), (c_pos, _) = read_all(dq)
+    dq.rewrite(b"A" * 30, a_pos)  # REQ without a delay: the message again, with its attempts
+    dq.hold(b"B" * 30, 60.0, b_pos)  # REQ with a delay
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"))
+    got = read_all(after)
+    assert [data for _, data in got] == [b"c" * 30, b"A" * 30, b"B" * 30]
+    assert [after.delay_of(pos) for pos, _ in got] == [0.0, 0.0, 60.0]
+    trio.run(dq.close)
+    assert (tmp_path / "q.diskqueue.journal.dat").stat().st_size == 0
+    trio.run(after.close)
