@@ -167,6 +167,7 @@ class DiskQueue:
         self._moved_from: dict[int, int] = {}
         self._hidden = 0  # unread records the reader will skip (held, or finished before a restart)
         self._oldest_file = 0  # the lowest data file number that may still exist (cursor mode)
+        self._reclaim_after = 0  # finish() tries reclaim past this many finished positions (back-off)
         # cursor mode: the message ids of records recovered past the persisted write position (written
         # after the last sync round, so `upstream` may not cover them): the channel skips them once
         self.recovered_ids: set[bytes] = set()
@@ -855,7 +856,7 @@ class DiskQueue:
             self._deadlines.pop(pos, None)
         self._pop_finished()
         self._counted()
-        if len(self._finished) > FINISHED_LIMIT:
+        if len(self._finished) > FINISHED_LIMIT and len(self._finished) > self._reclaim_after:
             self._maybe_reclaim()
 
     def _pop_finished(self) -> None:
@@ -899,7 +900,18 @@ class DiskQueue:
         read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
         pinning = [k for k in self._handed if k < cutoff and k not in finished]
         pinning.extend(k for k in self._claimed if k < cutoff and k < read_key and k not in finished)
-        if not pinning:
+        freed = 0
+        for num in range(mark >> POS_SHIFT, cutoff >> POS_SHIFT):
+            try:
+                freed += os.path.getsize(self.file_name(num))
+            except OSError:
+                pass
+        if (cutoff & _OFFSET_MASK) and self.read_file_num > cutoff >> POS_SHIFT:
+            freed += cutoff & _OFFSET_MASK  # the older part of the finished set, in the file cutoff is in
+        if not pinning or len(pinning) * (4 + self.min_msg_size) * RECLAIM_RATIO > freed:
+            # would not pay even if every record were the smallest (a consumer's in-flight window, all in
+            # the read file): no reads; finish() tries again once the finished set has doubled
+            self._reclaim_after = 2 * len(finished)
             return
         records: list[tuple[int, bytes | None]] = []
         size = 0
@@ -912,15 +924,8 @@ class DiskQueue:
                 data = None
             records.append((key, data))
             size += 4 + (len(data) if data is not None else 0)
-        freed = 0
-        for num in range(mark >> POS_SHIFT, cutoff >> POS_SHIFT):
-            try:
-                freed += os.path.getsize(self.file_name(num))
-            except OSError:
-                pass
-        if (cutoff & _OFFSET_MASK) and self.read_file_num > cutoff >> POS_SHIFT:
-            freed += cutoff & _OFFSET_MASK  # the older part of the finished set, in the file cutoff is in
         if size * RECLAIM_RATIO > freed:
+            self._reclaim_after = 2 * len(finished)
             return  # mostly unfinished (a consumer's in-flight window): copying would not pay
         log.info("DISKQUEUE(%s) moving %d unfinished records to the tail to free older files",
                  self.name, len(pinning))
