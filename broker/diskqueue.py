@@ -845,6 +845,17 @@ class DiskQueue:
         the next sync round has persisted that. No fsync of its own."""
         if not self.cursor or pos < 0:
             return
+        handed = self._handed
+        if handed and pos == handed[0] and not self._claimed and not self._moved:
+            # the common case, a FIN of the oldest record handed out: the mark-delete position moves
+            handed.popleft()
+            finished = self._finished
+            while handed and handed[0] in finished:
+                finished.discard(handed.popleft())
+            if self._deadlines:
+                self._deadlines.pop(pos, None)
+            self._counted()
+            return
         moved = self._moved.pop(pos, None)
         if moved is not None:
             del self._moved_from[moved]
