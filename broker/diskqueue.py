@@ -845,16 +845,25 @@ class DiskQueue:
         the next sync round has persisted that. No fsync of its own."""
         if not self.cursor or pos < 0:
             return
-        handed = self._handed
-        if handed and pos == handed[0] and not self._claimed and not self._moved:
-            # the common case, a FIN of the oldest record handed out: the mark-delete position moves
-            handed.popleft()
+        if not self._claimed and not self._moved:
+            # the common case (FINs of records read, none held or moved): positions handed out in order
+            handed = self._handed
+            if not handed or pos < handed[0]:
+                return  # already finished, or emptied since
             finished = self._finished
-            while handed and handed[0] in finished:
-                finished.discard(handed.popleft())
+            if pos == handed[0]:  # the oldest: the mark-delete position moves
+                handed.popleft()
+                while handed and handed[0] in finished:
+                    finished.discard(handed.popleft())
+            elif pos in finished:
+                return
+            else:
+                finished.add(pos)
             if self._deadlines:
                 self._deadlines.pop(pos, None)
             self._counted()
+            if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
+                self._maybe_reclaim()
             return
         moved = self._moved.pop(pos, None)
         if moved is not None:
