@@ -73,3 +73,24 @@ def test_records_written_after_the_last_round_keep_their_deadline_and_replace_on
     trio.run(dq.close)
     assert (tmp_path / "q.diskqueue.journal.dat").stat().st_size == 0
     trio.run(after.close)
+
+
+def test_a_journal_still_needed_is_rewritten_smaller(tmp_path):
+    """Rounds that always leave some entries needed (REQs keep coming while they run) must not let the
+    journal grow: past 64 KiB it is rewritten with only the entries past the persisted write position."""
+    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
+    dq.put_many([b"%029d" % i for i in range(2000)])
+    trio.run(dq.sync)
+    news = [dq.rewrite(b"R%028d" % i, pos) for i, (pos, _) in enumerate(read_all(dq))]
+    journal = tmp_path / "q.diskqueue.journal.dat"
+    assert journal.stat().st_size == 2000 * 40
+    dq._trim_journal(news[1500])  # as a round whose metadata covered the first 1,500 rewrites
+    assert journal.stat().st_size == 500 * 40
+    # a crash now: the metadata does not cover the rewrites at all, the journal only the last 500, so
+    # those replace their old records and the first 1,500 rewrites come back beside theirs (duplicates)
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
+    got = [data for _, data in read_all(after)]
+    assert len(got) == 2000 + 2000 - 500
+    assert got[-500:] == [b"R%028d" % i for i in range(1500, 2000)]
+    trio.run(dq.close)
+    trio.run(after.close)
