@@ -133,13 +133,17 @@ class Channel:
         go to the memory queue and what overflows to the backend in one write.
 
         It never fails: the topic has accepted the messages already, so a backend error keeps them here
-        (deferred, retried) instead of losing them."""
+        (deferred, retried) instead of losing them. Messages the topic read from its disk queue carry their
+        topic position: those this channel took before a crash (its queue persisted how far) are skipped,
+        so a restart hands nothing over twice."""
+        if msgs and msgs[-1].pos >= 0:
+            msgs = self._from_topic_disk(msgs)
         self.message_count += len(msgs)
         ready = [msg for msg in msgs if msg.deferred <= 0]
         if len(ready) < len(msgs):
             for msg in msgs:
                 if msg.deferred > 0:
-                    self.start_deferred_timeout(msg, msg.deferred)
+                    self._defer(msg, msg.deferred)
         room = max(0, self._memory_room())
         try:
             past_memory = self.queue.put(ready, room)
@@ -152,14 +156,73 @@ class Channel:
         if self.waiters:
             self._wake_waiters()
 
+    def _from_topic_disk(self, msgs: list[Message]) -> list[Message]:
+        """Drop what this channel already took before a crash; note how far it has taken (persisted with
+        this channel's records, in the same sync round); the positions were the topic's, not ours."""
+        backend = self.queue.backend
+        taken = backend.upstream
+        last = msgs[-1].pos  # taken now, even if all of them are skipped
+        if backend.cursor:
+            if 0 <= msgs[0].pos <= taken or msgs[-1].pos <= taken:
+                fresh = [msg for msg in msgs if msg.pos < 0 or msg.pos > taken]
+                log.info("CHANNEL(%s): skipping %d messages taken from the topic before a restart",
+                         self.name, len(msgs) - len(fresh))
+                msgs = fresh
+            ids = backend.recovered_ids
+            if ids:
+                # records written after the last sync round (their `upstream` not persisted): the topic's
+                # first messages after a restart may be those; they come first and in order
+                fresh = []
+                for msg in msgs:
+                    if msg.pos >= 0 and ids:
+                        if msg.id in ids:
+                            ids.discard(msg.id)
+                            continue
+                        ids.clear()
+                    fresh.append(msg)
+                if len(fresh) < len(msgs):
+                    log.info("CHANNEL(%s): skipping %d messages it had stored past its last sync",
+                             self.name, len(msgs) - len(fresh))
+                msgs = fresh
+            if last > taken:
+                backend.upstream = last
+        for msg in msgs:
+            msg.pos = -1
+        return msgs
+
     def _requeue(self, msg: Message) -> None:
         """Put a message in the queue; if neither memory nor backend takes it, keep it deferred and
-        retry in a second rather than lose it."""
+        retry in a second rather than lose it. One stored in this channel's queue is written again (with
+        its attempts) and its old record finished, in one sync round, so one of the two always survives."""
+        pos = msg.pos
+        if pos >= 0:
+            try:
+                self.queue.backend.rewrite(msg.encode(), pos)
+            except BackendError as exc:
+                log.error("CHANNEL(%s): failed to put msg(%s) - %s", self.name, msg.id.decode(), exc)
+                self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
+                return
+            msg.pos = -1
+            if self.waiters:
+                self._wake_waiters()
+            return
         try:
             self.put(msg)
         except BackendError as exc:
             log.error("CHANNEL(%s): failed to put msg(%s) - %s", self.name, msg.id.decode(), exc)
             self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
+
+    def _defer(self, msg: Message, timeout: float) -> None:
+        """Deferred for `timeout` seconds (DPUB, REQ with a delay). With a cursor queue the message is
+        written with its deadline (and the record it came from finished), so a restart defers it again."""
+        backend = self.queue.backend
+        if backend.cursor:
+            try:
+                msg.pos = backend.hold(msg.encode(), timeout, msg.pos)
+            except BackendError as exc:
+                # its old record (if any) stays: a restart delivers it at once, early rather than never
+                log.error("CHANNEL(%s): failed to store deferred msg(%s) - %s", self.name, msg.id.decode(), exc)
+        self.start_deferred_timeout(msg, timeout)
 
     def _wake_waiters(self) -> None:
         waiters = self.waiters
@@ -176,9 +239,27 @@ class Channel:
         queue.take_backend(out, (n + 1) // 2)
         queue.take_memory(out, n)
         queue.take_backend(out, n)
+        if queue.backend.has_deadlines():
+            out = self._restore_deferred(out, n)
         if out and self.topic.waiting_for_room:
             self.topic.wake()
         return out
+
+    def _restore_deferred(self, out: list[Message], n: int) -> list[Message]:
+        """Records read back with a deadline still ahead (deferred before a restart) wait in the deferred
+        queue, keeping their records; the rest of `out` is filled from the queue."""
+        while True:
+            ready = [msg for msg in out if msg.deferred <= 0]
+            if len(ready) == len(out):
+                return out
+            for msg in out:
+                if msg.deferred > 0:
+                    self.start_deferred_timeout(msg, msg.deferred)
+                    msg.deferred = 0.0
+            out = ready
+            if len(out) >= n or not self.queue.backend.depth():
+                return out
+            self.queue.take_backend(out, n)
 
     # --- in flight ----------------------------------------------------------------------------
 
@@ -198,6 +279,8 @@ class Channel:
 
     def finish_message(self, client_id: int, msg_id: bytes) -> Message:
         msg = self._pop_in_flight(client_id, msg_id)
+        if msg.pos >= 0:
+            self.queue.backend.finish(msg.pos)
         if self.e2e is not None:
             self.e2e.insert(msg.timestamp)
         return msg
@@ -208,7 +291,12 @@ class Channel:
         if timeout <= 0:
             self._requeue(msg)
         else:
-            self.start_deferred_timeout(msg, timeout)
+            self._defer(msg, timeout)
+
+    def drop_sampled(self, msg: Message) -> None:
+        """A consumer's --sample-rate left this message out: as nsqd, it is done with."""
+        if msg.pos >= 0:
+            self.queue.backend.finish(msg.pos)
 
     def touch_message(self, client_id: int, msg_id: bytes, timeout: float, max_msg_timeout: float) -> None:
         msg = self.in_flight.get(msg_id)
@@ -290,8 +378,21 @@ class Channel:
         await self.queue.empty()
 
     def drain_for_shutdown(self) -> list[Message]:
-        """Everything the channel holds outside its backend, for writing to disk at exit."""
+        """Everything the channel holds outside its backend, for writing to disk at exit. With a cursor
+        queue, in-flight and deferred messages already stored stay where they are (a deferred one keeps
+        its deadline), and deferred ones not stored yet are written with theirs."""
         out = self.queue.drain_memory()
-        out.extend(self.in_flight.drain())
-        out.extend(self.deferred.drain())
+        backend = self.queue.backend
+        if not backend.cursor:
+            out.extend(self.in_flight.drain())
+            out.extend(self.deferred.drain())
+            return out
+        out.extend(msg for msg in self.in_flight.drain() if msg.pos < 0)
+        now = trio.current_time()
+        for msg in self.deferred.drain():
+            if msg.pos < 0:
+                try:
+                    msg.pos = backend.hold(msg.encode(), max(msg.pri - now, 0.001))
+                except BackendError:
+                    out.append(msg)  # logged by the queue; written plain below if it can be
         return out

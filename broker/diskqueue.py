@@ -45,6 +45,7 @@ import re
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
@@ -62,6 +63,24 @@ LINK_CHECK_INTERVAL = 0.1
 _IOV_RECORDS = 512
 # the read file's buffer: a reader drains records in batches, so fewer, larger reads
 _READ_BUFFER = 256 * 1024
+# a record's position: its file number and offset in one int (file << 40 | offset), ordered as the queue
+POS_SHIFT = 40
+_OFFSET_MASK = (1 << POS_SHIFT) - 1
+# cursor: when more finished positions than this wait behind an unfinished one, the oldest unfinished
+# records are copied to the tail so the finished set (and the metadata that carries it) stays small
+FINISHED_LIMIT = 4096
+# reclaim copies unfinished records only when that frees at least this many times the bytes it writes
+RECLAIM_RATIO = 4
+# the metadata's extension after go-diskqueue's three lines (Go's Fscanf reads those and stops)
+_EXT_HEADER = b"trio-nsq-cursor 1"
+# the journal (`<name>.diskqueue.journal.dat`): one entry per record written with a deadline or in place
+# of another (REQ, a timeout, DPUB, reclaim), appended (not fsynced: a kill -9 keeps the page cache, as
+# it keeps the record) before the record: its position, the position it replaces (-1: none), its message
+# id, its deadline (0: none). A crash before the next round finds the pair in it for every record past
+# the persisted write position, so the record keeps its deadline and the one it replaced stays finished.
+_JOURNAL = struct.Struct(">qq16sd")
+# a journal with entries still needed is rewritten with only those once it grows past this
+_JOURNAL_REWRITE = 64 * 1024
 
 
 class _SyncRound:
@@ -89,6 +108,8 @@ class DiskQueue:
         sync_every: int = 2500,
         sync_timeout: float = 2.0,
         on_health: Callable[[str | None], None] | None = None,
+        cursor: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = name
         self._on_health = on_health
@@ -130,9 +151,36 @@ class DiskQueue:
         # the metadata rename (in an fsync thread) and delete() (in the loop) exclude each other
         self._files_lock = threading.Lock()
 
+        # positions handed to the owner (read_many's `positions`) and deadlines of deferred records (a
+        # `clock()` time, unix seconds by default), persisted in the metadata's extension
+        self.clock = clock
+        self._deadlines: dict[int, float] = {}
+        # cursor mode (a channel's queue): reading does not consume. The persisted read position is the
+        # mark-delete position (the oldest unfinished record); finish(pos) retires a record.
+        self.cursor = cursor
+        self.upstream = -1  # the highest topic position this channel has taken (Channel's no-copy rule)
+        self._handed: deque[int] = deque()  # positions read (handed out, or skipped as finished), in order
+        self._claimed: deque[int] = deque()  # positions written by hold(), in order
+        self._claimed_set: set[int] = set()  # held positions the reader has not passed yet: it skips them
+        self._finished: set[int] = set()  # finished positions at or past the mark-delete position
+        self._moved: dict[int, int] = {}  # reclaim: a held record's first position -> where it is now
+        self._moved_from: dict[int, int] = {}
+        self._hidden = 0  # unread records the reader will skip (held, or finished before a restart)
+        self._oldest_file = 0  # the lowest data file number that may still exist (cursor mode)
+        self._reclaim_after = 0  # finish() tries reclaim past this many finished positions (back-off)
+        # cursor mode: the message ids of records recovered past the persisted write position (written
+        # after the last sync round, so `upstream` may not cover them): the channel skips them once
+        self.recovered_ids: set[bytes] = set()
+        # the journal's entries not yet covered by a persisted write position: (position, entry)
+        self._journal: list[tuple[int, bytes]] = []
+        self._journal_fd: int | None = None
+        self._journal_size = 0
+
         self._meta_loaded = False
         self._retrieve_metadata()
         self._recover_tail()
+        if cursor:
+            self._oldest_file = min(self.read_file_num, self._lowest_existing_file())
 
     def __repr__(self) -> str:
         return f"DiskQueue({self.name})"
@@ -145,9 +193,55 @@ class DiskQueue:
     def meta_file_name(self) -> str:
         return os.path.join(self.data_path, f"{self.name}.diskqueue.meta.dat")
 
+    def journal_file_name(self) -> str:
+        return os.path.join(self.data_path, f"{self.name}.diskqueue.journal.dat")
+
     def _meta_text(self) -> bytes:
-        return b"%d\n%d,%d\n%d,%d\n" % (
-            self._depth, self.read_file_num, self.read_pos, self.write_file_num, self.write_pos)
+        """go-diskqueue's three lines; in cursor mode the read position is the mark-delete position and the
+        depth counts every record from there. Our state follows only when there is some (Go ignores it)."""
+        if not self.cursor:
+            if self._deadlines:
+                read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
+                self._deadlines = {k: d for k, d in self._deadlines.items() if k >= read_key}
+            text = b"%d\n%d,%d\n%d,%d\n" % (
+                self._depth, self.read_file_num, self.read_pos, self.write_file_num, self.write_pos)
+            if not self._deadlines:
+                return text
+            return text + self._ext_text()
+        self._pop_finished()
+        mark = self.mark_delete()
+        depth = self._depth + len(self._handed) + len(self._claimed) - len(self._claimed_set)
+        text = b"%d\n%d,%d\n%d,%d\n" % (
+            depth, mark >> POS_SHIFT, mark & _OFFSET_MASK, self.write_file_num, self.write_pos)
+        if self.upstream < 0 and not self._finished and not self._deadlines:
+            return text
+        return text + self._ext_text()
+
+    def _ext_text(self) -> bytes:
+        return b"%s\nupstream %d\nfinished %s\ndeadlines %s\n" % (
+            _EXT_HEADER, self.upstream,
+            " ".join(map(str, self._finished)).encode(),
+            " ".join(f"{k}:{d!r}" for k, d in self._deadlines.items()).encode())
+
+    def _load_ext(self, lines: list[str]) -> None:
+        """Our state after the three lines (absent in a Go-written file: nothing finished, nothing
+        deferred). Whatever it holds refers to this very metadata, written in one rename."""
+        if len(lines) < 7 or lines[3].encode() != _EXT_HEADER:
+            return
+        try:
+            upstream = int(lines[4].split(" ", 1)[1])
+            finished = {int(x) for x in lines[5].split(" ")[1:] if x}
+            deadlines = {int(k): float(d) for k, d in (x.split(":") for x in lines[6].split(" ")[1:] if x)}
+        except (ValueError, IndexError) as exc:
+            log.error("DISKQUEUE(%s) ignoring unreadable cursor state in %s - %s",
+                      self.name, self.meta_file_name(), exc)
+            return
+        self._deadlines = deadlines
+        if self.cursor:
+            self.upstream = upstream
+            mark = (self.read_file_num << POS_SHIFT) | self.read_pos
+            self._finished = {k for k in finished if k >= mark}
+            self._hidden = len(self._finished)
 
     def _retrieve_metadata(self) -> None:
         path = self.meta_file_name()
@@ -166,11 +260,17 @@ class DiskQueue:
         self._depth = depth
         self.read_file_num, self.read_pos = read_num, read_pos
         self.write_file_num, self.write_pos = write_num, write_pos
+        self._load_ext(lines)
+        if self.cursor:
+            # the depth counted from the mark-delete position; what the reader skips is not queued
+            self._depth = max(0, depth)
 
     def _recover_tail(self) -> None:
         """Count in the records written after the metadata was last persisted: past the write position
         in the write file, then in the files a roll had started since."""
         num, pos = self.write_file_num, self.write_pos
+        persisted = (num << POS_SHIFT) | pos
+        tail: dict[int, bytes] = {}
         recovered = 0
         while True:
             path = self.file_name(num)
@@ -200,7 +300,7 @@ class DiskQueue:
                 num, pos = num + 1, 0
                 self.write_file_num, self.write_pos = num, 0
                 continue
-            end, count = self._scan_records(path, pos, size)
+            end, count = self._scan_records(path, pos, size, num, tail)
             if end < size:
                 log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
                             self.name, size - end, path)
@@ -212,19 +312,56 @@ class DiskQueue:
             self.write_file_num, self.write_pos = num, end
             num, pos = num + 1, 0
         self._depth += recovered
+        if self.cursor:
+            self.recovered_ids.update(tail.values())
+        self._replay_journal(persisted, tail)
 
-    def _next_existing_file(self, num: int) -> int | None:
-        """The lowest data file number above num on disk, if any."""
+    def _replay_journal(self, persisted: int, tail: dict[int, bytes]) -> None:
+        """Deadlines and replaced records of the recovered records (`tail`: position -> message id): a
+        journal entry counts when its record is there, past the persisted write position."""
+        try:
+            with open(self.journal_file_name(), "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        mark = (self.read_file_num << POS_SHIFT) | self.read_pos
+        self._journal_size = len(data)
+        applied = 0
+        for offset in range(0, len(data) - _JOURNAL.size + 1, _JOURNAL.size):
+            entry = data[offset:offset + _JOURNAL.size]
+            new, old, msg_id, deadline = _JOURNAL.unpack(entry)
+            if new < persisted or tail.get(new) != msg_id:
+                continue  # covered by the metadata, or its record never written
+            applied += 1
+            self._journal.append((new, entry))
+            if deadline > 0:
+                self._deadlines[new] = deadline
+            if self.cursor and old >= mark and old not in self._finished:
+                self._finished.add(old)  # replaced by `new`: the reader skips it
+                self._hidden += 1
+                self._deadlines.pop(old, None)
+        if applied:
+            log.warning("DISKQUEUE(%s) journal: %d recovered records keep their deadline or replace an older one",
+                        self.name, applied)
+
+    def _existing_files(self) -> list[int]:
         mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,})\.dat\Z")
         try:
             names = os.listdir(self.data_path)
         except OSError:
-            return None
-        nums = [int(m.group(1)) for m in map(mine.match, names) if m is not None]
-        return min((n for n in nums if n > num), default=None)
+            return []
+        return [int(m.group(1)) for m in map(mine.match, names) if m is not None]
 
-    def _scan_records(self, path: str, pos: int, size: int) -> tuple[int, int]:
-        """(end of the last whole, valid record from pos, how many records)."""
+    def _next_existing_file(self, num: int) -> int | None:
+        """The lowest data file number above num on disk, if any."""
+        return min((n for n in self._existing_files() if n > num), default=None)
+
+    def _lowest_existing_file(self) -> int:
+        return min(self._existing_files(), default=self.read_file_num)
+
+    def _scan_records(self, path: str, pos: int, size: int, num: int, ids: dict[int, bytes]) -> tuple[int, int]:
+        """(end of the last whole, valid record from pos, how many records); `ids` gets each record's
+        position and message id (bytes 10-26 of an NSQ message)."""
         count = 0
         if size == pos:
             return pos, 0
@@ -237,7 +374,11 @@ class DiskQueue:
                 (length,) = _LEN.unpack(header)
                 if length < self.min_msg_size or length > self.max_msg_size or pos + 4 + length > size:
                     break
-                fh.seek(length, os.SEEK_CUR)
+                if length >= 26:
+                    ids[(num << POS_SHIFT) | pos] = fh.read(26)[10:]
+                    fh.seek(length - 26, os.SEEK_CUR)
+                else:
+                    fh.seek(length, os.SEEK_CUR)
                 pos += 4 + length
                 count += 1
         return pos, count
@@ -248,12 +389,29 @@ class DiskQueue:
         """Append one record (go-diskqueue's writeOne); raises BackendError if it cannot be stored."""
         self.put_many((data,))
 
-    def put_many(self, records: Sequence[bytes]) -> None:
+    def put_many(self, records: Sequence[bytes], delay: float = 0.0, positions: list[int] | None = None) -> None:
         """Append records in order, one writev per run of records that goes to the same file.
 
         The same records, files and rolls as one put() each; only the system calls are fewer. Raises
         BackendError (with `.stored`, how many of the first records were stored) at the first record that
-        cannot be stored: those before it stay, as a row of put() calls would have left them."""
+        cannot be stored: those before it stay, as a row of put() calls would have left them.
+        `delay` > 0 (a deferred publish): each record keeps its deadline, read back by delay_of().
+        `positions` gets each stored record's position."""
+        if delay > 0 and positions is None:
+            positions = []
+        try:
+            self._put_many(records, positions)
+        finally:
+            if delay > 0 and positions:
+                deadline = self.clock() + delay
+                for key in positions:
+                    self._deadlines[key] = deadline
+                # after the records (their positions are known only now): a kill -9 between the two
+                # writes costs these records their delay, never the records
+                self._journal_append(b"".join(
+                    _JOURNAL.pack(key, -1, data[10:26], deadline) for key, data in zip(positions, records)))
+
+    def _put_many(self, records: Sequence[bytes], positions: list[int] | None) -> None:
         if self._closed:
             raise BackendError("exiting")
         if self._write_fd is not None:
@@ -285,10 +443,17 @@ class DiskQueue:
                         break
                 iov.append(pack(length))
                 iov.append(data)
+                if positions is not None:
+                    positions.append((self.write_file_num << POS_SHIFT) | pos)
                 pos += 4 + length
                 end += 1
             if iov:
-                self._write_run(iov, pos - self.write_pos, end - stored, stored)
+                try:
+                    self._write_run(iov, pos - self.write_pos, end - stored, stored)
+                except BackendError:
+                    if positions is not None:
+                        del positions[len(positions) - (end - stored):]  # not stored
+                    raise
                 stored = end
             if bad is not None:
                 raise BackendError(bad, stored)
@@ -361,6 +526,56 @@ class DiskQueue:
         self.write_pos = 0
         self._file_changed()
 
+    def _next_key(self, length: int) -> int:
+        """The position put() gives a record of `length` bytes now."""
+        if self.write_pos > 0 and self.write_pos + 4 + length > self.max_bytes_per_file:
+            return (self.write_file_num + 1) << POS_SHIFT
+        return (self.write_file_num << POS_SHIFT) | self.write_pos
+
+    def _journal_append(self, entries: bytes) -> None:
+        """Append journal entries; no fsync (see _JOURNAL). A
+        journal that cannot be written costs a crash's deadlines, not the record: logged, not raised."""
+        try:
+            if self._journal_fd is None:
+                self._journal_fd = os.open(self.journal_file_name(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                self._journal_size = os.fstat(self._journal_fd).st_size
+            os.write(self._journal_fd, entries)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to write the journal - %s", self.name, exc)
+            return
+        self._journal_size += len(entries)
+        for offset in range(0, len(entries), _JOURNAL.size):
+            entry = entries[offset:offset + _JOURNAL.size]
+            self._journal.append((_JOURNAL.unpack(entry)[0], entry))
+
+    def _trim_journal(self, persisted: int) -> None:
+        """A round persisted the write position `persisted`: entries before it are needed no more."""
+        if not self._journal_size:
+            return
+        live = [(key, entry) for key, entry in self._journal if key >= persisted]
+        self._journal = live
+        if live and self._journal_size < _JOURNAL_REWRITE:
+            return
+        try:
+            if self._journal_fd is None:
+                self._journal_fd = os.open(self.journal_file_name(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if not live:
+                os.ftruncate(self._journal_fd, 0)
+                self._journal_size = 0
+                return
+            # still needed entries: a new file renamed over the old one, so a crash finds one or the other
+            path = self.journal_file_name()
+            tmp = f"{path}.{random.getrandbits(63)}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            data = b"".join(entry for _, entry in live)
+            os.write(fd, data)
+            os.rename(tmp, path)
+            close_quietly(self._journal_fd)
+            self._journal_fd = fd
+            self._journal_size = len(data)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to trim the journal - %s", self.name, exc)
+
     def _check_write_file_linked(self, now: float) -> None:
         """A write file deleted under us (rm -rf of the data directory) would swallow writes into an
         unlinked inode: notice it, at most LINK_CHECK_INTERVAL late, and reopen (which then fails loudly)."""
@@ -393,7 +608,7 @@ class DiskQueue:
     # --- reading ------------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return self._depth
+        return self._depth - self._hidden
 
     def _has_unread(self) -> bool:
         return self.read_file_num < self.write_file_num or self.read_pos < self.write_pos
@@ -405,13 +620,17 @@ class DiskQueue:
             raise trio.WouldBlock
         return records[0]
 
-    def read_many(self, limit: int) -> list[bytes]:
-        """Take up to `limit` records (fewer when the queue runs out). Corruption is logged and skipped
-        (the file becomes `.bad`), never raised."""
+    def read_many(self, limit: int, positions: list[int] | None = None) -> list[bytes]:
+        """Take up to `limit` records (fewer when the queue runs out); `positions` gets their positions.
+        Corruption is logged and skipped (the file becomes `.bad`), never raised. In cursor mode the
+        reader skips held records and those finished before a restart, and a record read stays stored
+        until finish()."""
         out: list[bytes] = []
         if self._closed:
             return out
+        cursor = self.cursor
         while len(out) < limit and self._has_unread():  # each read error skips at least one whole file
+            key = (self.read_file_num << POS_SHIFT) | self.read_pos
             try:
                 data = self._read_one()
             except (OSError, ValueError) as exc:
@@ -426,7 +645,18 @@ class DiskQueue:
                 self._check_tail_corruption()
                 continue
             self._move_forward(4 + len(data))
+            if cursor:
+                if key in self._claimed_set:  # held (in flight or deferred): its owner has it
+                    self._claimed_set.discard(key)
+                    self._hidden -= 1
+                    continue
+                self._handed.append(key)
+                if key in self._finished:  # finished before a restart
+                    self._hidden -= 1
+                    continue
             out.append(data)
+            if positions is not None:
+                positions.append(key)
         return out
 
     def _read_one(self) -> bytes | None:
@@ -468,17 +698,22 @@ class DiskQueue:
     def _move_forward(self, total: int) -> None:
         self.read_pos += total
         self._depth -= 1
-        self._counted()
+        if not self.cursor:  # in cursor mode reading changes nothing persisted: finish() counts
+            self._counted()
         if self.read_file_num < self.write_file_num and self.read_pos >= self._max_bytes_per_file_read:
             self._finish_read_file()
         self._check_tail_corruption()
 
     def _finish_read_file(self) -> None:
-        """The read file is read to its end: delete it and go on with the next."""
+        """The read file is read to its end: delete it and go on with the next (in cursor mode the file
+        goes once the mark-delete position has passed it, after the metadata saying so is persisted)."""
         self._close_read_file()
         old = self.file_name(self.read_file_num)
         self.read_file_num += 1
         self.read_pos = 0
+        if self.cursor:
+            self._maybe_reclaim()
+            return
         self._file_changed()
         try:
             os.remove(old)
@@ -534,7 +769,11 @@ class DiskQueue:
     def _skip_to_next_rw_file(self) -> None:
         self._close_read_file()
         self._close_write_fd()
-        for num in range(self.read_file_num, self.write_file_num + 1):
+        first = self.read_file_num
+        if self.cursor and (self._handed or self._claimed):
+            # records handed out before here stay until finished (their files go with the mark-delete)
+            first = max(first, (self.mark_delete() >> POS_SHIFT) + 1)
+        for num in range(first, self.write_file_num + 1):
             try:
                 os.remove(self.file_name(num))
             except FileNotFoundError:
@@ -548,6 +787,211 @@ class DiskQueue:
         self._depth = 0
         self._unsynced_from = None
         self._file_changed()
+
+    # --- cursor (a channel's queue) ----------------------------------------------------------
+
+    def mark_delete(self) -> int:
+        """The oldest position that may hold an unfinished record: the read position, or the first
+        unfinished record handed out or held before it."""
+        mark = (self.read_file_num << POS_SHIFT) | self.read_pos
+        if self._handed and self._handed[0] < mark:
+            mark = self._handed[0]
+        if self._claimed and self._claimed[0] < mark:
+            mark = self._claimed[0]
+        return mark
+
+    def has_deadlines(self) -> bool:
+        return bool(self._deadlines)
+
+    def delay_of(self, pos: int) -> float:
+        """Seconds until the deadline of the deferred record at `pos` (<= 0: none, or due)."""
+        deadline = self._deadlines.get(self._moved.get(pos, pos))  # reclaim may have moved it meanwhile
+        return 0.0 if deadline is None else deadline - self.clock()
+
+    def hold(self, data: bytes, delay: float = 0.0, old: int = -1) -> int:
+        """Append a record its owner already holds (deferred for `delay` seconds, or in flight): the reader
+        skips it; it is delivered from here only after a restart. `old`: the record it replaces, finished
+        with it. Returns its position."""
+        key = self._replace(data, self.clock() + delay if delay > 0 else 0.0, old)
+        if self.cursor:
+            self._claimed.append(key)
+            self._claimed_set.add(key)
+            self._hidden += 1
+        self.finish(old)
+        return key
+
+    def rewrite(self, data: bytes, old: int) -> int:
+        """Append a record in place of the one at `old` (REQ, a timeout: the message with its attempts),
+        which is finished; the reader reads the new one. Returns its position."""
+        key = self._replace(data, 0.0, old)
+        self.finish(old)
+        return key
+
+    def _replace(self, data: bytes, deadline: float, old: int) -> int:
+        """Journal, then write, a record that has a deadline (> 0) or replaces `old` (see _JOURNAL)."""
+        if old >= 0:
+            old = self._moved.get(old, old)
+        new = self._next_key(len(data))
+        if deadline or (self.cursor and old >= 0):
+            self._journal_append(_JOURNAL.pack(new, old, data[10:26], deadline))
+        positions: list[int] = []
+        self._put_many((data,), positions)
+        if deadline:
+            self._deadlines[positions[0]] = deadline
+        return positions[0]
+
+    def finish(self, pos: int) -> None:
+        """The record at `pos` is done with (FIN, or written again elsewhere): never delivered again once
+        the next sync round has persisted that. No fsync of its own."""
+        if not self.cursor or pos < 0:
+            return
+        if not self._claimed and not self._moved:
+            # the common case (FINs of records read, none held or moved): positions handed out in order
+            handed = self._handed
+            if not handed or pos < handed[0]:
+                return  # already finished, or emptied since
+            finished = self._finished
+            if pos == handed[0]:  # the oldest: the mark-delete position moves
+                handed.popleft()
+                while handed and handed[0] in finished:
+                    finished.discard(handed.popleft())
+            elif pos in finished:
+                return
+            else:
+                finished.add(pos)
+            if self._deadlines:
+                self._deadlines.pop(pos, None)
+            self._counted()
+            if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
+                self._maybe_reclaim()
+            return
+        moved = self._moved.pop(pos, None)
+        if moved is not None:
+            del self._moved_from[moved]
+            pos = moved
+        if pos in self._finished or pos < self.mark_delete():
+            return  # already finished, or emptied since
+        self._finished.add(pos)
+        if self._deadlines:
+            self._deadlines.pop(pos, None)
+        self._pop_finished()
+        self._counted()
+        if len(self._finished) > FINISHED_LIMIT and len(self._finished) > self._reclaim_after:
+            self._maybe_reclaim()
+
+    def _pop_finished(self) -> None:
+        """Move the mark-delete position past finished records."""
+        finished = self._finished
+        handed = self._handed
+        claimed = self._claimed
+        if not claimed:
+            while handed and handed[0] in finished:
+                finished.discard(handed.popleft())
+            return
+        # both in position order: retire the lower front while it is finished, so that every finished
+        # position past the mark-delete position stays in the set (and is persisted)
+        read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
+        while True:
+            if claimed and claimed[0] < read_key and (not handed or claimed[0] < handed[0]):
+                if claimed[0] not in finished:
+                    return
+                finished.discard(claimed.popleft())
+            elif handed and handed[0] in finished:
+                finished.discard(handed.popleft())
+            else:
+                return
+
+    def _maybe_reclaim(self) -> None:
+        """Copy the few unfinished records that pin old files (a message held for an hour, a poison
+        message deferred again and again) to the tail, so the files behind them can go and the finished
+        set stays small: when the mark-delete position is two files behind the reader, everything
+        unfinished before the read file moves; when too many finished positions wait behind unfinished
+        ones, those in the older half do. Only when they are few (RECLAIM_RATIO): a consumer's in-flight
+        window is not copied around."""
+        self._pop_finished()
+        mark = self.mark_delete()
+        if (mark >> POS_SHIFT) < self.read_file_num - 1:
+            cutoff = self.read_file_num << POS_SHIFT
+        elif len(self._finished) > FINISHED_LIMIT and self._handed:
+            cutoff = self._handed[len(self._handed) // 2]
+        else:
+            return
+        finished = self._finished
+        read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
+        pinning = [k for k in self._handed if k < cutoff and k not in finished]
+        pinning.extend(k for k in self._claimed if k < cutoff and k < read_key and k not in finished)
+        freed = 0
+        for num in range(mark >> POS_SHIFT, cutoff >> POS_SHIFT):
+            try:
+                freed += os.path.getsize(self.file_name(num))
+            except OSError:
+                pass
+        if (cutoff & _OFFSET_MASK) and self.read_file_num > cutoff >> POS_SHIFT:
+            freed += cutoff & _OFFSET_MASK  # the older part of the finished set, in the file cutoff is in
+        if not pinning or len(pinning) * (4 + self.min_msg_size) * RECLAIM_RATIO > freed:
+            # would not pay even if every record were the smallest (a consumer's in-flight window, all in
+            # the read file): no reads; finish() tries again once the finished set has doubled
+            self._reclaim_after = 2 * len(finished)
+            return
+        records: list[tuple[int, bytes | None]] = []
+        size = 0
+        for key in pinning:
+            try:
+                data: bytes | None = self._read_at(key)
+            except (OSError, ValueError) as exc:
+                log.error("DISKQUEUE(%s) cannot copy the record at %d of %s, giving it up - %s",
+                          self.name, key & _OFFSET_MASK, self.file_name(key >> POS_SHIFT), exc)
+                data = None
+            records.append((key, data))
+            size += 4 + (len(data) if data is not None else 0)
+        if size * RECLAIM_RATIO > freed:
+            self._reclaim_after = 2 * len(finished)
+            return  # mostly unfinished (a consumer's in-flight window): copying would not pay
+        log.info("DISKQUEUE(%s) moving %d unfinished records to the tail to free older files",
+                 self.name, len(pinning))
+        for key, data in records:
+            if data is None:
+                finished.add(key)
+                continue
+            deadline = self._deadlines.get(key)
+            try:
+                new = self._replace(data, 0.0 if deadline is None else deadline, key)
+            except BackendError:
+                return  # logged; tried again later
+            self._deadlines.pop(key, None)
+            self._claimed.append(new)
+            self._claimed_set.add(new)
+            self._hidden += 1
+            first = self._moved_from.pop(key, key)
+            self._moved[first] = new
+            self._moved_from[new] = first
+            finished.add(key)
+        self._pop_finished()
+        self._counted()
+
+    def _read_at(self, key: int) -> bytes:
+        with open(self.file_name(key >> POS_SHIFT), "rb") as fh:
+            fh.seek(key & _OFFSET_MASK)
+            header = fh.read(4)
+            if len(header) < 4:
+                raise ValueError("unexpected EOF reading a record length")
+            (length,) = _LEN.unpack(header)
+            if length < self.min_msg_size or length > self.max_msg_size:
+                raise ValueError(f"invalid message read size ({length})")
+            data = fh.read(length)
+            if len(data) < length:
+                raise ValueError("unexpected EOF reading a record")
+            return data
+
+    def _reset_cursor(self) -> None:
+        self._handed.clear()
+        self._claimed.clear()
+        self._claimed_set.clear()
+        self._finished.clear()
+        self._moved.clear()
+        self._moved_from.clear()
+        self._deadlines.clear()
+        self._hidden = 0
 
     # --- sync ---------------------------------------------------------------------------------
 
@@ -576,6 +1020,13 @@ class DiskQueue:
         assert self._round is None
         current = self._round = _SyncRound(self._writes)
         meta = self._meta_text()
+        persisted = (self.write_file_num << POS_SHIFT) | self.write_pos
+        dead: list[str] = []
+        if self.cursor:
+            # files wholly behind the mark-delete position go once the metadata saying so is persisted
+            mark_file = self.mark_delete() >> POS_SHIFT
+            dead = [self.file_name(n) for n in range(self._oldest_file, mark_file)]
+            self._oldest_file = max(self._oldest_file, mark_file)
         first = self._unsynced_from
         files = [] if first is None else [self.file_name(n) for n in range(first, self.write_file_num + 1)]
         self._unsynced_from = None
@@ -586,7 +1037,7 @@ class DiskQueue:
         self.fsync_count += 1
         ok = False
         try:
-            await trio.to_thread.run_sync(self._fsync_and_persist, files, meta)
+            await trio.to_thread.run_sync(self._fsync_and_persist, files, meta, dead)
             ok = True
         except OSError as exc:
             current.error = f"failed to sync disk queue {self.name} - {exc}"
@@ -597,6 +1048,8 @@ class DiskQueue:
         finally:
             if not ok:
                 # not durable: the next round must do these files and this metadata again
+                if dead:
+                    self._oldest_file = min(self._oldest_file, self._lowest_existing_file())
                 if first is not None:
                     self._unsynced_from = first if self._unsynced_from is None else min(first, self._unsynced_from)
                 self._count += count
@@ -606,6 +1059,8 @@ class DiskQueue:
                 self._synced_writes = max(self._synced_writes, current.writes)
                 if self._failing:
                     self._health(None)
+                if not self._closed:
+                    self._trim_journal(persisted)
             self._round = None
             current.done.set()
 
@@ -614,7 +1069,7 @@ class DiskQueue:
         if self._on_health is not None:
             self._on_health(error)
 
-    def _fsync_and_persist(self, files: list[str], meta: bytes) -> None:
+    def _fsync_and_persist(self, files: list[str], meta: bytes, dead: Sequence[str] = ()) -> None:
         """In a worker thread. fsync goes through a descriptor of our own (fsync flushes the file, not the
         descriptor), so the event loop may close or replace its write descriptor meanwhile."""
         for path in files:
@@ -643,6 +1098,13 @@ class DiskQueue:
                 pass
             raise
         fsync_dir(self.data_path)  # the rename and any new data file's name
+        for path in dead:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", self.name, path, exc)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The io_loop: fsync and metadata after sync_every reads+writes, after a file change, or every
@@ -678,7 +1140,12 @@ class DiskQueue:
         log.info("DISKQUEUE(%s): emptying", self.name)
         with trio.CancelScope(shield=True):
             await self._wait_round()
+            if self.cursor:
+                self._reset_cursor()
+                self.read_file_num = min(self.read_file_num, self._oldest_file)
+            self._deadlines.clear()
             self._skip_to_next_rw_file()
+            self._oldest_file = self.read_file_num
             try:
                 await self._sync_round()
             except BackendError:
@@ -712,10 +1179,12 @@ class DiskQueue:
         self._closed = True
         self._close_read_file()
         self._close_write_fd()
+        close_quietly(self._journal_fd)
+        self._journal_fd = None
         self._wake.set()
 
     def _remove_files(self) -> None:
-        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat|meta\.dat(\.\d+\.tmp)?)\Z")
+        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat|(meta|journal)\.dat(\.\d+\.tmp)?)\Z")
         try:
             names = os.listdir(self.data_path)
         except OSError as exc:

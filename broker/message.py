@@ -17,7 +17,7 @@ class Message:
     changes on every move so stale heap entries can be told apart cheaply (see pqueue).
     """
 
-    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client_id", "delivery_ts", "pri", "lane", "generation")
+    __slots__ = ("id", "body", "timestamp", "attempts", "deferred", "client_id", "delivery_ts", "pri", "lane", "generation", "pos")
 
     def __init__(self, msg_id: bytes, body: bytes, timestamp: int | None = None, attempts: int = 0) -> None:
         self.id = msg_id
@@ -30,11 +30,15 @@ class Message:
         self.pri = 0.0
         self.lane: float | None = None  # the in-flight/deferred lane holding its deadline (pqueue)
         self.generation = 0
+        # where its record is in the disk queue that holds it (-1: none): a channel's queue keeps it until
+        # FIN; the topic pump passes the topic's to channels, which skip what they took before a crash
+        self.pos = -1
 
     def copy(self) -> Message:
         """A channel's own copy (nsqd copies per channel after the first)."""
         msg = Message(self.id, self.body, self.timestamp, self.attempts)
         msg.deferred = self.deferred
+        msg.pos = self.pos
         return msg
 
     def encode(self) -> bytes:

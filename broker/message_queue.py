@@ -41,7 +41,8 @@ class MessageQueue:
         self.memory.extend(msgs[:room])
         rest = msgs[room:]
         if not self.ephemeral:
-            self.backend.put_many([msg.encode() for msg in rest])
+            # a deferred publish (all of its messages share the delay) keeps its deadline on disk
+            self.backend.put_many([msg.encode() for msg in rest], rest[0].deferred)
         return len(rest)
 
     def take_memory(self, out: list[Message], limit: int) -> None:
@@ -53,14 +54,24 @@ class MessageQueue:
     def take_backend(self, out: list[Message], limit: int) -> None:
         """Append backend messages to `out` until it holds `limit`; an undecodable record is logged and
         skipped (nsqd does the same)."""
-        if len(out) >= limit or not self.backend.depth():
+        backend = self.backend
+        if len(out) >= limit or not backend.depth():
             return
         decode = Message.decode
-        for data in self.backend.read_many(limit - len(out)):
+        positions: list[int] = []
+        records = backend.read_many(limit - len(out), positions)
+        deadlines = backend.has_deadlines()
+        for data, pos in zip(records, positions):
             try:
-                out.append(decode(data))
+                msg = decode(data)
             except ValueError as exc:
                 log.error("%s: failed to decode message - %s", self.owner, exc)
+                backend.finish(pos)
+                continue
+            msg.pos = pos
+            if deadlines:
+                msg.deferred = max(0.0, backend.delay_of(pos))
+            out.append(msg)
 
     def drain_memory(self) -> list[Message]:
         out = list(self.memory)

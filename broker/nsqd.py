@@ -232,9 +232,10 @@ class NSQD:
             return self._make_disk_backend(topic_name)
         if is_ephemeral(channel_name):
             return DummyBackendQueue()
-        return self._make_disk_backend(f"{topic_name}:{channel_name}")
+        return self._make_disk_backend(f"{topic_name}:{channel_name}", cursor=True)
 
-    def _make_disk_backend(self, name: str) -> BackendQueue:
+    def _make_disk_backend(self, name: str, cursor: bool = False) -> BackendQueue:
+        """A channel's queue keeps a cursor: a record stays until its message is finished."""
         opts = self.options
         return DiskQueue(
             name, self.data_path,
@@ -244,6 +245,7 @@ class NSQD:
             sync_every=opts.sync_every,
             sync_timeout=opts.sync_timeout,
             on_health=self.set_health,
+            cursor=cursor,
         )
 
     def get_topic(self, name: str) -> Topic:

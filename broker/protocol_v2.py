@@ -170,6 +170,7 @@ class ProtocolV2:
             sent = 0
             for msg in msgs:
                 if sample_rate and random.randrange(100) > sample_rate:
+                    channel.drop_sampled(msg)
                     continue  # nsqd's sample_rate: this share of the stream is not delivered
                 if msg.attempts < 0xFFFF:
                     msg.attempts += 1

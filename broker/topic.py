@@ -142,9 +142,11 @@ class Topic:
                     self._receiving = False
                 continue
             channels = list(self.channels.values())
+            # copies first: each channel takes its messages' topic positions (see Channel.put_messages)
+            copies = [[msg.copy() for msg in msgs] for _ in channels[1:]]
             channels[0].put_messages(msgs)
-            for channel in channels[1:]:
-                channel.put_messages([msg.copy() for msg in msgs])
+            for channel, copy in zip(channels[1:], copies):
+                channel.put_messages(copy)
             await trio.lowlevel.checkpoint()
 
     def _take(self, n: int) -> list[Message]:
@@ -191,12 +193,13 @@ class Topic:
     def _memory_room(self, deferred: bool) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
         --mem-queue-size: a send to it also succeeds when the pump is waiting to receive. nsqd tries
-        that hand-off only for what the backend cannot hold as it is (an ephemeral topic's messages,
-        which have no backend, and deferred ones, whose delay a disk record does not keep); with
-        --mem-queue-size=0 it is the only way into memory."""
+        that hand-off only for what the backend cannot hold as it is: an ephemeral topic's messages
+        (no backend) and deferred ones (nsqd's disk record loses the delay; ours keeps it, so a deferred
+        message of a topic with a disk queue goes there and survives a crash); with --mem-queue-size=0
+        it is the only way into memory."""
         in_memory = len(self.queue.memory)
         room = self.mem_queue_size - in_memory
-        if self._receiving and (self.ephemeral or deferred):
+        if self._receiving and (self.ephemeral or (deferred and not self.queue.backend.stores)):
             room = max(room, PUMP_BATCH - in_memory)
         return room
 

@@ -19,6 +19,7 @@ import re
 import statistics
 import subprocess
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from tests.bench.broker import Broker
@@ -62,28 +63,57 @@ def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runf
         broker.close()
 
 
+def durable_reader(reference: str, side: str, runfor: float) -> dict[str, float]:
+    """bench_reader on a channel filled beforehand (bench_writer, default flags, then a clean stop), the
+    broker restarted with --mem-queue-size=0 --sync-every=1: every message comes from disk and its FIN
+    is bookkept durably (trio-nsqd: the channel's cursor; Go nsqd: its disk queue's read position)."""
+    command = [os.path.join(reference, "nsqd")] if side == "go" else None
+    broker = Broker(command=command)
+    try:
+        _post(f"{broker.http_url}/topic/create?topic=bench")
+        _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        common = ("--topic=bench", "--size=200", f"--runfor={runfor}s")
+        address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
+        _tool(os.path.join(reference, "bench_writer"), address, *common, "--batch-size=200")
+        broker.args += ["--mem-queue-size=0", "--sync-every=1"]
+        broker.restart(timeout=120)  # a large queue on disk: opening may take a while
+        address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
+        return {"reader": _tool(os.path.join(reference, "bench_reader"), address, *common, "--channel=ch")}
+    finally:
+        broker.close()
+
+
+# scenario key -> (title, runner) for scenarios that are not one broker run of SCENARIOS' shape
+RUNNERS: dict[str, tuple[str, Callable[[str, str, float], dict[str, float]]]] = {
+    "sync_reader": ("--mem-queue-size=0 --sync-every=1, channel filled first", durable_reader),
+}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", required=True, help="folder with Go nsqd, bench_writer, bench_reader")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runfor", type=float, default=10.0, help="seconds per tool run")
-    parser.add_argument("--only", nargs="*", default=None, help="scenario keys: " + " ".join(SCENARIOS))
+    parser.add_argument("--only", nargs="*", default=None, help="scenario keys: " + " ".join([*SCENARIOS, *RUNNERS]))
     parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
     args = parser.parse_args(argv)
-    keys = args.only or list(SCENARIOS)
+    keys = args.only or [*SCENARIOS, *RUNNERS]
     samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {"go": [], "trio": []} for k in keys}
     for round_no in range(1, args.rounds + 1):
         for key in keys:
-            title, flags, read = SCENARIOS[key]
+            title = RUNNERS[key][0] if key in RUNNERS else SCENARIOS[key][0]
             for side in ("go", "trio"):  # interleaved: Go, ours, Go, ours, ...
-                figures = run_once(args.reference, side, flags, read, args.runfor)
+                if key in RUNNERS:
+                    figures = RUNNERS[key][1](args.reference, side, args.runfor)
+                else:
+                    figures = run_once(args.reference, side, *SCENARIOS[key][1:], args.runfor)
                 samples[key][side].append(figures)
                 shown = "  ".join(f"{k}={v:,.0f}" for k, v in figures.items())
                 print(f"round {round_no} {title:<36} {side:<5} {shown} msg/s", flush=True)
     results: dict[str, Any] = {}
     print(f"\n{'scenario':<44} {'Go nsqd':>12} {'trio-nsqd':>12} {'ratio':>7}   (medians of {args.rounds})")
     for key in keys:
-        title = SCENARIOS[key][0]
+        title = RUNNERS[key][0] if key in RUNNERS else SCENARIOS[key][0]
         for figure in samples[key]["go"][0]:
             go = statistics.median(s[figure] for s in samples[key]["go"])
             trio = statistics.median(s[figure] for s in samples[key]["trio"])

@@ -1,0 +1,96 @@
+"""The disk queue's cursor (a channel's queue): records stay until finished, survive a crash with their
+deadlines, and one record never finished does not pin the files written after it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from test_diskqueue import crash_copy
+
+from trio_nsq.broker import diskqueue
+from trio_nsq.broker.diskqueue import DiskQueue
+
+
+def cursor_queue(d: Path, max_bytes: int = 4096, clock=None) -> DiskQueue:
+    return DiskQueue("q", str(d), max_bytes_per_file=max_bytes, min_msg_size=1, max_msg_size=200,
+                     cursor=True, clock=clock or (lambda: 1000.0))
+
+
+def data_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.glob("q.diskqueue.*.dat") if "meta" not in p.name)
+
+
+def read_all(dq: DiskQueue) -> list[tuple[int, bytes]]:
+    positions: list[int] = []
+    records = dq.read_many(1 << 20, positions)
+    return list(zip(positions, records))
+
+
+def test_one_record_held_forever_does_not_pin_the_files_after_it(tmp_path):
+    """100k records flow through (read and finished) while one is held and one is deferred for ever:
+    the files stay bounded, the finished set stays small, and a crash still finds both."""
+    dq = cursor_queue(tmp_path, max_bytes=64 * 1024)
+    dq.put(b"held")
+    dq.hold(b"deferred", 3600.0)
+    [(held_pos, data)] = read_all(dq)
+    assert data == b"held"
+    most_files = 0
+    for round_ in range(100):
+        dq.put_many([b"r%d-%04d" % (round_, i) + b"x" * 40 for i in range(1000)])
+        for pos, _ in read_all(dq):
+            dq.finish(pos)
+        trio.run(dq.sync)
+        most_files = max(most_files, len(data_files(tmp_path)))
+        assert len(dq._finished) <= diskqueue.FINISHED_LIMIT + 1
+    # 100k records of ~50 bytes are ~80 files of 64 KiB: a pinned queue would keep every one
+    assert most_files <= 6, most_files
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / "after"))
+    got = read_all(after)
+    assert [data for _, data in got] == [b"held", b"deferred"]
+    assert after.delay_of(got[1][0]) == 3600.0 - 0.0  # the clock did not move: the whole hour is left
+    dq.finish(held_pos)  # finishing by its first position reaches the copy
+    trio.run(dq.close)  # a FIN is persisted by the next round (here the closing one), not by sync()
+    again = cursor_queue(crash_copy(tmp_path, tmp_path.parent / "again"))
+    assert [data for _, data in read_all(again)] == [b"deferred"]
+    trio.run(after.close)
+    trio.run(again.close)
+
+
+def test_records_written_after_the_last_round_keep_their_deadline_and_replace_once(tmp_path):
+    """A crash right after a REQ's rewrite and a deferral (no round since): the journal gives the
+    recovered records their deadline and finishes the records they replaced; a round empties it."""
+    dq = cursor_queue(tmp_path)
+    dq.put_many([b"a" * 30, b"b" * 30, b"c" * 30])
+    trio.run(dq.sync)
+    (a_pos, _), (b_pos, _), (c_pos, _) = read_all(dq)
+    dq.rewrite(b"A" * 30, a_pos)  # REQ without a delay: the message again, with its attempts
+    dq.hold(b"B" * 30, 60.0, b_pos)  # REQ with a delay
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"))
+    got = read_all(after)
+    assert [data for _, data in got] == [b"c" * 30, b"A" * 30, b"B" * 30]
+    assert [after.delay_of(pos) for pos, _ in got] == [0.0, 0.0, 60.0]
+    trio.run(dq.close)
+    assert (tmp_path / "q.diskqueue.journal.dat").stat().st_size == 0
+    trio.run(after.close)
+
+
+def test_a_journal_still_needed_is_rewritten_smaller(tmp_path):
+    """Rounds that always leave some entries needed (REQs keep coming while they run) must not let the
+    journal grow: past 64 KiB it is rewritten with only the entries past the persisted write position."""
+    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
+    dq.put_many([b"%029d" % i for i in range(2000)])
+    trio.run(dq.sync)
+    news = [dq.rewrite(b"R%028d" % i, pos) for i, (pos, _) in enumerate(read_all(dq))]
+    journal = tmp_path / "q.diskqueue.journal.dat"
+    assert journal.stat().st_size == 2000 * 40
+    dq._trim_journal(news[1500])  # as a round whose metadata covered the first 1,500 rewrites
+    assert journal.stat().st_size == 500 * 40
+    # a crash now: the metadata does not cover the rewrites at all, the journal only the last 500, so
+    # those replace their old records and the first 1,500 rewrites come back beside theirs (duplicates)
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
+    got = [data for _, data in read_all(after)]
+    assert len(got) == 2000 + 2000 - 500
+    assert got[-500:] == [b"R%028d" % i for i in range(1500, 2000)]
+    trio.run(dq.close)
+    trio.run(after.close)
