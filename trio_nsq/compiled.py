@@ -28,6 +28,7 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.message_queue",
     "trio_nsq.broker.channel",
     "trio_nsq.broker.topic",
+    "trio_nsq.broker.diskqueue",
     "trio_nsq.broker.client_v2",
     "trio_nsq.broker.protocol_v2",
 )
