@@ -25,7 +25,8 @@ METADATA_ONLY = {"egg_info", "dist_info", "sdist", "clean", "--version", "--name
 
 
 def ext_modules() -> list:
-    if len(sys.argv) > 1 and sys.argv[1] in METADATA_ONLY:
+    commands = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    if commands and commands[0] in METADATA_ONLY or sys.argv[1:] and set(sys.argv[1:]) <= METADATA_ONLY:
         return []
     reason = compiled.why_not_compiled()
     if reason:
