@@ -52,7 +52,7 @@ def why_not_compiled() -> str | None:
         return f"{ENV}=0"
     if importlib.util.find_spec("mypyc") is None:
         return "mypyc (part of mypy) is not installed"
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
         return f"no C compiler ({compiler})"
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
