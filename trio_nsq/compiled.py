@@ -16,7 +16,7 @@ import shutil
 import sys
 import sysconfig
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 # Chosen by py-spy profiles of trio-nsqd under NSQ's bench_writer and bench_reader (README, Figures).
@@ -42,7 +42,7 @@ GROUP = "trio_nsq.hot_path"
 ENV = "TRIO_NSQ_COMPILE"
 
 
-def enabled(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(ENV, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
