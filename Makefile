@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test bench clean
 
-$(STAMP): pyproject.toml
+# The modules mypyc compiles (trio_nsq/compiled.py lists them): an edit to one reinstalls, which rebuilds
+# them, so `make run`/`make test` never run stale compiled code. TRIO_NSQ_COMPILE=0 builds pure Python.
+COMPILED_SOURCES := $(shell sed -n 's/^ *"trio_nsq\.\([a-z0-9_.]*\)",$$/\1/p' trio_nsq/compiled.py | tr . / | sed 's/$$/.py/')
+
+$(STAMP): pyproject.toml setup.py trio_nsq/compiled.py $(COMPILED_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,spark]'

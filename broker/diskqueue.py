@@ -1051,7 +1051,7 @@ class DiskQueue:
                 if dead:
                     self._oldest_file = min(self._oldest_file, self._lowest_existing_file())
                 if first is not None:
-                    self._unsynced_from = first if self._unsynced_from is None else min(first, self._unsynced_from)
+                    self._unsynced_again(first)
                 self._count += count
                 self._needs_sync = self._needs_sync or needs_sync
                 # not due again at once: a failing disk is retried every sync_timeout, not in a loop
@@ -1063,6 +1063,11 @@ class DiskQueue:
                     self._trim_journal(persisted)
             self._round = None
             current.done.set()
+
+    def _unsynced_again(self, first: int) -> None:
+        # a method of its own: in _sync_round mypy still narrows the attribute to the None it assigned
+        # before the await, and compiled code would trust that over the file number a put() stored since
+        self._unsynced_from = first if self._unsynced_from is None else min(first, self._unsynced_from)
 
     def _health(self, error: str | None) -> None:
         self._failing = error is not None

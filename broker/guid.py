@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 NODE_ID_BITS = 10
 SEQUENCE_BITS = 12
@@ -17,21 +18,23 @@ class GUIDFactory:
 
     Go's factory fails when its 12-bit sequence runs out within one ~1 ms tick and nsqd retries after
     a sleep; here the tick is borrowed from the future instead, which keeps ids unique and increasing
-    without ever blocking the event loop.
+    without ever blocking the event loop. `clock` (nanoseconds since the epoch) is a test's seam: a
+    compiled module does not see a monkeypatched `time`.
     """
 
-    __slots__ = ("node_id", "_sequence", "_last_ts", "_node_bits")
+    __slots__ = ("node_id", "_sequence", "_last_ts", "_node_bits", "_clock")
 
-    def __init__(self, node_id: int) -> None:
+    def __init__(self, node_id: int, clock: Callable[[], int] = time.time_ns) -> None:
         if not 0 <= node_id < 1024:
             raise ValueError(f"node id {node_id} not in range [0,1024)")
         self.node_id = node_id
         self._node_bits = node_id << NODE_ID_SHIFT
         self._sequence = 0
         self._last_ts = 0
+        self._clock = clock
 
     def new_guid(self) -> int:
-        ts = time.time_ns() >> 20
+        ts = self._clock() >> 20
         if ts <= self._last_ts:
             ts = self._last_ts
             self._sequence = (self._sequence + 1) & SEQUENCE_MASK
@@ -47,7 +50,7 @@ class GUIDFactory:
 
     def new_ids(self, n: int) -> list[bytes]:
         """n ids at once (MPUB): one clock read, the same rules as new_guid for each."""
-        ts = time.time_ns() >> 20
+        ts = self._clock() >> 20
         seq = self._sequence
         last = self._last_ts
         node = self._node_bits

@@ -132,11 +132,15 @@ class ProtocolV2:
         identified = client.identified
         while True:
             interval = client.heartbeat_interval
+            restart = False  # set when IDENTIFY came first: the schedule restarts with its interval
             with trio.move_on_after(interval if interval > 0 else math.inf):
-                if not identified.is_set():
+                if identified.is_set():
+                    await trio.sleep_forever()
+                else:
                     await identified.wait()
-                    continue
-                await trio.sleep_forever()
+                    restart = True
+            if restart:
+                continue
             client.write_frame(FRAME_TYPE_RESPONSE, HEARTBEAT)
             await client.flush()
 

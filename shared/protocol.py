@@ -12,7 +12,7 @@ import json
 import re
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -44,7 +44,7 @@ BODY_COMMANDS = frozenset({b"IDENTIFY", b"AUTH", b"PUB", b"MPUB", b"DPUB"})
 class ClientError(Exception):
     """An error nsqd reports to the client and then keeps the connection (e.g. E_FIN_FAILED)."""
 
-    fatal = False
+    fatal: ClassVar[bool] = False  # ClassVar: compiled by mypyc, a plain attribute is per instance
 
     def __init__(self, code: str, description: str) -> None:
         super().__init__(f"{code} {description}")
@@ -58,7 +58,7 @@ class ClientError(Exception):
 class FatalClientError(ClientError):
     """An error after which nsqd closes the connection."""
 
-    fatal = True
+    fatal: ClassVar[bool] = True
 
 
 # --- frames -----------------------------------------------------------------------------------------
@@ -91,17 +91,21 @@ class FrameParser:
         return data
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        return self
+        """The complete frames fed so far (`for frame_type, data in parser`). A generator rather than
+        `__next__`: mypyc cannot compile a `__next__` that returns a tuple."""
+        while (frame := self.next_frame()) is not None:
+            yield frame
 
-    def __next__(self) -> tuple[int, bytes]:
+    def next_frame(self) -> tuple[int, bytes] | None:
+        """The next complete frame, or None until more is fed; ValueError on an impossible size."""
         buf = self._buf
         if len(buf) < 8:
-            raise StopIteration
+            return None
         size, frame_type = FRAME_HEADER.unpack_from(buf)
         if size < 4 or size > self._max:
             raise ValueError(f"invalid frame size {size}")
         if len(buf) < 4 + size:
-            raise StopIteration
+            return None
         data = bytes(buf[8 : 4 + size])
         del buf[: 4 + size]
         return frame_type, data
@@ -123,7 +127,7 @@ def encode_message(msg_id: bytes, timestamp: int, attempts: int, body: bytes) ->
     return MESSAGE_HEADER.pack(timestamp, attempts) + msg_id + body
 
 
-def decode_message(data: bytes) -> DecodedMessage:
+def decode_message(data: bytes | memoryview) -> DecodedMessage:
     if len(data) < MIN_VALID_MSG_LENGTH:
         raise ValueError(f"invalid message buffer size ({len(data)})")
     timestamp, attempts = MESSAGE_HEADER.unpack_from(data)
@@ -343,7 +347,7 @@ def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int, *, surpl
     return out
 
 
-def parse_int(value: bytes) -> int:
+def parse_int(value: bytes | str) -> int:
     """nsqd's ByteToBase10: ASCII decimal digits only (no sign, no spaces)."""
     if not value or not value.isdigit() or not value.isascii():
         raise ValueError(f"invalid integer {value!r}")

@@ -23,6 +23,16 @@ import pytest
 from processes import REPO_ROOT, BrokerProcess
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compiled modules older than their sources would test yesterday's code: refuse to start."""
+    from trio_nsq import compiled
+
+    stale = compiled.stale_modules() if compiled.enabled() else []
+    if stale:
+        pytest.exit(f"compiled modules older than their .py files: {', '.join(stale)} "
+                    f"(rebuild: `make test` or `pip install -e .`; or run the sources: {compiled.ENV}=0)", returncode=2)
+
+
 @pytest.fixture
 def broker_factory(tmp_path):
     """``broker_factory(**flags) -> Broker`` (started). All are stopped at teardown."""

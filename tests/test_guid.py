@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trio_nsq.broker.guid as guid_mod
 from trio_nsq.broker.guid import (
     NODE_ID_BITS,
     NODE_ID_SHIFT,
@@ -30,7 +29,7 @@ HEX16 = re.compile(rb"[0-9a-f]{16}")
 
 
 class FakeClock:
-    """Stands in for the `time` module inside broker.guid; time_ns returns what the test sets."""
+    """The clock a GUIDFactory reads (its `clock` argument); time_ns returns what the test sets."""
 
     def __init__(self, ns: int) -> None:
         self.ns = ns
@@ -40,10 +39,8 @@ class FakeClock:
 
 
 @pytest.fixture
-def clock(monkeypatch) -> FakeClock:
-    fake = FakeClock(time.time_ns())
-    monkeypatch.setattr(guid_mod, "time", fake)
-    return fake
+def clock() -> FakeClock:
+    return FakeClock(time.time_ns())
 
 
 def _strictly_increasing(ids: list[int]) -> bool:
@@ -83,7 +80,7 @@ def test_100k_hex_ids_in_a_tight_loop_are_unique_and_increasing():
 
 
 def test_sequence_exhaustion_within_one_tick_stays_unique_and_increasing(clock):
-    factory = GUIDFactory(1)
+    factory = GUIDFactory(1, clock.time_ns)
     tick = clock.ns >> 20
     ids = [factory.new_guid() for _ in range(100_000)]  # the clock never moves: 24+ ticks borrowed
     assert _strictly_increasing(ids)
@@ -96,7 +93,7 @@ def test_sequence_exhaustion_within_one_tick_stays_unique_and_increasing(clock):
 
 
 def test_borrowed_ticks_are_not_reused_when_the_clock_catches_up(clock):
-    factory = GUIDFactory(9)
+    factory = GUIDFactory(9, clock.time_ns)
     ids = [factory.new_guid() for _ in range(3 * 4096)]  # borrows two ticks ahead
     clock.ns += 1 << 20  # the real clock reaches the first borrowed tick
     ids += [factory.new_guid() for _ in range(100)]
@@ -107,7 +104,7 @@ def test_borrowed_ticks_are_not_reused_when_the_clock_catches_up(clock):
 
 
 def test_clock_going_backwards_never_gives_a_smaller_id(clock):
-    factory = GUIDFactory(2)
+    factory = GUIDFactory(2, clock.time_ns)
     ids = [factory.new_guid() for _ in range(10)]
     clock.ns -= 10**9  # one second back (NTP step): Go returns ErrTimeBackwards, we keep counting
     ids += [factory.new_guid() for _ in range(5000)]
@@ -116,7 +113,7 @@ def test_clock_going_backwards_never_gives_a_smaller_id(clock):
 
 
 def test_new_ids_batches_continue_the_single_id_sequence(clock):
-    factory = GUIDFactory(1023)
+    factory = GUIDFactory(1023, clock.time_ns)
     ids = [factory.new_guid()]
     for n in (0, 1, 4095, 1, 4096, 7, 10_000):
         batch = factory_ids(factory, n)
@@ -134,26 +131,21 @@ def test_new_ids_batches_continue_the_single_id_sequence(clock):
 @given(st.lists(st.tuples(st.integers(0, 5000), st.integers(-3, 3)), min_size=1, max_size=12))
 def test_any_mix_of_single_and_batched_ids_under_any_clock_is_increasing(steps):
     fake = FakeClock(1_700_000_000 * 10**9)
-    saved = guid_mod.time
-    guid_mod.time = fake
-    try:
-        factory = GUIDFactory(300)
-        ids: list[int] = []
-        for n, tick_move in steps:
-            fake.ns += tick_move << 20
-            if n % 2:
-                ids += factory_ids(factory, n)
-            else:
-                ids += [factory.new_guid() for _ in range(n)]
-        assert _strictly_increasing(ids)
-        assert all(_node(i) == 300 for i in ids)
-    finally:
-        guid_mod.time = saved
+    factory = GUIDFactory(300, fake.time_ns)
+    ids: list[int] = []
+    for n, tick_move in steps:
+        fake.ns += tick_move << 20
+        if n % 2:
+            ids += factory_ids(factory, n)
+        else:
+            ids += [factory.new_guid() for _ in range(n)]
+    assert _strictly_increasing(ids)
+    assert all(_node(i) == 300 for i in ids)
 
 
 @pytest.mark.parametrize("node_id", [0, 1, 2, 341, 512, 1022, 1023])
 def test_node_id_lands_in_bits_12_to_21(clock, node_id):
-    factory = GUIDFactory(node_id)
+    factory = GUIDFactory(node_id, clock.time_ns)
     guid = factory.new_guid()
     # Go: ((ts - twepoch) << 22) | (nodeID << 12) | sequence
     expected = (((clock.ns >> 20) - TWEPOCH) << 22) | (node_id << 12) | 0
@@ -164,14 +156,14 @@ def test_node_id_lands_in_bits_12_to_21(clock, node_id):
 
 
 def test_node_id_never_leaks_into_the_other_fields(clock):
-    a, b = GUIDFactory(0), GUIDFactory(1023)
+    a, b = GUIDFactory(0, clock.time_ns), GUIDFactory(1023, clock.time_ns)
     for _ in range(5000):
         x, y = a.new_guid(), b.new_guid()
         assert y - x == 1023 << NODE_ID_SHIFT  # same tick and sequence, only the node bits differ
 
 
 def test_hex_id_is_16_lowercase_ascii_hex_bytes_of_the_guid(clock):
-    factory = GUIDFactory(1023)
+    factory = GUIDFactory(1023, clock.time_ns)
     for _ in range(2000):
         raw = factory.new_id()
         assert isinstance(raw, bytes) and len(raw) == 16

@@ -8,8 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
+
+import pytest
+
+from trio_nsq import compiled
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,12 +30,27 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
-def test_the_wheel_installs_only_trio_nsq_and_pyspark_nsq(tmp_path):
-    wheel = build_wheel(tmp_path / "dist")
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """One build for the module's tests (a compiled build takes a minute)."""
+    return build_wheel(tmp_path_factory.mktemp("wheel") / "dist")
+
+
+@pytest.fixture(scope="module")
+def site(wheel, tmp_path_factory) -> Path:
+    """The wheel's files extracted: what `pip install` of it puts in site-packages."""
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    return site
+
+
+def test_the_wheel_installs_only_trio_nsq_and_pyspark_nsq(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         top_level = archive.read(next(n for n in names if n.endswith(".dist-info/top_level.txt"))).decode().split()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    # compiled, mypyc's runtime library is trio_nsq/hot_path__mypyc.*.so, not a top-level module
     assert tops == {"trio_nsq", "pyspark_nsq.py"}, tops
     assert sorted(top_level) == ["pyspark_nsq", "trio_nsq"]
     for part in ("broker/nsqd.py", "lookupd/nsqlookupd.py", "shared/protocol.py", "shared/client/consumer.py",
@@ -39,13 +59,20 @@ def test_the_wheel_installs_only_trio_nsq_and_pyspark_nsq(tmp_path):
         assert f"trio_nsq/{part}" in names, part
 
 
-def test_the_built_package_runs_from_its_own_files(tmp_path):
+def test_the_wheel_holds_the_compiled_modules_where_they_can_be_built(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    shipped = {n.split(".", 1)[0].replace("/", ".") for n in names if n.endswith(".so")}
+    if compiled.why_not_compiled() is None:
+        assert shipped == {*compiled.MODULES, compiled.GROUP + "__mypyc"}, shipped
+        assert all(f"{m.replace('.', '/')}.py" in names for m in compiled.MODULES)  # the sources ship too
+    else:
+        assert not shipped
+
+
+def test_the_built_package_runs_from_its_own_files(site, tmp_path):
     """The wheel's files alone, first on the path and run away from the checkout: the commands start and
     every public name resolves inside the built package."""
-    wheel = build_wheel(tmp_path / "dist")
-    site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}
     for module, name in (("trio_nsq.broker", "nsqd"), ("trio_nsq.lookupd", "nsqlookupd")):
         done = subprocess.run([sys.executable, "-m", module, "--version"], cwd=tmp_path, env=env,
@@ -65,3 +92,29 @@ def test_the_built_package_runs_from_its_own_files(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert all(line.startswith(str(site)) for line in done.stdout.split()), done.stdout
+
+
+def test_the_daemon_from_the_wheels_files_listens(site, tmp_path):
+    """Not just --version: nsqd started from the built files alone (compiled modules and all) serves.
+    Its stderr goes to a file read until a deadline, so a daemon that never gets there fails the test
+    instead of hanging it on a pipe."""
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
+    env.pop(compiled.ENV, None)
+    log = tmp_path / "nsqd.log"
+    script = "import trio_nsq.compiled as c, runpy; print('compiled:', len(c.compiled_modules()), flush=True); " \
+             "runpy.run_module('trio_nsq.broker', run_name='__main__')"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script, "--tcp-address=127.0.0.1:0",
+                                 "--http-address=127.0.0.1:0", f"--data-path={tmp_path}"],
+                                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "TCP: listening on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+        assert "TCP: listening on" in text, text
+        expected = len(compiled.MODULES) if compiled.why_not_compiled() is None else 0
+        assert f"compiled: {expected}\n" in text, text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -469,7 +469,9 @@ def test_message_frame_is_a_frame_of_type_2_around_the_message(msg_id, ts, attem
     assert frame == encode_frame(FRAME_TYPE_MESSAGE, encode_message(msg_id, ts, attempts, body))
     parser = FrameParser()
     parser.feed(frame)
-    frame_type, data = next(parser)
+    frame = parser.next_frame()
+    assert frame is not None
+    frame_type, data = frame
     assert frame_type == FRAME_TYPE_MESSAGE
     assert decode_message(data) == DecodedMessage(msg_id, ts, attempts, body)
 
@@ -537,14 +539,14 @@ def test_frame_size_below_four_is_an_error(size):
     parser = FrameParser()
     parser.feed(size.to_bytes(4, "big", signed=True) + b"\x00\x00\x00\x00")
     with pytest.raises(ValueError):
-        next(parser)
+        parser.next_frame()
 
 
 def test_frame_larger_than_the_limit_is_refused_from_its_header():
     parser = FrameParser(max_frame_size=1000)
     parser.feed((1001).to_bytes(4, "big") + b"\x00\x00\x00\x00")  # the header alone
     with pytest.raises(ValueError):
-        next(parser)
+        parser.next_frame()
 
 
 def test_empty_frame_body_is_allowed():

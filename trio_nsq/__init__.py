@@ -17,6 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from trio_nsq import compiled as _compiled
+
+_compiled.use_source_when_disabled()  # TRIO_NSQ_COMPILE=0: the .py files, even where compiled ones exist
+_compiled.warn_if_stale()
+
 _EXPORTS = {
     **dict.fromkeys(["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError",
                      "Producer", "tls_context"], "trio_nsq.shared.client"),

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import platform
 import socket
 import statistics
 import time
@@ -22,6 +20,7 @@ from typing import Any
 from trio_nsq.shared.protocol import MAGIC_V2
 from tests.bench import tcp_load
 from tests.bench.broker import Broker
+from tests.bench.machine import describe, machine
 
 MSG_SIZE = 200
 
@@ -212,9 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     scenarios = {**SCENARIOS, **_http_scenarios()}
     keys = args.only or list(scenarios)
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine(),
         "duration_s": duration, "runs": runs, "message_size": MSG_SIZE, "results": {},
     }
+    print(f"machine: {describe(report['machine'])}")
     print(f"{'scenario':<58} figures (median of {runs})")
     for key in keys:
         title, fn = scenarios[key]

@@ -5,7 +5,10 @@
 DIR holds Go's `nsqd`, `bench_writer` and `bench_reader` (nsq 1.3.0). Each round runs every scenario
 against Go nsqd and then against trio-nsqd, each on a fresh data directory with the same flags, so
 both see the same machine state; the figure per side is the median over the rounds, and the ratio is
-trio-nsqd's median over Go's. The shape is NSQ's bench.sh: the topic and channel are created first,
+trio-nsqd's median over Go's. Where the hot modules are compiled (trio_nsq/compiled.py), trio-nsqd also
+runs as pure Python (TRIO_NSQ_COMPILE=0) in the same rounds: Go, compiled, pure, Go, compiled, pure...
+The machine (CPU, cores, Python) and the compiled modules are printed and written with the figures.
+The shape is NSQ's bench.sh: the topic and channel are created first,
 `bench_writer --size=200 --batch-size=200` publishes for --runfor, then `bench_reader` (RDY 2500, a FIN
 per message) reads the same broker for --runfor. Both tools open one connection per CPU.
 """
@@ -23,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.bench.broker import Broker
+from tests.bench.machine import describe, machine
+from trio_nsq import compiled
 
 OPS = re.compile(r"([0-9.]+)ops/s")
 
@@ -47,9 +52,15 @@ def _post(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
 
+# side -> how its broker starts: Go's nsqd, trio-nsqd as installed (compiled where it could be built),
+# trio-nsqd from its .py sources
+SIDES = ("go", "trio", "pure")
+
+
 def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runfor: float) -> dict[str, float]:
     command = [os.path.join(reference, "nsqd")] if side == "go" else None
-    broker = Broker(*flags, command=command)
+    env = {compiled.ENV: "0"} if side == "pure" else None
+    broker = Broker(*flags, command=command, env=env)
     try:
         _post(f"{broker.http_url}/topic/create?topic=bench")
         _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
@@ -68,7 +79,7 @@ def durable_reader(reference: str, side: str, runfor: float) -> dict[str, float]
     broker restarted with --mem-queue-size=0 --sync-every=1: every message comes from disk and its FIN
     is bookkept durably (trio-nsqd: the channel's cursor; Go nsqd: its disk queue's read position)."""
     command = [os.path.join(reference, "nsqd")] if side == "go" else None
-    broker = Broker(command=command)
+    broker = Broker(command=command, env={compiled.ENV: "0"} if side == "pure" else None)
     try:
         _post(f"{broker.http_url}/topic/create?topic=bench")
         _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
@@ -98,11 +109,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
     args = parser.parse_args(argv)
     keys = args.only or [*SCENARIOS, *RUNNERS]
-    samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {"go": [], "trio": []} for k in keys}
+    info = machine()
+    print(f"machine: {describe(info)}")
+    # pure Python is a side of its own only where the installed trio-nsqd is compiled
+    sides = SIDES if info["compiled_modules"] else ("go", "trio")
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {side: [] for side in sides} for k in keys}
     for round_no in range(1, args.rounds + 1):
         for key in keys:
             title = RUNNERS[key][0] if key in RUNNERS else SCENARIOS[key][0]
-            for side in ("go", "trio"):  # interleaved: Go, ours, Go, ours, ...
+            for side in sides:  # interleaved: Go, ours, Go, ours, ...
                 if key in RUNNERS:
                     figures = RUNNERS[key][1](args.reference, side, args.runfor)
                 else:
@@ -111,23 +126,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 shown = "  ".join(f"{k}={v:,.0f}" for k, v in figures.items())
                 print(f"round {round_no} {title:<36} {side:<5} {shown} msg/s", flush=True)
     results: dict[str, Any] = {}
-    print(f"\n{'scenario':<44} {'Go nsqd':>12} {'trio-nsqd':>12} {'ratio':>7}   (medians of {args.rounds})")
+    pure = "pure" in sides
+    print(f"\n{'scenario':<44} {'Go nsqd':>12} {'trio-nsqd':>12} {'ratio':>7}"
+          + (f" {'pure Python':>12} {'ratio':>7}" if pure else "") + f"   (medians of {args.rounds})")
     for key in keys:
         title = RUNNERS[key][0] if key in RUNNERS else SCENARIOS[key][0]
         for figure in samples[key]["go"][0]:
-            go = statistics.median(s[figure] for s in samples[key]["go"])
-            trio = statistics.median(s[figure] for s in samples[key]["trio"])
-            ratio = trio / go if go else float("inf")
+            medians = {side: statistics.median(s[figure] for s in samples[key][side]) for side in sides}
+            go = medians["go"]
+            ratios = {side: (medians[side] / go if go else float("inf")) for side in sides}
             name = f"{key}_{figure}"
-            results[name] = {"title": f"bench_{figure}, {title}", "go_msg_s": go, "trio_msg_s": trio,
-                             "ratio": ratio, "samples": samples[key]}
-            print(f"bench_{figure + ', ' + title:<38} {go:>12,.0f} {trio:>12,.0f} {ratio:>7.2f}")
+            results[name] = {"title": f"bench_{figure}, {title}", "go_msg_s": go, "trio_msg_s": medians["trio"],
+                             "ratio": ratios["trio"], "samples": samples[key]}
+            line = f"bench_{figure + ', ' + title:<38} {go:>12,.0f} {medians['trio']:>12,.0f} {ratios['trio']:>7.2f}"
+            if pure:
+                results[name].update(pure_msg_s=medians["pure"], pure_ratio=ratios["pure"])
+                line += f" {medians['pure']:>12,.0f} {ratios['pure']:>7.2f}"
+            print(line)
     report: dict[str, Any] = {}
     if os.path.exists(args.output):
         with open(args.output) as fh:
             report = json.load(fh)
     report["versus_go_nsqd"] = {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
-                                "runfor_s": args.runfor, "cpus": os.cpu_count(), "results": results}
+                                "runfor_s": args.runfor, "machine": info, "cpus": info["cpus"],
+                                "compiled_modules": info["compiled_modules"], "results": results}
     with open(args.output, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"written {args.output}")
