@@ -127,57 +127,101 @@ async def serve_site(
     wrapped = wrap_app(asgi_app(site), config.wsgi_max_body_size, None)  # type: ignore[arg-type]
     context = WorkerContext(None)
     sockets = config.create_sockets()
-    listeners: list[trio.abc.Listener] = []
+    tls_listeners: list[trio.SSLListener] = []
     if sockets.secure_sockets:
         ssl_context = config.create_ssl_context()
         if ssl_context is None:
             raise ValueError("a TLS address needs a certificate and key")
         for sock in sockets.secure_sockets:
             sock.listen(config.backlog)
-            listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
-                                              ssl_context, https_compatible=True))
+            tls_listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
+                                                  ssl_context, https_compatible=True))
     for sock in sockets.insecure_sockets:
         sock.listen(config.backlog)
-        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        sock.setblocking(False)
+        if sock.family != socket.AF_UNIX:  # accepted connections inherit it (Linux, BSD, macOS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     bound = (sockets.secure_sockets or sockets.insecure_sockets)[0].getsockname()
     if isinstance(bound, str):  # a unix socket
         bound = (bound, 0)
+    port = bound[1]
 
-    async def serve_one(stream: trio.abc.Stream) -> None:
+    async def hand_off(stream: trio.abc.Stream, data: bytes) -> None:
+        # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
+        await TCPServer(wrapped, config, context, ConnectionState({}), _Replayed(stream, data))  # type: ignore[arg-type]
+
+    async def serve_plain(sock: socket.socket, peer: Any) -> None:
         try:
-            tls = isinstance(stream, trio.SSLStream)
-            sock = stream.transport_stream.socket if tls else stream.socket  # type: ignore[attr-defined]
             try:
-                await Connection(stream, site, idle, remote=_remote(sock), server_port=bound[1],
-                                 can_hand_off=not tls).serve()
-            except HandOff as hand_off:
-                # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
-                await TCPServer(wrapped, config, context, ConnectionState({}),
-                                _Replayed(stream, hand_off.data))  # type: ignore[arg-type]
+                await Connection(site, idle, sock=sock, remote=peer if isinstance(peer, tuple) else "",
+                                 server_port=port, can_hand_off=True).serve()
+            except HandOff as exc:
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+                await hand_off(stream, exc.data)
         except* Exception as group:
             log.error("HTTP: connection failed - %s", _first_error(group))
         finally:
-            if isinstance(stream, trio.SocketStream):
-                stream.socket.close()  # at once: aclose_forcefully's cancellation cost a fifth of a short connection
-            else:
-                await trio.aclose_forcefully(stream)
+            # at once, and without notify_closing: no task waits on it now (the answer is written;
+            # close sends it on, then FIN, as Go's net/http closes after the last write)
+            sock.close()
+
+    async def serve_tls(stream: trio.SSLStream) -> None:
+        try:
+            await Connection(site, idle, stream=stream, remote=_remote(stream.transport_stream.socket),
+                             server_port=port, can_hand_off=False).serve()
+        except* Exception as group:
+            log.error("HTTP: connection failed - %s", _first_error(group))
+        finally:
+            await trio.aclose_forcefully(stream)
 
     idle = IdleTimeouts()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(idle.run)
-        for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, serve_one, nursery)
-        task_status.started((bound[0], bound[1]))
+        for listener in tls_listeners:
+            nursery.start_soon(_accept_loop, listener, serve_tls, nursery)
+        for sock in sockets.insecure_sockets:
+            nursery.start_soon(_accept_plain, sock, serve_plain, nursery)
+        task_status.started((bound[0], port))
 
 
 # accept() errors that mean "out of a resource for now": wait and accept again (as trio.serve_listeners)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+QUICK_ACCEPTS = 16  # connections accepted in a row before yielding to the scheduler
+
+
+async def _accept_plain(listener: socket.socket, serve: Callable[[socket.socket, Any], Awaitable[None]],
+                        nursery: trio.Nursery) -> None:
+    """Accept from a non-blocking listening socket straight away, awaiting only when none is waiting:
+    trio.SocketListener's accept, from_stdlib_socket, SocketStream's setsockopts and a getpeername
+    per connection were most of a `Connection: close` request's CPU. The peer address comes with
+    accept(); TCP_NODELAY with the listener."""
+    fd = listener.fileno()
+    try:
+        while True:
+            for _ in range(QUICK_ACCEPTS):
+                try:
+                    sock, peer = listener.accept()
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(fd)
+                    continue
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    log.error("HTTP: accept failed (%s); retrying in 100 ms", exc)
+                    await trio.sleep(0.1)
+                    continue
+                sock.setblocking(False)
+                nursery.start_soon(serve, sock, peer)
+            await trio.lowlevel.checkpoint()  # a flood of connections cannot starve the rest
+    finally:
+        trio.lowlevel.notify_closing(listener)
+        listener.close()
 
 
 async def _accept_loop(listener: trio.abc.Listener[Any], serve_one: Callable[[Any], Awaitable[None]],
                        nursery: trio.Nursery) -> None:
     """trio.serve_listeners' loop without its aclose_forcefully per connection (a cancelled scope and a
-    caught Cancelled: a fifth of a `Connection: close` request); serve_one closes its stream itself."""
+    caught Cancelled: a fifth of a short request); serve_one closes its stream itself."""
     while True:
         try:
             stream = await listener.accept()
