@@ -73,8 +73,8 @@ class BadRequest(Exception):
 
 
 class Request:
-    """One HTTP request as the endpoints see it, whichever server received it (this loop, or the ASGI
-    adapter behind hypercorn). ``read(cap)`` returns the body, or None as soon as more than ``cap``
+    """One HTTP request as the endpoints see it, whichever server received it (this loop, or the QuartTrio
+    app behind hypercorn). ``read(cap)`` returns the body, or None as soon as more than ``cap``
     bytes have arrived; it raises ClientGone if the client leaves first."""
 
     __slots__ = ("method", "raw_path", "query", "version", "headers", "content_length", "_peer",
@@ -135,7 +135,7 @@ class Site(Generic[H]):
     """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router`, `call(request,
     handler, params)` for a route, and nsqd's request log line (except for the `unlogged` handlers:
     nsqd logs no /pub or /mpub). `base_path` is stripped first (nsqadmin's --base-path). Handed to
-    serve_site; the ASGI adapter behind hypercorn calls the same."""
+    serve_site; the QuartTrio app behind hypercorn (shared/http_quart.py) calls the same."""
 
     def __init__(self, router: Router[H], call: Callable[[Request, H, Mapping[str, str]], Awaitable[Reply]],
                  log: logging.Logger, *, base_path: str = "", unlogged: Container[H] = (),
