@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from trio_nsq.shared.http_api import Reply, error_reply
-from trio_nsq.shared.http_server import Request, Site
+from trio_nsq.shared.http_server import LINGER_SECONDS, Request, Site
 
 
 def to_response(reply: Reply) -> Response:
@@ -58,6 +59,17 @@ def asgi_app(site: Site[Any]) -> Callable[[dict, Any, Any], Awaitable[None]]:
     return asgi
 
 
+async def _linger() -> None:
+    """Read and drop what is left of a refused body (within LINGER_SECONDS, and Quart's
+    MAX_CONTENT_LENGTH), as our loop does: an HTTP/2 client still sending gets the answer, not a reset."""
+    with trio.move_on_after(LINGER_SECONDS):
+        try:
+            async for _ in request.body:
+                pass
+        except RequestEntityTooLarge:
+            pass
+
+
 def quart_app(site: Site[Any]) -> QuartTrio:
     """The app: every request is answered by before_request through `site`, so werkzeug's routing never
     gets a say."""
@@ -75,7 +87,9 @@ def quart_app(site: Site[Any]) -> QuartTrio:
         req = Request(request.method, scope["raw_path"].decode("latin-1"), scope["query_string"], headers,
                       reader=_read, remote=(client[0], client[1]) if client[0] else "",
                       server_port=(scope.get("server") or ("", 0))[1] or 0, version=scope["http_version"])
-        return to_response(await site(req))
+        reply = await site(req)
+        await _linger()
+        return to_response(reply)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:

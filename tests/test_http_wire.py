@@ -81,10 +81,13 @@ def _both(port: int, method: str, target: str, body: bytes = b"") -> tuple[httpx
     ("nsqd", "GET", "/ping", b""),
     ("nsqd", "POST", "/pub?topic=wire_h2", b"over either"),
     ("nsqd", "POST", "/pub", b"no topic"),
+    ("nsqd", "POST", "/pub?topic=wire_h2", b"x" * 500),  # over --max-msg-size: 413
+    ("nsqd", "GET", "/ping/", b""),
     ("nsqd", "GET", "/nowhere", b""),
     ("nsqlookupd", "GET", "/ping", b""),
     ("nsqlookupd", "GET", "/topics", b""),
     ("nsqlookupd", "GET", "/lookup?topic=none", b""),
+    ("nsqadmin", "GET", "/ping", b""),
 ])
 def test_http2_answers_as_http1(daemons, daemon, method, target, body):
     one, two = _both(daemons[daemon].http_port, method, target, body)
