@@ -1,10 +1,11 @@
 """HTTP serving shared by nsqd, nsqlookupd and trio-nsqadmin: the listeners and accept loop inside the
 caller's nursery, each connection served by shared/http_server.Connection and, for what it hands off,
-by hypercorn (over the same Site, through asgi_app)."""
+by hypercorn serving a QuartTrio app over the same Site (shared/http_quart.py)."""
 
 from __future__ import annotations
 
 import errno
+import importlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -20,16 +21,7 @@ from hypercorn.utils import wrap_app
 # the address helpers live in shared/addresses.py (the client needs them without this module's stack);
 # imported here for the daemons that import them from this module
 from trio_nsq.shared.addresses import address_text, is_unix_address, join_host_port, split_host_port  # noqa: F401
-from trio_nsq.shared.http_server import (
-    LINGER_BYTES,
-    LINGER_SECONDS,
-    ClientGone,
-    Connection,
-    HandOff,
-    IdleTimeouts,
-    Request,
-    Site,
-)
+from trio_nsq.shared.http_server import Connection, HandOff, IdleTimeouts, Site
 
 log = logging.getLogger(__name__)
 
@@ -99,74 +91,125 @@ async def serve_site(
     loop runs each connection in shared/http_server.Connection inside a guard, as shared/tcp.py does
     for TCP: a failure costs that connection and one log line. What that loop hands off (an Upgrade,
     HTTP/2, a head llhttp refuses) goes to hypercorn's per-connection TCPServer, with the bytes already
-    read replayed first, serving the same site through asgi_app. TLS settings (certfile, keyfile,
+    read replayed first, serving a QuartTrio app over the same site. TLS settings (certfile, keyfile,
     ca_certs, verify_mode, alpn_protocols) are hypercorn's config keys, as before.
     """
     config = hypercorn_config(address, **config_extra)
-    wrapped = wrap_app(asgi_app(site), config.wsgi_max_body_size, None)  # type: ignore[arg-type]
+    framework: list[Any] = []  # the QuartTrio app, wrapped for hypercorn, once a connection is handed off
     context = WorkerContext(None)
     sockets = config.create_sockets()
-    listeners: list[trio.abc.Listener] = []
+    tls_listeners: list[trio.SSLListener] = []
     if sockets.secure_sockets:
         ssl_context = config.create_ssl_context()
         if ssl_context is None:
             raise ValueError("a TLS address needs a certificate and key")
         for sock in sockets.secure_sockets:
             sock.listen(config.backlog)
-            listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
-                                              ssl_context, https_compatible=True))
+            tls_listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
+                                                  ssl_context, https_compatible=True))
     for sock in sockets.insecure_sockets:
         sock.listen(config.backlog)
-        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        sock.setblocking(False)
+        if sock.family != socket.AF_UNIX:  # accepted connections inherit it (Linux, BSD, macOS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     bound = (sockets.secure_sockets or sockets.insecure_sockets)[0].getsockname()
     if isinstance(bound, str):  # a unix socket
         bound = (bound, 0)
+    port = bound[1]
 
-    async def serve_one(stream: trio.abc.Stream) -> None:
+    async def hand_off(stream: trio.abc.Stream, data: bytes) -> None:
+        if not framework:
+            # Quart's import takes about a second on a loaded machine: in a thread, once, not at startup
+            module = await trio.to_thread.run_sync(importlib.import_module, "trio_nsq.shared.http_quart")
+            if not framework:
+                framework.append(wrap_app(module.asgi_app(site), config.wsgi_max_body_size, None))
+        # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
+        await TCPServer(framework[0], config, context, ConnectionState({}), _Replayed(stream, data))  # type: ignore[arg-type]
+
+    async def serve_plain(sock: socket.socket, peer: Any) -> None:
         try:
-            tls = isinstance(stream, trio.SSLStream)
-            sock = stream.transport_stream.socket if tls else stream.socket  # type: ignore[attr-defined]
             try:
-                await Connection(stream, site, idle, remote=_remote(sock), server_port=bound[1],
-                                 can_hand_off=not tls).serve()
-            except HandOff as hand_off:
-                # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
-                await TCPServer(wrapped, config, context, ConnectionState({}),
-                                _Replayed(stream, hand_off.data))  # type: ignore[arg-type]
+                await Connection(site, idle, sock=sock, remote=peer if isinstance(peer, tuple) else "",
+                                 server_port=port, can_hand_off=True).serve()
+            except HandOff as exc:
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+                await hand_off(stream, exc.data)
         except* Exception as group:
             log.error("HTTP: connection failed - %s", _first_error(group))
         finally:
-            if isinstance(stream, trio.SocketStream):
-                stream.socket.close()  # at once: aclose_forcefully's cancellation cost a fifth of a short connection
-            else:
-                await trio.aclose_forcefully(stream)
+            # at once, and without notify_closing: no task waits on it now (the answer is written;
+            # close sends it on, then FIN, as Go's net/http closes after the last write)
+            sock.close()
+
+    async def serve_tls(stream: trio.SSLStream) -> None:
+        try:
+            await Connection(site, idle, stream=stream, remote=_remote(stream.transport_stream.socket),
+                             server_port=port, can_hand_off=False).serve()
+        except* Exception as group:
+            log.error("HTTP: connection failed - %s", _first_error(group))
+        finally:
+            await trio.aclose_forcefully(stream)
 
     idle = IdleTimeouts()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(idle.run)
-        for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, serve_one, nursery)
-        task_status.started((bound[0], bound[1]))
+        for listener in tls_listeners:
+            nursery.start_soon(_accept_loop, listener, serve_tls, nursery)
+        for sock in sockets.insecure_sockets:
+            nursery.start_soon(_accept_plain, sock, serve_plain, nursery)
+        task_status.started((bound[0], port))
 
 
 # accept() errors that mean "out of a resource for now": wait and accept again (as trio.serve_listeners)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+QUICK_ACCEPTS = 16  # connections accepted in a row before yielding to the scheduler
+
+
+async def _accept_plain(listener: socket.socket, serve: Callable[[socket.socket, Any], Awaitable[None]],
+                        nursery: trio.Nursery) -> None:
+    """Accept from a non-blocking listening socket straight away, awaiting only when none is waiting:
+    trio.SocketListener's accept, from_stdlib_socket, SocketStream's setsockopts and a getpeername
+    per connection were most of a `Connection: close` request's CPU. The peer address comes with
+    accept(); TCP_NODELAY with the listener."""
+    fd = listener.fileno()
+    try:
+        while True:
+            for _ in range(QUICK_ACCEPTS):
+                try:
+                    sock, peer = listener.accept()
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(fd)
+                    continue
+                except OSError as exc:
+                    await _accept_failed(exc)
+                    continue
+                sock.setblocking(False)
+                nursery.start_soon(serve, sock, peer)
+            await trio.lowlevel.checkpoint()  # a flood of connections cannot starve the rest
+    finally:
+        trio.lowlevel.notify_closing(listener)
+        listener.close()
 
 
 async def _accept_loop(listener: trio.abc.Listener[Any], serve_one: Callable[[Any], Awaitable[None]],
                        nursery: trio.Nursery) -> None:
     """trio.serve_listeners' loop without its aclose_forcefully per connection (a cancelled scope and a
-    caught Cancelled: a fifth of a `Connection: close` request); serve_one closes its stream itself."""
+    caught Cancelled: a fifth of a short request); serve_one closes its stream itself."""
     while True:
         try:
             stream = await listener.accept()
         except OSError as exc:
-            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                raise
-            log.error("HTTP: accept failed (%s); retrying in 100 ms", exc)
-            await trio.sleep(0.1)
+            await _accept_failed(exc)
             continue
         nursery.start_soon(serve_one, stream)
+
+
+async def _accept_failed(exc: OSError) -> None:
+    """Out of a resource for now (descriptors, memory): wait and accept again; else the error stands."""
+    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+        raise exc
+    log.error("HTTP: accept failed (%s); retrying in 100 ms", exc)
+    await trio.sleep(0.1)
 
 
 def _remote(sock: Any) -> str:
@@ -199,87 +242,14 @@ class _Replayed(trio.abc.Stream):
         await self.stream.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
+        # shielded: hypercorn closes from inside the app's last send, and quart-trio cancels that task
+        # once the disconnect reaches it; cancelled at send_eof's checkpoint, the close never came
         if isinstance(self.stream, trio.abc.HalfCloseableStream):
-            await self.stream.send_eof()
+            with trio.CancelScope(shield=True):
+                await self.stream.send_eof()
 
     async def aclose(self) -> None:
         await self.stream.aclose()
-
-
-class AsgiBody:
-    """A request body read straight from ASGI receive() events, never more than asked for."""
-
-    __slots__ = ("receive", "done", "received")
-
-    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
-        self.receive = receive
-        self.done = False
-        self.received = 0
-
-    async def read(self, cap: int) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        receive = self.receive
-        while not self.done:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            data = message.get("body", b"")
-            if not message.get("more_body", False):
-                self.done = True
-            size += len(data)
-            if size > cap:
-                self.received += size
-                return None
-            chunks.append(data)
-        self.received += size
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def linger(self, content_length: int | None) -> None:
-        """Read and drop what is left within LINGER_SECONDS and LINGER_BYTES, so the answer reaches a
-        client still uploading (hypercorn closes a connection whose request is unfinished when the
-        answer ends); an upload declared bigger than that is answered at once."""
-        if self.done or (content_length is not None and content_length > LINGER_BYTES):
-            return
-        with trio.move_on_after(LINGER_SECONDS):
-            while not self.done and self.received <= LINGER_BYTES:
-                message = await self.receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                self.received += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    self.done = True
-
-
-def asgi_app(site: Site[Any]) -> Callable[[dict, Any, Any], Awaitable[None]]:
-    """The ASGI app hypercorn serves handed-off connections with: the same site; a WebSocket upgrade
-    is refused (hypercorn answers 403)."""
-
-    async def app(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1000})
-            return
-        if scope["type"] != "http":
-            return
-        headers: dict[str, str] = {}
-        for key, value in scope["headers"]:
-            headers.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
-        body = AsgiBody(receive)
-        client = scope.get("client") or ("", 0)
-        req = Request(scope["method"], scope["raw_path"].decode("latin-1"), scope["query_string"], headers,
-                      reader=body.read, remote=join_host_port(client[0], client[1]) if client[0] else "",
-                      server_port=(scope.get("server") or ("", 0))[1] or 0, version=scope["http_version"])
-        try:
-            reply = await site(req)
-            await body.linger(req.content_length)
-        except ClientGone:
-            return
-        response_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.header_list()]
-        response_headers.append((b"content-length", str(len(reply.body)).encode()))
-        await send({"type": "http.response.start", "status": reply.status, "headers": response_headers})
-        await send({"type": "http.response.body", "body": reply.body})
-
-    return app
 
 
 def _first_error(group: BaseExceptionGroup) -> str:

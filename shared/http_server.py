@@ -73,15 +73,15 @@ class BadRequest(Exception):
 
 
 class Request:
-    """One HTTP request as the endpoints see it, whichever server received it (this loop, or the ASGI
-    adapter behind hypercorn). ``read(cap)`` returns the body, or None as soon as more than ``cap``
+    """One HTTP request as the endpoints see it, whichever server received it (this loop, or the QuartTrio
+    app behind hypercorn). ``read(cap)`` returns the body, or None as soon as more than ``cap``
     bytes have arrived; it raises ClientGone if the client leaves first."""
 
-    __slots__ = ("method", "raw_path", "query", "version", "headers", "content_length", "remote",
+    __slots__ = ("method", "raw_path", "query", "version", "headers", "content_length", "_peer",
                  "server_port", "expect_continue", "close", "_reader", "_path")
 
     def __init__(self, method: str, raw_path: str, query: bytes, headers: dict[str, str], *,
-                 reader: Callable[[int], Awaitable[bytes | None]], remote: str = "", server_port: int = 0,
+                 reader: Callable[[int], Awaitable[bytes | None]], remote: str | tuple = "", server_port: int = 0,
                  version: str = "1.1") -> None:
         self.method = method
         self.raw_path = raw_path
@@ -90,7 +90,7 @@ class Request:
         self.headers = headers  # lowercased names; a repeated header keeps its first value
         length = headers.get("content-length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
-        self.remote = remote
+        self._peer = remote  # host:port, or the address tuple accept() gave, formatted when asked
         self.server_port = server_port
         self._reader = reader
         self._path: str | None = None
@@ -104,6 +104,16 @@ class Request:
         if self._path is None:
             self._path = unquote(self.raw_path) if "%" in self.raw_path else self.raw_path
         return self._path
+
+    @property
+    def remote(self) -> str:
+        """The client's address as the request log shows it: host:port ("" on a unix socket)."""
+        peer = self._peer
+        if isinstance(peer, tuple):
+            from trio_nsq.shared.http import join_host_port  # (shared/http imports this module)
+
+            self._peer = peer = join_host_port(peer[0], peer[1])
+        return peer
 
     @property
     def uri(self) -> str:
@@ -125,7 +135,7 @@ class Site(Generic[H]):
     """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router`, `call(request,
     handler, params)` for a route, and nsqd's request log line (except for the `unlogged` handlers:
     nsqd logs no /pub or /mpub). `base_path` is stripped first (nsqadmin's --base-path). Handed to
-    serve_site; the ASGI adapter behind hypercorn calls the same."""
+    serve_site; the QuartTrio app behind hypercorn (shared/http_quart.py) calls the same."""
 
     def __init__(self, router: Router[H], call: Callable[[Request, H, Mapping[str, str]], Awaitable[Reply]],
                  log: logging.Logger, *, base_path: str = "", unlogged: Container[H] = (),
@@ -264,9 +274,10 @@ class Connection:
     """One HTTP/1.1 connection: read, parse, answer in order, until the client or a limit ends it.
     Run by shared/http.serve_site's accept loop, inside its guard."""
 
-    def __init__(self, stream: trio.abc.Stream, site: Site[Any], idle: IdleTimeouts, *, remote: str,
-                 server_port: int, can_hand_off: bool) -> None:
-        self.stream = stream
+    def __init__(self, site: Site[Any], idle: IdleTimeouts, *, sock: Any = None, stream: trio.abc.Stream | None = None,
+                 remote: str | tuple = "", server_port: int, can_hand_off: bool) -> None:
+        self.stream = stream  # TLS: a trio stream; plain: None, and `sock`, a non-blocking stdlib socket
+        self.sock = sock
         self.idle = idle
         self.site = site
         self.remote = remote
@@ -277,8 +288,8 @@ class Connection:
         self.current: _Message | None = None  # the message the parser is filling
         self.out: list[bytes] = []
         self.eof = False
-        # the socket's descriptor for reads and writes without a trip through the scheduler (-1: TLS)
-        self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # a plain socket's descriptor, read and written without a trip through the scheduler (-1: TLS)
+        self.fd = sock.fileno() if sock is not None else -1
         self.quick_reads = 0
         self.broken = 0  # a status to answer once the requests before the error are answered
         self.heads = 0  # request heads parsed so far
@@ -349,8 +360,13 @@ class Connection:
         except (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError):
             return
         if self.out:
-            with trio.move_on_after(LINGER_SECONDS):
-                await self._flush()
+            try:
+                rest = self._write_now()
+                if rest is not None:  # a scope only for an answer the socket did not take at once
+                    with trio.move_on_after(LINGER_SECONDS):
+                        await self._send_slowly(rest)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
 
     async def _serve(self) -> None:
         site = self.site
@@ -467,6 +483,7 @@ class Connection:
         reads it yields anyway, so a client that never pauses cannot starve the others."""
         fd = self.fd
         if fd < 0:
+            assert self.stream is not None
             with trio.move_on_after(timeout):
                 return await self.stream.receive_some(READ_SIZE)
             return b""
@@ -496,26 +513,41 @@ class Connection:
     async def _flush(self) -> None:
         """Write the answers gathered so far: at once when the socket takes them all (the usual case),
         else through the stream."""
+        rest = self._write_now()
+        if rest is not None:
+            await self._send_slowly(rest)
+
+    def _write_now(self) -> bytes | memoryview | None:
+        """Write what the socket takes now, without awaiting; what is left (None: nothing). Over TLS
+        everything is left for the stream."""
         out = self.out
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
-        if self.fd >= 0:
-            try:
-                sent = os.write(self.fd, data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise trio.BrokenResourceError(exc) from exc
-            if sent == len(data):
-                return
-            await self._send_slowly(memoryview(data)[sent:])
-            return
-        await self._send_slowly(data)
+        if self.fd < 0:
+            return data
+        try:
+            sent = os.write(self.fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(exc) from exc
+        return None if sent == len(data) else memoryview(data)[sent:]
 
     async def _send_slowly(self, data: bytes | memoryview) -> None:
         """A client that reads nothing for IDLE_TIMEOUT seconds while answers wait is gone (no request
         is read meanwhile, so what it holds is bounded by one read's worth of answers)."""
         with trio.move_on_after(IDLE_TIMEOUT):
-            await self.stream.send_all(data)
+            if self.stream is not None:
+                await self.stream.send_all(data)
+                return
+            view = memoryview(data)
+            while view:
+                await trio.lowlevel.wait_writable(self.fd)
+                try:
+                    view = view[os.write(self.fd, view):]
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(exc) from exc
             return
         raise trio.BrokenResourceError("the client read nothing for the idle timeout")

@@ -743,6 +743,16 @@ def _raw_exchange(port: int, data: bytes) -> bytes:
     return answer
 
 
+def test_http2_refused_upload_gets_its_answer(broker):
+    """Over HTTP/2 (hypercorn + the QuartTrio app) a body over --max-msg-size and past the first flow
+    control window (64 KiB) is read and dropped, so the client gets 413, not a reset; then the connection serves on."""
+    topic = unique()
+    with httpx.Client(http1=False, http2=True, base_url=broker.http_url) as h2:
+        big = h2.post(f"/pub?topic={topic}", content=b"x" * 200_000)  # > 65536, < --max-body-size
+        assert (big.http_version, big.status_code, big.json()) == ("HTTP/2", 413, {"message": "MSG_TOO_BIG"})
+        assert h2.post(f"/pub?topic={topic}", content=b"after").text == "OK"
+
+
 def test_requests_handed_to_hypercorn_are_served_by_the_same_routes(broker):
     """A head llhttp refuses but h11 takes (here an obs-folded header) goes to hypercorn with the bytes
     already read; hypercorn serves it through the same Site: /pub and /mpub publish, limits hold."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from http_wire import BROKER_FLAGS, CASES, RECORD, SETUP, exchange, req
 from processes import AdminProcess, BrokerProcess, LookupdProcess
@@ -63,3 +64,32 @@ def test_answers_are_the_recorded_bytes(daemons, daemon):
             wrong.append(f"{name}: the connection stayed open")
     assert not wrong, "\n".join(wrong)
     assert "Traceback" not in daemons[daemon].log_text()
+
+
+def _both(port: int, method: str, target: str, body: bytes = b"") -> tuple[httpx.Response, httpx.Response]:
+    """The same request over HTTP/1.1 (our own loop) and HTTP/2 with prior knowledge (handed to hypercorn,
+    answered by the QuartTrio app over the same Site)."""
+    url = f"http://127.0.0.1:{port}{target}"
+    with httpx.Client() as h1, httpx.Client(http1=False, http2=True) as h2:
+        one = h1.request(method, url, content=body)
+        two = h2.request(method, url, content=body)
+    assert (one.http_version, two.http_version) == ("HTTP/1.1", "HTTP/2")
+    return one, two
+
+
+@pytest.mark.parametrize("daemon, method, target, body", [
+    ("nsqd", "GET", "/ping", b""),
+    ("nsqd", "POST", "/pub?topic=wire_h2", b"over either"),
+    ("nsqd", "POST", "/pub", b"no topic"),
+    ("nsqd", "POST", "/pub?topic=wire_h2", b"x" * 500),  # over --max-msg-size: 413
+    ("nsqd", "GET", "/ping/", b""),
+    ("nsqd", "GET", "/nowhere", b""),
+    ("nsqlookupd", "GET", "/ping", b""),
+    ("nsqlookupd", "GET", "/topics", b""),
+    ("nsqlookupd", "GET", "/lookup?topic=none", b""),
+    ("nsqadmin", "GET", "/ping", b""),
+])
+def test_http2_answers_as_http1(daemons, daemon, method, target, body):
+    one, two = _both(daemons[daemon].http_port, method, target, body)
+    assert (two.status_code, two.content) == (one.status_code, one.content)
+    assert two.headers.get("content-type") == one.headers.get("content-type")
