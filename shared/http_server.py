@@ -40,6 +40,7 @@ from wsgiref.handlers import format_date_time
 import httptools
 import trio
 
+from trio_nsq.shared.addresses import join_host_port
 from trio_nsq.shared.http_api import Reply, Router, error_reply, log_request, routed_reply
 
 LINGER_SECONDS = 10.0
@@ -110,8 +111,6 @@ class Request:
         """The client's address as the request log shows it: host:port ("" on a unix socket)."""
         peer = self._peer
         if isinstance(peer, tuple):
-            from trio_nsq.shared.http import join_host_port  # (shared/http imports this module)
-
             self._peer = peer = join_host_port(peer[0], peer[1])
         return peer
 
