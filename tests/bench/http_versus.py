@@ -15,7 +15,6 @@ skipped and does nothing. Figures go to bench-results.json under "http_versus_go
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ import urllib.request
 from typing import Any
 
 from tests.bench.broker import Broker
+from tests.bench.machine import merge_report
 
 WRK = shutil.which("wrk")
 MSG_SIZE = 200
@@ -135,15 +135,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             go_text, ratio_text = f"{go:,.0f}", f"{entry['ratio']:.2f}"
         results[key] = entry
         print(f"{SCENARIOS[key][0]:<48} {go_text:>10} {trio:>10,.0f} {ratio_text:>6}")
-    report: dict[str, Any] = {}
-    if os.path.exists(args.output):
-        with open(args.output) as fh:
-            report = json.load(fh)
-    report["http_versus_go_nsqd"] = {"reference": os.path.abspath(args.reference) if args.reference else None,
-                                     "rounds": args.rounds, "seconds": args.seconds, "cpus": os.cpu_count(),
-                                     "tool": "wrk", "results": results}
-    with open(args.output, "w") as fh:
-        json.dump(report, fh, indent=2)
+    merge_report(args.output, {"reference": os.path.abspath(args.reference) if args.reference else None,
+                               "rounds": args.rounds, "seconds": args.seconds, "cpus": os.cpu_count(),
+                               "tool": "wrk", "results": results},
+                 "http_versus_go_nsqd")
     print(f"written {args.output}")
     return results
 

@@ -1,7 +1,9 @@
-"""What a figure was measured on: the CPU, its cores, Python, and which trio-nsq modules ran compiled."""
+"""What a figure was measured on: the CPU, its cores, Python, and which trio-nsq modules ran compiled;
+and merge_report, how each part of `make bench` adds its figures to bench-results.json."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from typing import Any
@@ -30,3 +32,19 @@ def describe(info: dict[str, Any]) -> str:
     modules = info["compiled_modules"]
     shown = ", ".join(m.rsplit(".", 1)[-1] for m in modules) if modules else "none (pure Python)"
     return f"{info['cpu']}, {info['cpus']} cores, Python {info['python']}; compiled: {shown}"
+
+
+def merge_report(path: str, value: Any, *keys: str) -> None:
+    """Put `value` at report[keys[0]][keys[1]]... of the JSON file at `path`, keeping every other key:
+    run.py writes the file, the Spark, versus and HTTP benches each add their part."""
+    try:
+        with open(path) as fh:
+            report = json.load(fh)
+    except (OSError, ValueError):
+        report = {}
+    node = report
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2)

@@ -25,6 +25,7 @@ import urllib.request
 
 from trio_nsq.shared.spark.publisher import MPubClient
 from tests.bench.broker import Broker
+from tests.bench.machine import merge_report
 
 
 def channel_stats(http: str, topic: str, channel: str) -> dict:
@@ -129,18 +130,6 @@ def trickle_latency(spark, broker: Broker, scratch: str, rate: int = 100, second
     return sorted(seen)
 
 
-def merge_results(path: str, figures: dict) -> None:
-    """Put the figures under results["spark"] of bench-results.json, keeping every other key."""
-    try:
-        with open(path) as fh:
-            report = json.load(fh)
-    except (OSError, ValueError):
-        report = {}
-    report.setdefault("results", {})["spark"] = figures
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
@@ -232,9 +221,9 @@ def main() -> None:
         broker.close()
         shutil.rmtree(scratch, ignore_errors=True)
     if args.output:
-        merge_results(args.output, {"title": "PySpark connector, local[2] (write rows/s, read messages/s)",
-                                    "rows": args.rows, "messages": args.messages, "runs": args.runs,
-                                    "figures": results})
+        merge_report(args.output, {"title": "PySpark connector, local[2] (write rows/s, read messages/s)",
+                                   "rows": args.rows, "messages": args.messages, "runs": args.runs,
+                                   "figures": results}, "results", "spark")
         print(f"merged into {args.output} (results.spark)")
 
 

@@ -16,7 +16,6 @@ per message) reads the same broker for --runfor. Both tools open one connection 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -26,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.bench.broker import Broker
-from tests.bench.machine import describe, machine
+from tests.bench.machine import describe, machine, merge_report
 from trio_nsq import compiled
 
 OPS = re.compile(r"([0-9.]+)ops/s")
@@ -143,15 +142,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results[name].update(pure_msg_s=medians["pure"], pure_ratio=ratios["pure"])
                 line += f" {medians['pure']:>12,.0f} {ratios['pure']:>7.2f}"
             print(line)
-    report: dict[str, Any] = {}
-    if os.path.exists(args.output):
-        with open(args.output) as fh:
-            report = json.load(fh)
-    report["versus_go_nsqd"] = {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
-                                "runfor_s": args.runfor, "machine": info, "cpus": info["cpus"],
-                                "compiled_modules": info["compiled_modules"], "results": results}
-    with open(args.output, "w") as fh:
-        json.dump(report, fh, indent=2)
+    merge_report(args.output, {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
+                               "runfor_s": args.runfor, "machine": info, "cpus": info["cpus"],
+                               "compiled_modules": info["compiled_modules"], "results": results},
+                 "versus_go_nsqd")
     print(f"written {args.output}")
     return results
 
