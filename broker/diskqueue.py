@@ -52,7 +52,7 @@ from typing import BinaryIO
 import trio
 
 from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.files import close_quietly, fsync_dir, write_synced
+from trio_nsq.broker.files import close_quietly, fsync_dir, remove_quietly, write_synced
 
 log = logging.getLogger("nsqd")
 
@@ -774,12 +774,9 @@ class DiskQueue:
             # records handed out before here stay until finished (their files go with the mark-delete)
             first = max(first, (self.mark_delete() >> POS_SHIFT) + 1)
         for num in range(first, self.write_file_num + 1):
-            try:
-                os.remove(self.file_name(num))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.error("DISKQUEUE(%s) failed to remove data file - %s", self.name, exc)
+            failed = remove_quietly(self.file_name(num))
+            if failed is not None:
+                log.error("DISKQUEUE(%s) failed to remove data file - %s", self.name, failed)
         self.write_file_num += 1
         self.write_pos = 0
         self.read_file_num = self.write_file_num
@@ -1104,12 +1101,9 @@ class DiskQueue:
             raise
         fsync_dir(self.data_path)  # the rename and any new data file's name
         for path in dead:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", self.name, path, exc)
+            failed = remove_quietly(path)
+            if failed is not None:
+                log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", self.name, path, failed)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The io_loop: fsync and metadata after sync_every reads+writes, after a file change, or every
@@ -1197,9 +1191,6 @@ class DiskQueue:
             return
         for entry in names:
             if mine.match(entry):
-                try:
-                    os.remove(os.path.join(self.data_path, entry))
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    log.error("DISKQUEUE(%s) failed to remove %s - %s", self.name, entry, exc)
+                failed = remove_quietly(os.path.join(self.data_path, entry))
+                if failed is not None:
+                    log.error("DISKQUEUE(%s) failed to remove %s - %s", self.name, entry, failed)

@@ -35,3 +35,15 @@ def close_quietly(fd: int | None) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def remove_quietly(path: str) -> OSError | None:
+    """Remove a file that may be gone already (not an error); any other failure is returned for the
+    caller to log in its own words, since a file left behind costs space, not data."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return exc
+    return None

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from trio_nsq.broker.files import close_quietly, fsync_dir, write_synced
+from trio_nsq.broker.files import close_quietly, fsync_dir, remove_quietly, write_synced
 
 log = logging.getLogger("nsqd")
 
@@ -242,9 +242,6 @@ class IdempotencyKeys:
         self._durable.clear()
         if self.path is not None:
             for path in (self.path, f"{self.path}.tmp"):
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    log.error("TOPIC(%s): failed to remove %s - %s", self.topic_name, path, exc)
+                failed = remove_quietly(path)
+                if failed is not None:
+                    log.error("TOPIC(%s): failed to remove %s - %s", self.topic_name, path, failed)
