@@ -229,10 +229,13 @@ ROUTER = Router(ROUTES)
 def lookupd_site(lookupd: NSQLookupd) -> Site[Route]:
     """nsqlookupd's routes as the shared HTTP server's Site."""
 
-    async def call(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
+    def call_now(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
         status, value = call_logged(log, lambda: route.handler(lookupd, req.query))
         if route.plain:
             return plain(str(value), status)
         return respond_v1(status, value)
 
-    return Site(ROUTER, call, log, max_body=0)
+    async def call(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
+        return call_now(req, route, params)
+
+    return Site(ROUTER, call, log, max_body=0, call_now=call_now)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import importlib
 import logging
+import select
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,7 +22,7 @@ from hypercorn.utils import wrap_app
 # the address helpers live in shared/addresses.py (the client needs them without this module's stack);
 # imported here for the daemons that import them from this module
 from trio_nsq.shared.addresses import address_text, is_unix_address, join_host_port, split_host_port  # noqa: F401
-from trio_nsq.shared.http_server import Connection, HandOff, IdleTimeouts, Site
+from trio_nsq.shared.http_server import Connection, ConnectionPoller, HandOff, IdleTimeouts, Site
 
 log = logging.getLogger(__name__)
 
@@ -126,20 +127,31 @@ async def serve_site(
         # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
         await TCPServer(framework[0], config, context, ConnectionState({}), _Replayed(stream, data))  # type: ignore[arg-type]
 
-    async def serve_plain(sock: socket.socket, peer: Any) -> None:
+    def accepted(sock: socket.socket, peer: Any) -> None:
+        conn = Connection(site, idle, sock=sock, remote=peer if isinstance(peer, tuple) else "",
+                          server_port=port, can_hand_off=True)
+        if poller is not None:
+            poller.add(conn)
+        else:
+            nursery.start_soon(serve_plain, conn)
+
+    async def serve_plain(conn: Connection) -> None:
+        parked = False
         try:
             try:
-                await Connection(site, idle, sock=sock, remote=peer if isinstance(peer, tuple) else "",
-                                 server_port=port, can_hand_off=True).serve()
+                parked = await conn.serve()
             except HandOff as exc:
-                stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn.sock))
                 await hand_off(stream, exc.data)
         except* Exception as group:
             log.error("HTTP: connection failed - %s", _first_error(group))
         finally:
-            # at once, and without notify_closing: no task waits on it now (the answer is written;
-            # close sends it on, then FIN, as Go's net/http closes after the last write)
-            sock.close()
+            if parked and poller is not None:
+                poller.add(conn)
+            else:
+                # at once, and without notify_closing: no task waits on it now (the answer is written;
+                # close sends it on, then FIN, as Go's net/http closes after the last write)
+                conn.sock.close()
 
     async def serve_tls(stream: trio.SSLStream) -> None:
         try:
@@ -151,12 +163,16 @@ async def serve_site(
             await trio.aclose_forcefully(stream)
 
     idle = IdleTimeouts()
+    poller: ConnectionPoller | None = None
     async with trio.open_nursery() as nursery:
+        if hasattr(select, "epoll"):
+            idle.poller = poller = ConnectionPoller(nursery, serve_plain, log)
+            nursery.start_soon(poller.run)
         nursery.start_soon(idle.run)
         for listener in tls_listeners:
             nursery.start_soon(_accept_loop, listener, serve_tls, nursery)
         for sock in sockets.insecure_sockets:
-            nursery.start_soon(_accept_plain, sock, serve_plain, nursery)
+            nursery.start_soon(_accept_plain, sock, accepted)
         task_status.started((bound[0], port))
 
 
@@ -165,8 +181,7 @@ _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBU
 QUICK_ACCEPTS = 16  # connections accepted in a row before yielding to the scheduler
 
 
-async def _accept_plain(listener: socket.socket, serve: Callable[[socket.socket, Any], Awaitable[None]],
-                        nursery: trio.Nursery) -> None:
+async def _accept_plain(listener: socket.socket, accepted: Callable[[socket.socket, Any], None]) -> None:
     """Accept from a non-blocking listening socket straight away, awaiting only when none is waiting:
     trio.SocketListener's accept, from_stdlib_socket, SocketStream's setsockopts and a getpeername
     per connection were most of a `Connection: close` request's CPU. The peer address comes with
@@ -184,7 +199,7 @@ async def _accept_plain(listener: socket.socket, serve: Callable[[socket.socket,
                     await _accept_failed(exc)
                     continue
                 sock.setblocking(False)
-                nursery.start_soon(serve, sock, peer)
+                accepted(sock, peer)
             await trio.lowlevel.checkpoint()  # a flood of connections cannot starve the rest
     finally:
         trio.lowlevel.notify_closing(listener)

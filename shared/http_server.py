@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Container, Mapping
@@ -41,7 +42,7 @@ import httptools
 import trio
 
 from trio_nsq.shared.addresses import join_host_port
-from trio_nsq.shared.http_api import Reply, Router, error_reply, log_request, routed_reply
+from trio_nsq.shared.http_api import Reply, Resolved, Router, error_reply, log_request, routed_reply
 
 LINGER_SECONDS = 10.0
 LINGER_BYTES = 64 * 1024 * 1024
@@ -49,6 +50,9 @@ MAX_HEAD = 16 * 1024  # h11's max_incomplete_event_size, which decided 431 befor
 IDLE_TIMEOUT = 75.0  # hypercorn's keep_alive_timeout as the daemons configured it
 READ_SIZE = 65536
 QUICK_READS = 16  # reads in a row without yielding to the scheduler
+PARK_BODY = 1024 * 1024  # a body up to this size is awaited in the poller, a larger one in a task
+PARK, TASK, CLOSE = 0, 1, 2  # what Connection.step asks of the poller
+MAX_EVENTS = 256  # connections served per wake-up of the poller
 
 H = TypeVar("H")
 
@@ -76,14 +80,15 @@ class BadRequest(Exception):
 class Request:
     """One HTTP request as the endpoints see it, whichever server received it (this loop, or the QuartTrio
     app behind hypercorn). ``read(cap)`` returns the body, or None as soon as more than ``cap``
-    bytes have arrived; it raises ClientGone if the client leaves first."""
+    bytes have arrived; it raises ClientGone if the client leaves first. A request answered without
+    awaiting (Site.now) came whole: ``body_now(cap)`` gives its body the same way."""
 
     __slots__ = ("method", "raw_path", "query", "version", "headers", "content_length", "_peer",
-                 "server_port", "expect_continue", "close", "_reader", "_path")
+                 "server_port", "expect_continue", "close", "_reader", "_path", "_body")
 
     def __init__(self, method: str, raw_path: str, query: bytes, headers: dict[str, str], *,
                  reader: Callable[[int], Awaitable[bytes | None]], remote: str | tuple = "", server_port: int = 0,
-                 version: str = "1.1") -> None:
+                 version: str = "1.1", body: bytes | None = None) -> None:
         self.method = method
         self.raw_path = raw_path
         self.query = query
@@ -94,6 +99,7 @@ class Request:
         self._peer = remote  # host:port, or the address tuple accept() gave, formatted when asked
         self.server_port = server_port
         self._reader = reader
+        self._body = body  # the whole body when it came with the head (None: not kept, past max_body)
         self._path: str | None = None
         connection = headers.get("connection", "").lower()
         self.close = version != "1.1" or "close" in connection
@@ -126,6 +132,11 @@ class Request:
     def read(self, cap: int) -> Awaitable[bytes | None]:
         return self._reader(cap)
 
+    def body_now(self, cap: int) -> bytes | None:
+        """The body of a request that came whole (what ``read(cap)`` would return)."""
+        body = self._body
+        return None if body is None or len(body) > cap else body
+
 
 # --- the one dispatch of the three daemons ----------------------------------------------------------
 
@@ -134,13 +145,18 @@ class Site(Generic[H]):
     """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router`, `call(request,
     handler, params)` for a route, and nsqd's request log line (except for the `unlogged` handlers:
     nsqd logs no /pub or /mpub). `base_path` is stripped first (nsqadmin's --base-path). Handed to
-    serve_site; the QuartTrio app behind hypercorn (shared/http_quart.py) calls the same."""
+    serve_site; the QuartTrio app behind hypercorn (shared/http_quart.py) calls the same.
+    `call_now(request, handler, params)`, where given, answers without awaiting or returns None having
+    done nothing (nsqd's /pub, /mpub and /ping, nsqlookupd's routes): ConnectionPoller calls it through
+    `now` for a request that came whole, and a task runs `call` for anything else."""
 
     def __init__(self, router: Router[H], call: Callable[[Request, H, Mapping[str, str]], Awaitable[Reply]],
                  log: logging.Logger, *, base_path: str = "", unlogged: Container[H] = (),
-                 max_body: int = 16 * 1024 * 1024, refusal: Reply | None = None) -> None:
+                 max_body: int = 16 * 1024 * 1024, refusal: Reply | None = None,
+                 call_now: Callable[[Request, H, Mapping[str, str]], Reply | None] | None = None) -> None:
         self.router = router
         self.call = call
+        self.call_now = call_now
         self.log = log
         self.base = base_path.rstrip("/")
         self.unlogged = unlogged
@@ -150,32 +166,63 @@ class Site(Generic[H]):
     def refusing(self, reply: Reply) -> Site[H]:
         """The same site answering every request with `reply`."""
         return Site(self.router, self.call, self.log, base_path=self.base, unlogged=self.unlogged,
-                    max_body=self.max_body, refusal=reply)
+                    max_body=self.max_body, refusal=reply, call_now=self.call_now)
 
     async def __call__(self, req: Request) -> Reply:
         if self.refusal is not None:
             return self.refusal
         start = time.perf_counter_ns()
-        method, path = req.method, req.path
-        base = self.base
-        if base and (path == base or path.startswith(base + "/")):
-            path = path[len(base):] or "/"
-        where = self.router.resolve(method, path)
-        reply = routed_reply(method, req.query, where)
+        path, where, reply = self._route(req)
         if reply is None:
             assert where.handler is not None
             try:
                 reply = await self.call(req, where.handler, where.params)
             except (ClientGone, BadRequest):  # the connection's end, not the handler's
                 raise
-            except Exception as exc:  # our bug, not the client's input: worth its traceback
-                self.log.error("panic in HTTP handler - %r", exc, exc_info=exc)
-                reply = error_reply(500, "INTERNAL_ERROR")
+            except Exception as exc:
+                reply = self._panic(exc)
             if where.handler in self.unlogged:
                 return reply
-        uri = path + ("?" + req.query.decode("latin-1") if req.query else "")
-        log_request(self.log, reply.status, method, uri, req.remote, time.perf_counter_ns() - start)
+        self._log(req, path, reply, start)
         return reply
+
+    def now(self, req: Request) -> Reply | None:
+        """The answer when it can be given without awaiting (ConnectionPoller's fast path: a request that
+        came whole, a route whose `call_now` answers it), else None, having done nothing."""
+        if self.refusal is not None:
+            return self.refusal
+        if self.call_now is None:
+            return None
+        start = time.perf_counter_ns()
+        path, where, reply = self._route(req)
+        if reply is None:
+            assert where.handler is not None
+            try:
+                reply = self.call_now(req, where.handler, where.params)
+            except Exception as exc:
+                reply = self._panic(exc)
+            if reply is None or where.handler in self.unlogged:
+                return reply
+        self._log(req, path, reply, start)
+        return reply
+
+    def _route(self, req: Request) -> tuple[str, Resolved[H], Reply | None]:
+        """The path routed (after base_path), where it goes, and the router's own answer if it has one."""
+        method, path = req.method, req.path
+        base = self.base
+        if base and (path == base or path.startswith(base + "/")):
+            path = path[len(base):] or "/"
+        where = self.router.resolve(method, path)
+        return path, where, routed_reply(method, req.query, where)
+
+    def _panic(self, exc: Exception) -> Reply:
+        # our bug, not the client's input: worth its traceback
+        self.log.error("panic in HTTP handler - %r", exc, exc_info=exc)
+        return error_reply(500, "INTERNAL_ERROR")
+
+    def _log(self, req: Request, path: str, reply: Reply, start: int) -> None:
+        uri = path + ("?" + req.query.decode("latin-1") if req.query else "")
+        log_request(self.log, reply.status, req.method, uri, req.remote, time.perf_counter_ns() - start)
 
 
 # --- answers ----------------------------------------------------------------------------------------
@@ -184,18 +231,21 @@ _SERVER = b"server: hypercorn-h11\r\n"  # what every answer said before; kept by
 
 
 class _Date:
-    """The date header's line, formatted once a second."""
+    """The date header's line, formatted once a second (an instance: compiled, a class cannot keep state)."""
 
-    second = -1
-    line = b""
+    def __init__(self) -> None:
+        self.second = -1
+        self.line = b""
 
-    @classmethod
-    def now(cls) -> bytes:
+    def now(self) -> bytes:
         second = int(time.time())
-        if second != cls.second:
-            cls.second = second
-            cls.line = b"date: " + format_date_time(second).encode() + b"\r\n" + _SERVER
-        return cls.line
+        if second != self.second:
+            self.second = second
+            self.line = b"date: " + format_date_time(second).encode() + b"\r\n" + _SERVER
+        return self.line
+
+
+_date = _Date()
 
 
 _heads: dict[tuple, bytes] = {}
@@ -218,17 +268,17 @@ def _head(reply: Reply) -> bytes:
 def reply_bytes(reply: Reply, close: bool, head: bool = False) -> bytes:
     """The whole answer as h11 wrote it for hypercorn (to HEAD without the body)."""
     body = reply.body
-    return b"".join((_head(reply), b"content-length: %d\r\n" % len(body), _Date.now(),
+    return b"".join((_head(reply), b"content-length: %d\r\n" % len(body), _date.now(),
                      b"Connection: close\r\n\r\n" if close else b"\r\n", b"" if head else body))
 
 
 def error_bytes(status: int) -> bytes:
     """A protocol error's answer (hypercorn's _send_error_response)."""
-    return b"HTTP/1.1 %d \r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (status, _Date.now())
+    return b"HTTP/1.1 %d \r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (status, _date.now())
 
 
 def continue_bytes() -> bytes:
-    return b"HTTP/1.1 100 \r\n" + _Date.now() + b"\r\n"
+    return b"HTTP/1.1 100 \r\n" + _date.now() + b"\r\n"
 
 
 # --- the connection loop --------------------------------------------------------------------------
@@ -253,11 +303,13 @@ class _Message:
 
 class IdleTimeouts:
     """The read timeouts of a server's connections: one task (run) ends every wait past its due time by
-    trio.lowlevel.notify_closing (the wait raises ClosedResourceError and the connection closes), checked
-    every second. A cancel scope per connection or per read cost more than a short request's parsing."""
+    trio.lowlevel.notify_closing (the wait raises ClosedResourceError and the connection closes), and
+    the poller's connections idle for IDLE_TIMEOUT, checked every second. A cancel scope per connection
+    or per read cost more than a short request's parsing."""
 
     def __init__(self) -> None:
         self.waiting: dict[int, float] = {}  # descriptor -> when its wait ends
+        self.poller: ConnectionPoller | None = None
 
     async def run(self) -> None:
         waiting = self.waiting
@@ -267,6 +319,80 @@ class IdleTimeouts:
             for fd in [fd for fd, due in waiting.items() if due <= now]:
                 del waiting[fd]
                 trio.lowlevel.notify_closing(fd)
+            if self.poller is not None:
+                self.poller.expire(now - IDLE_TIMEOUT)
+
+
+class ConnectionPoller:
+    """The plain connections between requests, watched by one task (run) through an epoll of its own:
+    a connection becomes readable, and `Connection.step` reads, parses and answers right there what
+    Site.now answers (nsqd's /pub, /mpub and /ping; nsqlookupd's routes), for every readable
+    connection of one wake-up, so one trip through the scheduler serves many requests (a task per
+    connection cost a wake-up, a failed read and an epoll_ctl per request: more than the request).
+    Anything else (a body still coming in, a route that awaits, TLS, a hand-off, an answer the socket
+    does not take at once) goes to a task of its own, `serve_task`, in the server's nursery; that task
+    hands the connection back once it is idle between requests.
+
+    Owned by shared/http.serve_site, which adds every accepted plain connection. Linux only (epoll;
+    elsewhere every connection has its task). Cancelling run closes the connections it holds."""
+
+    def __init__(self, nursery: trio.Nursery, serve_task: Callable[[Connection], Awaitable[None]],
+                 log: logging.Logger) -> None:
+        self.nursery = nursery
+        self.serve_task = serve_task
+        self.log = log
+        self.epoll = select.epoll()
+        self.connections: dict[int, Connection] = {}
+
+    def add(self, conn: Connection) -> None:
+        if self.epoll.closed:  # the server is shutting down
+            conn.sock.close()
+            return
+        conn.parkable = True
+        conn.last_active = trio.current_time()
+        self.connections[conn.fd] = conn
+        self.epoll.register(conn.fd, select.EPOLLIN)
+
+    def _remove(self, conn: Connection) -> None:
+        del self.connections[conn.fd]
+        self.epoll.unregister(conn.fd)
+
+    async def run(self) -> None:
+        connections = self.connections
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self.epoll.fileno())
+                now = trio.current_time()
+                for fd, _ in self.epoll.poll(0, MAX_EVENTS):
+                    conn = connections.get(fd)
+                    if conn is None:
+                        continue
+                    try:
+                        outcome = conn.step()
+                    except trio.BrokenResourceError:
+                        outcome = CLOSE
+                    except Exception as exc:  # our bug: it costs this connection
+                        self.log.error("HTTP: connection failed - %s: %s", type(exc).__name__, exc)
+                        outcome = CLOSE
+                    if outcome == PARK:
+                        conn.last_active = now
+                        continue
+                    self._remove(conn)
+                    if outcome == CLOSE:
+                        conn.sock.close()
+                    else:
+                        self.nursery.start_soon(self.serve_task, conn)
+        finally:
+            for conn in connections.values():
+                conn.sock.close()
+            connections.clear()
+            self.epoll.close()
+
+    def expire(self, before: float) -> None:
+        """Close the connections idle since before `before` (IdleTimeouts calls it every second)."""
+        for conn in [conn for conn in self.connections.values() if conn.last_active < before]:
+            self._remove(conn)
+            conn.sock.close()
 
 
 class Connection:
@@ -296,6 +422,10 @@ class Connection:
         # what was fed since the last message boundary, while a head is incomplete: replayed to
         # hypercorn if llhttp refuses the head
         self.replay: bytearray | None = bytearray()
+        self.parkable = False  # set by ConnectionPoller: idle between requests, the task hands it back
+        self.closing = False  # the last answer is given (or being written): no more requests are read
+        self.handoff: HandOff | None = None  # met by step(): the task hands the connection to hypercorn
+        self.last_active = 0.0  # trio.current_time() of its last read in the poller
 
     # parser callbacks (httptools calls these from feed_data)
 
@@ -349,15 +479,20 @@ class Connection:
 
     # the loop
 
-    async def serve(self) -> None:
+    async def serve(self) -> bool:
+        """Serve requests until the connection ends (False) or, when parkable, until it is idle between
+        requests with every answer written (True: the poller takes it back)."""
+        if self.handoff is not None:
+            raise self.handoff
         try:
-            await self._serve()
+            if not self.closing and await self._serve():
+                return True
         except HandOff:
             raise
         except BadRequest as exc:
             self.out.append(error_bytes(exc.status))
         except (ClientGone, trio.BrokenResourceError, trio.ClosedResourceError):
-            return
+            return False
         if self.out:
             try:
                 rest = self._write_now()
@@ -365,23 +500,23 @@ class Connection:
                     with trio.move_on_after(LINGER_SECONDS):
                         await self._send_slowly(rest)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
+                return False
+        return False
 
-    async def _serve(self) -> None:
+    async def _serve(self) -> bool:
         site = self.site
         while True:
             while not self.ready:
                 if self.out:
                     await self._flush()
+                if self.parkable and not self.broken and not self.eof:
+                    return True
                 if not await self._feed(IDLE_TIMEOUT):
-                    return
+                    return False
             m = self.ready[0]
             if m.version == "1.1" and "host" not in m.headers:
                 raise BadRequest(400)  # h11's rule
-            url = m.url
-            path, _, query = url.partition(b"?")
-            req = Request(m.method, path.decode("latin-1"), query, m.headers, reader=self._reader(m),
-                          remote=self.remote, server_port=self.server_port, version=m.version)
+            req = self._request(m)
             if req.expect_continue:
                 self.out.append(continue_bytes())
                 await self._flush()
@@ -394,7 +529,67 @@ class Connection:
             self.ready.popleft()
             self.out.append(reply_bytes(reply, close, m.method == "HEAD"))
             if close:
-                return
+                return False
+
+    def _request(self, m: _Message) -> Request:
+        path, _, query = m.url.partition(b"?")
+        body: bytes | None = None
+        if m.complete and m.keep:
+            body = m.body[0] if len(m.body) == 1 else b"".join(m.body)
+        return Request(m.method, path.decode("latin-1"), query, m.headers, reader=self._reader(m),
+                       remote=self.remote, server_port=self.server_port, version=m.version, body=body)
+
+    # the poller's side: everything here runs without awaiting
+
+    def step(self) -> int:
+        """The socket is readable: read once, parse, answer what Site.now answers. PARK: back to waiting
+        in the poller; TASK: a task goes on with serve(); CLOSE: the connection is done."""
+        try:
+            data = os.read(self.fd, READ_SIZE)
+        except BlockingIOError:
+            return PARK
+        except OSError:
+            return CLOSE
+        if not data:
+            self.eof = True
+            return TASK if self.ready else CLOSE
+        try:
+            self._parse(data)
+        except HandOff as exc:
+            self.handoff = exc
+            return TASK
+        return self._answer_now()
+
+    def _answer_now(self) -> int:
+        site = self.site
+        while self.ready and not self.broken:
+            m = self.ready[0]
+            if not m.complete:
+                declared = m.headers.get("content-length", "")
+                if not declared.isdigit() or int(declared) > PARK_BODY:
+                    return TASK  # a large or chunked body: the task reads it (and may answer early)
+                break
+            if m.version == "1.1" and "host" not in m.headers:
+                return TASK
+            req = self._request(m)
+            if req.expect_continue:
+                return TASK
+            reply = site.now(req)
+            if reply is None:
+                return TASK
+            self.ready.popleft()
+            self.out.append(reply_bytes(reply, req.close, m.method == "HEAD"))
+            if req.close:
+                self.closing = True
+                break
+        if self.out:
+            rest = self._write_now()
+            if rest is not None:
+                self.out.append(bytes(rest))
+                return TASK
+        if self.closing:
+            return CLOSE
+        return TASK if self.broken else PARK
 
     def _reader(self, m: _Message) -> Callable[[int], Awaitable[bytes | None]]:
         declared = m.headers.get("content-length", "")
@@ -435,6 +630,10 @@ class Connection:
         if not data:
             self.eof = True
             return False
+        self._parse(data)
+        return True
+
+    def _parse(self, data: bytes | bytearray) -> None:
         heads = self.heads
         replay = self.replay
         if replay is not None:
@@ -465,7 +664,6 @@ class Connection:
                 self.partial_head += len(data)
                 if self.partial_head > MAX_HEAD:
                     self._give_up(self.replay, 431)
-        return True
 
     def _give_up(self, replay: bytearray | None, status: int) -> None:
         """llhttp refused what came after the answered requests: hypercorn takes the connection over

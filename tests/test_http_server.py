@@ -1,5 +1,6 @@
-"""shared/http_server in-process, on a real loopback socket under trio's MockClock: the idle timeout, and a
-handler's failure costing one answer."""
+"""shared/http_server in-process, on a real loopback socket under trio's MockClock: the idle timeout, a
+handler's failure costing one answer, and ConnectionPoller's fast path (Site.call_now) beside the task
+that serves what it cannot answer without awaiting."""
 
 from __future__ import annotations
 
@@ -74,3 +75,101 @@ async def test_a_client_that_never_reads_its_answers_is_dropped(autojump_clock):
         assert trio.current_time() - started >= IDLE_TIMEOUT
         await stream.aclose()
         nursery.cancel_scope.cancel()
+
+
+class _Counted:
+    """A site whose /ping is answered without awaiting (call_now) and whose /slow awaits (call): counts
+    which path answered what."""
+
+    def __init__(self) -> None:
+        self.now: list[str] = []
+        self.awaited: list[str] = []
+        routes = {"GET": {"/ping": "ping", "/slow": "slow", "/boom": "boom", "/garbage": "garbage"}}
+        self.site = Site(Router(routes), self.call, log, call_now=self.call_now)
+
+    def call_now(self, req, handler, params):
+        if handler == "boom":
+            raise RuntimeError("a bug of ours")
+        if handler == "garbage":
+            return "not a Reply"  # a bug that breaks the answer itself, not the handler
+        if handler == "slow":
+            return None
+        self.now.append(handler)
+        return plain(handler)
+
+    async def call(self, req, handler, params):
+        await trio.sleep(1)
+        self.awaited.append(handler)
+        return plain(handler)
+
+
+async def test_the_poller_answers_what_it_can_and_a_task_the_rest_in_order(autojump_clock):
+    """Pipelined /ping, /slow, /ping: the first /ping answered by call_now, /slow by a task after its
+    await (and the /ping behind it by that task), the answers in order; the task hands the connection
+    back, and later requests go through the fast path again."""
+    counted = _Counted()
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(functools.partial(serve_site, counted.site, "127.0.0.1:0"))
+        stream = await trio.open_tcp_stream(host, port)
+        ping, slow = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+        await stream.send_all(ping + slow + ping)
+        answer = b""
+        while answer.count(b"HTTP/1.1 200 ") < 3 or not answer.endswith(b"\r\n\r\nping"):
+            answer += await stream.receive_some(65536)
+        bodies = [part.rpartition(b"\r\n\r\n")[2] for part in answer.split(b"HTTP/1.1 200 ")[1:]]
+        assert bodies == [b"ping", b"slow", b"ping"]
+        assert counted.now == ["ping"] and counted.awaited == ["slow", "ping"]
+        for _ in range(3):
+            await stream.send_all(ping)
+            assert (await _answer(stream, b"\r\n\r\nping")).startswith(b"HTTP/1.1 200 ")
+        assert counted.now == ["ping"] * 4 and counted.awaited == ["slow", "ping"]
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_bug_in_the_fast_path_costs_one_answer_or_one_connection(autojump_clock, caplog):
+    """call_now raising is a 500 and the connection goes on; an answer that cannot even be written (a
+    handler returning garbage) costs that connection and one log line, and the server keeps serving."""
+    counted = _Counted()
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(functools.partial(serve_site, counted.site, "127.0.0.1:0"))
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\nGET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await _answer(stream, b"ping")
+        assert answer.startswith(b"HTTP/1.1 500 ") and b'{"message":"INTERNAL_ERROR"}HTTP/1.1 200 ' in answer
+        assert "panic in HTTP handler - RuntimeError('a bug of ours')" in caplog.text
+
+        broken = await trio.open_tcp_stream(host, port)
+        await broken.send_all(b"GET /garbage HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await broken.receive_some(100) == b""
+        failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HTTP: connection failed")]
+        assert len(failed) == 1 and "AttributeError" in failed[0], failed
+
+        await stream.send_all(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _answer(stream, b"ping")).startswith(b"HTTP/1.1 200 ")
+        await stream.aclose()
+        await broken.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_poller_closes_a_silent_connection_and_its_connections_at_shutdown(autojump_clock):
+    """A connection that never sends a byte is closed after the idle timeout; cancelling the server
+    closes the idle connections the poller holds."""
+    counted = _Counted()
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(functools.partial(serve_site, counted.site, "127.0.0.1:0"))
+            silent = await trio.open_tcp_stream(host, port)
+            since = trio.current_time()
+            assert await silent.receive_some(100) == b""
+            assert IDLE_TIMEOUT <= trio.current_time() - since <= IDLE_TIMEOUT + 1.5
+            await silent.aclose()
+
+            kept = await trio.open_tcp_stream(host, port)
+            await kept.send_all(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _answer(kept, b"ping")).startswith(b"HTTP/1.1 200 ")
+            nursery.cancel_scope.cancel()
+        with trio.fail_after(1):
+            assert await kept.receive_some(100) == b""
+        await kept.aclose()
+        outer.cancel_scope.cancel()

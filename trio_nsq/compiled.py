@@ -31,6 +31,7 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.diskqueue",
     "trio_nsq.broker.client_v2",
     "trio_nsq.broker.protocol_v2",
+    "trio_nsq.shared.http_server",
 )
 
 # mypyc's runtime library shared by MODULES (each compiled module is a shim over it):

@@ -18,7 +18,7 @@ from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.http.openapi import openapi_bytes
 from trio_nsq.broker.idempotency import valid_key
 from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
-from trio_nsq.broker.topic import Topic
+from trio_nsq.broker.topic import Published, Topic
 from trio_nsq.shared.http_api import (
     EMPTY,
     JSON_TYPE,
@@ -66,9 +66,19 @@ class Api:
         try:
             return await getattr(self, name)(req, **kwargs)
         except HTTPError as exc:
-            if name == "ping":  # nsqd's PlainText decorator: the text as it is
-                return plain(exc.text, exc.status)
-            return error_reply(exc.status, exc.text)
+            return _error(name, exc)
+
+    def call_now(self, name: str, req: Request, **kwargs: Any) -> Reply | None:
+        """The same endpoint answered without awaiting, for a request that came whole (Site.now): the
+        `<name>_now` method's reply, or None (having done nothing) when it must await after all."""
+        method = getattr(self, name + "_now", None)
+        if method is None:
+            return None
+        try:
+            reply: Reply | None = method(req, **kwargs)
+            return reply
+        except HTTPError as exc:
+            return _error(name, exc)
 
     # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
 
@@ -113,6 +123,9 @@ class Api:
     # --- /ping /info ------------------------------------------------------------------------
 
     async def ping(self, req: Request) -> Reply:
+        return self.ping_now(req)
+
+    def ping_now(self, req: Request) -> Reply:
         text = health(self.nsqd)
         if self.nsqd.health_error is not None:
             raise HTTPError(500, text)
@@ -140,11 +153,29 @@ class Api:
     # --- publishing -------------------------------------------------------------------------
 
     async def pub(self, req: Request) -> Reply:
+        key = self._pub_head(req)
+        body = await req.read(self.options.max_msg_size)
+        topic, bodies, deferred = self._pub_body(req, body)
+        await self._publish(topic, bodies, "pub", key, deferred)
+        return OK
+
+    def pub_now(self, req: Request) -> Reply | None:
+        if not self._publishes_now(req):
+            return None
+        self._pub_head(req)
+        topic, bodies, deferred = self._pub_body(req, req.body_now(self.options.max_msg_size))
+        self._publish_sync(topic, bodies, "pub", deferred)
+        return OK
+
+    def _pub_head(self, req: Request) -> str | None:
+        """/pub's checks before its body is read; its Idempotency-Key."""
         key = self._idempotency_key(req)
-        max_msg_size = self.options.max_msg_size
-        if req.content_length is not None and req.content_length > max_msg_size:
+        if req.content_length is not None and req.content_length > self.options.max_msg_size:
             raise HTTPError(413, "MSG_TOO_BIG")
-        body = await req.read(max_msg_size)
+        return key
+
+    def _pub_body(self, req: Request, body: bytes | None) -> tuple[Topic, list[bytes], float]:
+        """/pub's checks of the body read (None: past max_msg_size) and the query: what to publish."""
         if body is None:
             raise HTTPError(413, "MSG_TOO_BIG")
         if not body:
@@ -160,10 +191,23 @@ class Api:
             if ms < 0 or ms > self.options.max_req_timeout * 1000:
                 raise HTTPError(400, "INVALID_DEFER")
             deferred = ms / 1000
-        await self._publish(topic, [body], "pub", key, deferred)
-        return OK
+        return topic, [body], deferred
 
     async def mpub(self, req: Request) -> Reply:
+        key, topic, binary = self._mpub_head(req)
+        body = await req.read(self.options.max_body_size)
+        await self._publish(topic, self._mpub_bodies(body, binary), "mpub", key)
+        return OK
+
+    def mpub_now(self, req: Request) -> Reply | None:
+        if not self._publishes_now(req):
+            return None
+        _, topic, binary = self._mpub_head(req)
+        self._publish_sync(topic, self._mpub_bodies(req.body_now(self.options.max_body_size), binary), "mpub")
+        return OK
+
+    def _mpub_head(self, req: Request) -> tuple[str | None, Topic, bool]:
+        """/mpub's checks before its body is read: the Idempotency-Key, the topic, binary or not."""
         key = self._idempotency_key(req)
         opts = self.options
         if req.content_length is not None and req.content_length > opts.max_body_size:
@@ -175,22 +219,28 @@ class Api:
             binary = BOOL_PARAMS.get(values[0], True)
             if values[0] not in BOOL_PARAMS:
                 log.warning("deprecated value '%s' used for /mpub binary param", values[0])
-        body = await req.read(opts.max_body_size)
+        return key, topic, binary
+
+    def _mpub_bodies(self, body: bytes | None, binary: bool) -> list[bytes]:
+        opts = self.options
         if body is None:
             raise HTTPError(413, "BODY_TOO_BIG")
         if binary:
             try:
-                bodies = parse_mpub_body(body, opts.max_msg_size, opts.max_body_size, surplus_ok=True)
+                return parse_mpub_body(body, opts.max_msg_size, opts.max_body_size, surplus_ok=True)
             except FatalClientError as exc:  # nsqd's HTTP codes are the TCP ones without "E_"
                 raise HTTPError(413, exc.code.removeprefix("E_")) from None
-        else:
-            # newline-separated; empty lines are skipped, as nsqd has done since 0.2.22
-            bodies = [line for line in body.split(b"\n") if line]
-            max_msg_size = opts.max_msg_size
-            if any(len(line) > max_msg_size for line in bodies):
-                raise HTTPError(413, "MSG_TOO_BIG")
-        await self._publish(topic, bodies, "mpub", key)
-        return OK
+        # newline-separated; empty lines are skipped, as nsqd has done since 0.2.22
+        bodies = [line for line in body.split(b"\n") if line]
+        max_msg_size = opts.max_msg_size
+        if any(len(line) > max_msg_size for line in bodies):
+            raise HTTPError(413, "MSG_TOO_BIG")
+        return bodies
+
+    def _publishes_now(self, req: Request) -> bool:
+        """A publish answered without awaiting: no Idempotency-Key (its journal awaits) and no fsync to
+        wait for (--sync-every=1)."""
+        return req.idempotency_key is None and self.options.sync_every != 1
 
     @staticmethod
     def _idempotency_key(req: Request) -> str | None:
@@ -212,11 +262,7 @@ class Api:
         """Publish; with --sync-every=1 answer only once on disk, over HTTP as over TCP (concurrent
         requests share the fsync: the backend's sync is a group commit). True if every message is on
         disk and fsynced now (so an Idempotency-Key covering them may be journalled)."""
-        try:
-            published = topic.publish(bodies, deferred)
-        except BackendError as exc:
-            log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
-            raise HTTPError(503, "EXITING") from None
+        published = self._publish_sync(topic, bodies, what, deferred)
         if published.sync is not None:
             try:
                 await published.sync.sync()
@@ -224,6 +270,14 @@ class Api:
                 log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
                 raise HTTPError(500, "INTERNAL_ERROR") from None
         return published.all_durable
+
+    def _publish_sync(self, topic: Topic, bodies: list[bytes], what: str, deferred: float = 0.0) -> Published:
+        """Topic.publish, its failure as nsqd answers it; what is left to await is in the result."""
+        try:
+            return topic.publish(bodies, deferred)
+        except BackendError as exc:
+            log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
+            raise HTTPError(503, "EXITING") from None
 
     # --- /stats /metrics /openapi.json -----------------------------------------------------
 
@@ -381,6 +435,12 @@ def option_value(options: Any, name: str) -> Any:
 
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1_000_000_000))
+
+
+def _error(name: str, exc: HTTPError) -> Reply:
+    if name == "ping":  # nsqd's PlainText decorator: the text as it is
+        return plain(exc.text, exc.status)
+    return error_reply(exc.status, exc.text)
 
 
 def _name_arg(params: dict[str, list[str]], key: str, invalid: str, is_valid: Callable[[str], bool]) -> str:

@@ -49,13 +49,18 @@ ROUTER = Router(ROUTES)
 
 
 def nsqd_site(api: Api) -> Site[str]:
-    """nsqd's routes calling Api; /pub and /mpub are not logged, as nsqd's are not."""
+    """nsqd's routes calling Api (its `_now` methods where a request can be answered without awaiting);
+    /pub and /mpub are not logged, as nsqd's are not."""
     opts = api.options
 
     def call(req: Request, name: str, params: Mapping[str, str]) -> Any:
         return api.call(name, req, **params)
 
-    return Site(ROUTER, call, log, unlogged=("pub", "mpub"), max_body=max(opts.max_body_size, opts.max_msg_size))
+    def call_now(req: Request, name: str, params: Mapping[str, str]) -> Reply | None:
+        return api.call_now(name, req, **params)
+
+    return Site(ROUTER, call, log, unlogged=("pub", "mpub"), max_body=max(opts.max_body_size, opts.max_msg_size),
+                call_now=call_now)
 
 
 def tls_required_reply(api: Api) -> Reply:
