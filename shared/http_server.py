@@ -536,8 +536,12 @@ class Connection:
         body: bytes | None = None
         if m.complete and m.keep:
             body = m.body[0] if len(m.body) == 1 else b"".join(m.body)
-        return Request(m.method, path.decode("latin-1"), query, m.headers, reader=self._reader(m),
+        return Request(m.method, path.decode("latin-1"), query, m.headers, reader=self._read_body,
                        remote=self.remote, server_port=self.server_port, version=m.version, body=body)
+
+    async def _read_body(self, cap: int) -> bytes | None:
+        """Request.read of the request being answered (the first of `ready`)."""
+        return await self._reader(self.ready[0])(cap)
 
     # the poller's side: everything here runs without awaiting
 

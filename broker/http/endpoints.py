@@ -44,6 +44,8 @@ log = logging.getLogger("nsqd")
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+QUERY_CACHE = 1024  # distinct query strings kept parsed
+
 # nsqd's boolParams: anything else is "not given" (stats) or "true" (mpub's binary)
 BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
 
@@ -60,6 +62,10 @@ class Api:
         self.nsqd = nsqd
         self.options = nsqd.options
         self.https_address: tuple[str, int] | None = None
+        self._queries: dict[bytes, dict[str, list[str]]] = {}  # raw query -> parsed, at most QUERY_CACHE
+        # the endpoints answered without awaiting when a request came whole (Site.now)
+        self._now: dict[str, Callable[[Request], Reply | None]] = {
+            "ping": self.ping_now, "pub": self.pub_now, "mpub": self.mpub_now}
 
     async def call(self, name: str, req: Request, **kwargs: Any) -> Reply:
         """Run one endpoint, turning HTTPError into nsqd's error reply (the Site logs the request)."""
@@ -68,26 +74,32 @@ class Api:
         except HTTPError as exc:
             return _error(name, exc)
 
-    def call_now(self, name: str, req: Request, **kwargs: Any) -> Reply | None:
+    def call_now(self, name: str, req: Request) -> Reply | None:
         """The same endpoint answered without awaiting, for a request that came whole (Site.now): the
         `<name>_now` method's reply, or None (having done nothing) when it must await after all."""
-        method = getattr(self, name + "_now", None)
+        method = self._now.get(name)
         if method is None:
             return None
         try:
-            reply: Reply | None = method(req, **kwargs)
-            return reply
+            return method(req)
         except HTTPError as exc:
             return _error(name, exc)
 
     # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
 
     def _params(self, req: Request) -> dict[str, list[str]]:
-        try:
-            return parse_query(req.query)
-        except ValueError as exc:
-            log.error("failed to parse request params - %s", exc)
-            raise HTTPError(400, "INVALID_REQUEST") from None
+        """The query parsed (read-only: a publisher's query is parsed once, then looked up)."""
+        params = self._queries.get(req.query)
+        if params is None:
+            try:
+                params = parse_query(req.query)
+            except ValueError as exc:
+                log.error("failed to parse request params - %s", exc)
+                raise HTTPError(400, "INVALID_REQUEST") from None
+            if len(self._queries) >= QUERY_CACHE:
+                self._queries.clear()
+            self._queries[req.query] = params
+        return params
 
     def _topic_from_query(self, req: Request) -> tuple[dict[str, list[str]], Topic]:
         """Creates the topic if needed, as nsqd's GetTopic."""

@@ -57,7 +57,7 @@ def nsqd_site(api: Api) -> Site[str]:
         return api.call(name, req, **params)
 
     def call_now(req: Request, name: str, params: Mapping[str, str]) -> Reply | None:
-        return api.call_now(name, req, **params)
+        return api.call_now(name, req)  # none of them has a path parameter
 
     return Site(ROUTER, call, log, unlogged=("pub", "mpub"), max_body=max(opts.max_body_size, opts.max_msg_size),
                 call_now=call_now)
