@@ -44,7 +44,8 @@ log = logging.getLogger("nsqd")
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-QUERY_CACHE = 1024  # distinct query strings kept parsed
+QUERY_CACHE = 1024  # distinct query strings kept parsed, each of at most QUERY_CACHE_KEY bytes
+QUERY_CACHE_KEY = 512
 
 # nsqd's boolParams: anything else is "not given" (stats) or "true" (mpub's binary)
 BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
@@ -96,9 +97,10 @@ class Api:
             except ValueError as exc:
                 log.error("failed to parse request params - %s", exc)
                 raise HTTPError(400, "INVALID_REQUEST") from None
-            if len(self._queries) >= QUERY_CACHE:
-                self._queries.clear()
-            self._queries[req.query] = params
+            if len(req.query) <= QUERY_CACHE_KEY:
+                if len(self._queries) >= QUERY_CACHE:
+                    self._queries.clear()
+                self._queries[req.query] = params
         return params
 
     def _topic_from_query(self, req: Request) -> tuple[dict[str, list[str]], Topic]:
