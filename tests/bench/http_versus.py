@@ -56,6 +56,7 @@ SCENARIOS: dict[str, tuple[str, str, int, int, tuple[str, ...], bool]] = {
 
 _RATE = re.compile(r"Requests/sec:\s+([0-9.]+)")
 _BAD = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
+_REQUESTS = re.compile(r"(\d+) requests in ")
 
 
 def _script(folder: str, key: str) -> str:
@@ -73,6 +74,13 @@ def _script(folder: str, key: str) -> str:
     return path
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (every thread), from /proc."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _post(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
@@ -87,13 +95,19 @@ def run_once(reference: str | None, side: str, key: str, seconds: float, folder:
         assert WRK is not None
         args = [WRK, f"-t{min(2, connections)}", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s",
                 "-s", _script(folder, key), *extra, broker.http_url + path]
+        cpu_before = _cpu_seconds(broker.proc.pid)
         out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
+        cpu = _cpu_seconds(broker.proc.pid) - cpu_before
         match = _RATE.search(out.stdout)
+        requests = _REQUESTS.search(out.stdout)
         if out.returncode != 0 or not match:
             raise RuntimeError(f"wrk failed: {(out.stdout + out.stderr)[-500:]}")
         bad = _BAD.search(out.stdout)
         rate = float(match.group(1))
         figures = {"req_s": rate, "non_2xx": float(bad.group(1)) if bad else 0.0}
+        if requests and int(requests.group(1)):
+            # the broker's user + system CPU per request: steadier across machines and load than req/s
+            figures["cpu_us"] = cpu / int(requests.group(1)) * 1e6
         if per_request:
             figures["msg_s"] = rate * per_request
         return figures
@@ -124,23 +138,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"round {round_no} {SCENARIOS[key][0]:<46} {side:<5} {figures['req_s']:>10,.0f} req/s"
                           + (f"  ({figures['non_2xx']:.0f} non-2xx)" if figures["non_2xx"] else ""), flush=True)
     results: dict[str, Any] = {}
-    print(f"\n{'HTTP scenario (wrk)':<48} {'Go nsqd':>10} {'trio-nsqd':>10} {'ratio':>6}   req/s, medians of {args.rounds}")
+    print(f"\n{'HTTP scenario (wrk)':<48} {'Go nsqd':>10} {'trio-nsqd':>10} {'ratio':>6}   req/s, medians of {args.rounds}"
+          "; broker CPU µs per request, Go / ours")
     for key in keys:
         trio = statistics.median(s["req_s"] for s in samples[key]["trio"])
         entry: dict[str, Any] = {"title": SCENARIOS[key][0], "trio_req_s": trio, "samples": samples[key]}
+        cpu_text = _median_cpu(samples[key]["trio"], entry, "trio_cpu_us")
         go_text, ratio_text = "-", "-"
         if "go" in samples[key]:
             go = statistics.median(s["req_s"] for s in samples[key]["go"])
             entry.update(go_req_s=go, ratio=trio / go if go else float("inf"))
             go_text, ratio_text = f"{go:,.0f}", f"{entry['ratio']:.2f}"
+            cpu_text = _median_cpu(samples[key]["go"], entry, "go_cpu_us") + " / " + cpu_text
         results[key] = entry
-        print(f"{SCENARIOS[key][0]:<48} {go_text:>10} {trio:>10,.0f} {ratio_text:>6}")
+        print(f"{SCENARIOS[key][0]:<48} {go_text:>10} {trio:>10,.0f} {ratio_text:>6}   {cpu_text}")
     merge_report(args.output, {"reference": os.path.abspath(args.reference) if args.reference else None,
                                "rounds": args.rounds, "seconds": args.seconds, "cpus": os.cpu_count(),
                                "tool": "wrk", "results": results},
                  "http_versus_go_nsqd")
     print(f"written {args.output}")
     return results
+
+
+def _median_cpu(samples: list[dict[str, float]], entry: dict[str, Any], key: str) -> str:
+    values = [s["cpu_us"] for s in samples if "cpu_us" in s]
+    if not values:
+        return "-"
+    entry[key] = statistics.median(values)
+    return f"{entry[key]:.0f}"
 
 
 if __name__ == "__main__":
