@@ -304,23 +304,26 @@ def batch_read(spark, broker: BrokerProcess, topic: str, **options):
 
 
 def test_a_batch_read_takes_what_the_channel_holds_up_to_max_messages_and_fins_it(spark, module_broker):
-    sent = bodies_for("r", 5000)
+    sent = bodies_for("r", 12_000)
     publish(module_broker, "batch", sent[:10])
     assert batch_read(spark, module_broker, "batch").count() == 10  # makes the channel, reads what it holds
     publish(module_broker, "batch", sent[10:])
-    df = batch_read(spark, module_broker, "batch", max_messages=3000)
+    # 3500 for each of the two tasks: two connections each (nsqd's --max-rdy-count is 2500)
+    df = batch_read(spark, module_broker, "batch", max_messages=7000)
     assert df.schema == batch_read(spark, module_broker, "batch").schema == read_stream(
         spark, module_broker, "batch", "spark").schema
     rows = df.collect()
-    assert len(rows) == 3000 and len({r.id for r in rows}) == 3000
+    assert len(rows) == 7000 and len({r.id for r in rows}) == 7000
     stats = channel_stats(module_broker, "batch", "spark")
-    assert (stats["depth"], stats["in_flight_count"]) == (1990, 0)
-    rows += batch_read(spark, module_broker, "batch", max_messages=3000).collect()
+    assert (stats["depth"], stats["in_flight_count"]) == (4990, 0)
+    rows += batch_read(spark, module_broker, "batch", max_messages=7000).collect()
     assert sorted(bytes(r.value) for r in rows) == sorted(sent[10:])  # each once over the two reads
     assert {(r.topic, r.channel, r.nsqd_address) for r in rows} == {("batch", "spark", module_broker.tcp_address)}
     assert batch_read(spark, module_broker, "batch").count() == 0
     stats = channel_stats(module_broker, "batch", "spark")
-    assert (stats["depth"], stats["in_flight_count"], stats["message_count"]) == (0, 0, 5000)
+    assert (stats["depth"], stats["in_flight_count"], stats["message_count"]) == (0, 0, 12_000)
+    # each delivered once: no task took more than its share, none failed and was run again
+    assert {r.attempts for r in rows} == {1} and (stats["requeue_count"], stats["timeout_count"]) == (0, 0)
 
 
 def test_a_failing_batch_read_job_leaves_its_messages_to_come_back(spark, module_broker):

@@ -98,7 +98,7 @@ class NSQBatchReader(DataSourceReader):
         done = False
         try:
             self._wait_drained(fetcher, partition)
-            fetcher.call(fetcher.pause)  # before the FINs, which would make room for more
+            fetcher.call(fetcher.stop_delivery)  # before the FINs, which would make room for more
             messages = fetcher.call(fetcher.take, 1)
             if messages:
                 yield to_record_batch(settings, messages)

@@ -81,7 +81,8 @@ class Fetcher:
         self.arrived_messages = 0
         self.batches: dict[int, list[Chunk]] = {}  # micro-batch number -> its messages, until its commit
         self.held_bytes = 0  # bodies of arrived + batches
-        self.paused = False  # RDY 0 everywhere: held_bytes went over the bound
+        self.paused = False  # RDY 0 everywhere: held_bytes went over the bound (until a commit)
+        self.stopped = False  # RDY 0 everywhere for good: no more messages wanted (stop_delivery)
         self.connections: dict[str, list[Connection]] = {}  # broker address -> its live connections
         self.brokers: dict[str, trio.CancelScope] = {}
         self.wanted: dict[str, int] = {}  # broker address -> connections its share needs
@@ -114,7 +115,7 @@ class Fetcher:
         self._thread.join()
 
     async def _close(self, requeue_held: bool) -> None:
-        self.pause()
+        self.stop_delivery()
         conns = [conn for conns in self.connections.values() for conn in conns]
         with trio.move_on_after(5):
             # CLS: nsqd answers CLOSE_WAIT after the last message it sends us, so every message it has out
@@ -164,8 +165,8 @@ class Fetcher:
         with scope:
             async with trio.open_nursery() as nursery:
                 # the first connection tells the broker's max_rdy_count, so how many more its share needs
-                count = self.wanted[address] = await nursery.start(self._keep_connection, address)
-                for _ in range(count - 1):
+                await nursery.start(self._keep_connection, address)
+                for _ in range(self.wanted[address] - 1):
                     nursery.start_soon(self._keep_connection, address)
         self.connections.pop(address, None)
 
@@ -182,7 +183,8 @@ class Fetcher:
                 async with Connection(address, identify=identify, on_messages=self._on_messages) as conn:
                     await conn.command(encode_sub(s.topic, s.channel))
                     failures = 0
-                    task_status.started(max(1, math.ceil(self.share() / conn.max_rdy_count)))
+                    self.wanted.setdefault(address, max(1, math.ceil(self.share() / conn.max_rdy_count)))
+                    task_status.started()
                     task_status = trio.TASK_STATUS_IGNORED
                     self.connections[address].append(conn)
                     self._apply_rdy()
@@ -199,11 +201,14 @@ class Fetcher:
 
     def _apply_rdy(self) -> None:
         """Spread each broker's share over its connections (RDY is a window: nsqd sends while the
-        connection has fewer than RDY messages not FIN'd, so it is sent again only when it changes)."""
+        connection has fewer than RDY messages not FIN'd, so it is sent again only when it changes).
+        The share is cut in as many parts as connections are wanted, not as are open yet: a connection
+        open early would otherwise get more than its part, and the sum more than the share."""
         share = self.share()
-        for conns in self.connections.values():
+        for address, conns in self.connections.items():
+            parts = max(len(conns), self.wanted.get(address, 1))
             for i, conn in enumerate(conns):
-                rdy = 0 if self.paused else share // len(conns) + (1 if i < share % len(conns) else 0)
+                rdy = 0 if self.paused or self.stopped else share // parts + (1 if i < share % parts else 0)
                 rdy = min(rdy, conn.max_rdy_count)
                 if rdy != conn.rdy and not conn.is_closed:
                     conn.send_rdy(rdy)
@@ -282,9 +287,10 @@ class Fetcher:
             self.batches.setdefault(batch, []).extend(taken)
         return taken
 
-    def pause(self) -> None:
-        """RDY 0 everywhere: nsqd sends no more (a FIN would otherwise make room for new messages)."""
-        self.paused = True
+    def stop_delivery(self) -> None:
+        """RDY 0 everywhere, for good: nsqd sends no more (a FIN would otherwise make room for new
+        messages, which would only be REQ'd when the connections close)."""
+        self.stopped = True
         self._apply_rdy()
 
     def arrived_count(self) -> int:
