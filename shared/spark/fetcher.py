@@ -52,11 +52,10 @@ class Chunk:
 
     __slots__ = ("conn", "frames", "body_bytes", "since")
 
-    def __init__(self, conn: Connection, frames: list[bytes], since: float, body_bytes: int | None = None) -> None:
+    def __init__(self, conn: Connection, frames: list[bytes], since: float) -> None:
         self.conn = conn
         self.frames = frames
-        self.body_bytes = sum(map(len, frames)) - MIN_VALID_MSG_LENGTH * len(frames) \
-            if body_bytes is None else body_bytes
+        self.body_bytes = sum(map(len, frames)) - MIN_VALID_MSG_LENGTH * len(frames)
         self.since = since  # trio.current_time() when it came
 
     def ids(self) -> list[bytes]:
@@ -272,12 +271,15 @@ class Fetcher:
         while arrived and count < s.max_messages_per_batch:
             chunk = arrived[0]
             room = s.max_messages_per_batch - count
-            if len(chunk.frames) <= room and size + chunk.body_bytes <= s.max_bytes_per_batch:
-                arrived.popleft()
-            else:  # the last chunk of this batch: the part of it that fits
+            n = len(chunk.frames)
+            if n > room or size + chunk.body_bytes > s.max_bytes_per_batch:
+                # the last chunk of this batch: the part of it that fits
                 n = fitting(chunk.frames[:room], s.max_bytes_per_batch - size, at_least_one=not taken)
                 if not n:
                     break
+            if n == len(chunk.frames):
+                arrived.popleft()
+            else:
                 chunk = chunk.split(n)
             taken.append(chunk)
             count += len(chunk.frames)
