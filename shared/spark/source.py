@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType, TimestampType
 
-from trio_nsq.shared.client.connection import MAX_FRAME_SIZE
-
 if TYPE_CHECKING:
     from trio_nsq.shared.spark.fetcher import Chunk, Fetcher
 
@@ -67,6 +65,9 @@ def to_record_batch(settings: ReadSettings, chunks: list[Chunk]):
     Python work per message."""
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    from trio_nsq.shared.client.connection import MAX_FRAME_SIZE  # (here: the tasks that only hand over
+    # a slice need neither trio nor the client)
 
     schema = pa.schema([
         pa.field("value", pa.binary(), False), pa.field("topic", pa.string(), False),
