@@ -35,6 +35,8 @@ from trio_nsq.shared.protocol import (
     HEARTBEAT,
     MAGIC_V2,
     CommandParser,
+    decode_message,
+    encode_cls,
     encode_frame,
     encode_pub,
     encode_sub,
@@ -180,6 +182,36 @@ async def test_connection_alone_keeps_alive_on_heartbeats_and_delivers_through_i
     assert sorted(got) == [b"a", b"b", b"c"]
     stats = await channel_stats(broker, "solo", "ch")
     assert stats["depth"] == 0 and stats["in_flight_count"] == 0 and stats["clients"] == []
+
+
+async def test_connection_hands_over_raw_frames_per_read_and_answers_many_ids_in_one_write(cluster):
+    """on_messages gets the undecoded message frames of each read; touch_many keeps them past msg_timeout,
+    fin_many and req_many answer them: nsqd counts no timeout, 400 requeued, nothing in flight."""
+    broker = cluster.broker()
+    sent = [b"raw-%04d" % i for i in range(1000)]
+    async with Producer(broker.tcp_address) as producer:
+        await producer.mpub("raw", sent)
+    frames: list[bytes] = []
+    async with Connection(broker.tcp_address, identify={"msg_timeout": 1000},
+                          on_messages=lambda conn, got: frames.extend(got)) as conn:
+        await conn.command(encode_sub("raw", "ch"))
+        conn.send_rdy(1000)
+        await wait_for(lambda: len(frames) == 1000)
+        assert conn.in_flight == 1000 and conn.messages_received == 1000
+        messages = [decode_message(frame) for frame in frames]
+        assert sorted(m.body for m in messages) == sorted(sent) and {m.attempts for m in messages} == {1}
+        ids = [m.id for m in messages]
+        for _ in range(5):  # 1.5 s held, over msg_timeout: TOUCHed every 0.3 s
+            await trio.sleep(0.3)
+            conn.touch_many(ids)
+        conn.fin_many(ids[:600])
+        conn.req_many(ids[600:])
+        assert conn.in_flight == 0
+        conn.send_rdy(0)
+        assert await conn.command(encode_cls()) == b"CLOSE_WAIT"
+    stats = await channel_stats(broker, "raw", "ch")
+    assert (stats["timeout_count"], stats["requeue_count"], stats["depth"], stats["in_flight_count"]) == \
+        (0, 400, 400, 0)
 
 
 # --- Producer -----------------------------------------------------------------------------------------

@@ -304,23 +304,26 @@ def batch_read(spark, broker: BrokerProcess, topic: str, **options):
 
 
 def test_a_batch_read_takes_what_the_channel_holds_up_to_max_messages_and_fins_it(spark, module_broker):
-    sent = bodies_for("r", 5000)
+    sent = bodies_for("r", 12_000)
     publish(module_broker, "batch", sent[:10])
     assert batch_read(spark, module_broker, "batch").count() == 10  # makes the channel, reads what it holds
     publish(module_broker, "batch", sent[10:])
-    df = batch_read(spark, module_broker, "batch", max_messages=3000)
+    # 3500 for each of the two tasks: two connections each (nsqd's --max-rdy-count is 2500)
+    df = batch_read(spark, module_broker, "batch", max_messages=7000)
     assert df.schema == batch_read(spark, module_broker, "batch").schema == read_stream(
         spark, module_broker, "batch", "spark").schema
     rows = df.collect()
-    assert len(rows) == 3000 and len({r.id for r in rows}) == 3000
+    assert len(rows) == 7000 and len({r.id for r in rows}) == 7000
     stats = channel_stats(module_broker, "batch", "spark")
-    assert (stats["depth"], stats["in_flight_count"]) == (1990, 0)
-    rows += batch_read(spark, module_broker, "batch", max_messages=3000).collect()
+    assert (stats["depth"], stats["in_flight_count"]) == (4990, 0)
+    rows += batch_read(spark, module_broker, "batch", max_messages=7000).collect()
     assert sorted(bytes(r.value) for r in rows) == sorted(sent[10:])  # each once over the two reads
     assert {(r.topic, r.channel, r.nsqd_address) for r in rows} == {("batch", "spark", module_broker.tcp_address)}
     assert batch_read(spark, module_broker, "batch").count() == 0
     stats = channel_stats(module_broker, "batch", "spark")
-    assert (stats["depth"], stats["in_flight_count"], stats["message_count"]) == (0, 0, 5000)
+    assert (stats["depth"], stats["in_flight_count"], stats["message_count"]) == (0, 0, 12_000)
+    # each delivered once: no task took more than its share, none failed and was run again
+    assert {r.attempts for r in rows} == {1} and (stats["requeue_count"], stats["timeout_count"]) == (0, 0)
 
 
 def test_a_failing_batch_read_job_leaves_its_messages_to_come_back(spark, module_broker):
@@ -351,3 +354,74 @@ def test_a_failing_batch_read_job_leaves_its_messages_to_come_back(spark, module
     # every one delivered again (not FIN'd by the failed job); twice again when the other task of the cancelled
     # job was still subscribed as the first one's messages came back
     assert min(r.attempts for r in rows) >= 2
+
+
+# --- the source's parts, without Spark ------------------------------------------------------------------
+
+
+class FakeConnection:
+    """What the Fetcher's chunks and the record batch use of a connection; records the FINs."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.is_closed = False
+        self.fin_writes: list[list[bytes]] = []
+
+    def fin_many(self, ids: list[bytes]) -> None:
+        self.fin_writes.append(ids)
+
+
+def frames_for(bodies: list[bytes], attempts: int = 1) -> list[bytes]:
+    from trio_nsq.shared.protocol import encode_message
+
+    # a timestamp and attempts whose bytes differ from their reverse: a wrong byte order shows
+    return [encode_message(b"%016x" % i, 1_795_000_000_123_456_789 + i * 1000, attempts + i % 300, body)
+            for i, body in enumerate(bodies)]
+
+
+def test_the_record_batch_is_cut_column_wise_out_of_the_frames():
+    from trio_nsq.shared.spark.fetcher import Chunk
+    from trio_nsq.shared.spark.source import SCHEMA, ReadSettings, to_record_batch
+
+    settings = ReadSettings("t", "c", ("a:1",), (), 10, 1 << 20, 10, None)
+    bodies = [b"", b"x", b"\x00\xff\n" * 100] + [b"b-%d" % i for i in range(997)]
+    frames = frames_for(bodies)
+    chunks = [Chunk(FakeConnection("a:1"), frames[:3], 0.0), Chunk(FakeConnection("b:2"), frames[3:], 0.0)]
+    assert (chunks[0].body_bytes, chunks[1].body_bytes) == (301, sum(map(len, bodies[3:])))
+    rows = to_record_batch(settings, chunks).to_pylist()
+    assert [r["value"] for r in rows] == bodies
+    assert [r["id"] for r in rows] == ["%016x" % i for i in range(1000)]
+    assert [r["attempts"] for r in rows] == [1 + i % 300 for i in range(1000)]
+    second = datetime.datetime.fromtimestamp(1_795_000_000, datetime.timezone.utc)
+    assert [r["timestamp"] for r in rows[:2]] == [second + datetime.timedelta(microseconds=123456 + i) for i in (0, 1)]
+    assert [r["nsqd_address"] for r in rows] == ["a:1"] * 3 + ["b:2"] * 997
+    assert {(r["topic"], r["channel"]) for r in rows} == {("t", "c")}
+    assert [f.name for f in SCHEMA.fields] == list(rows[0])
+
+
+def test_a_micro_batch_is_cut_at_max_messages_and_max_bytes_and_holds_at_least_one_message():
+    from trio_nsq.shared.spark.fetcher import Fetcher
+    from trio_nsq.shared.spark.source import ReadSettings
+
+    fetcher = Fetcher(ReadSettings("t", "c", (), (), 250, 1000, 1000, None))  # no broker: fed by hand
+    try:
+        conn = FakeConnection("a:1")
+        # two reads of 200 ten-byte bodies, then one body larger than max_bytes_per_batch
+        fetcher.call(fetcher._on_messages, conn, frames_for([b"0123456789"] * 200))
+        fetcher.call(fetcher._on_messages, conn, frames_for([b"0123456789"] * 200))
+        fetcher.call(fetcher._on_messages, conn, frames_for([b"z" * 5000]))
+        assert fetcher.call(fetcher.arrived_count) == 401 and fetcher.held_bytes == 9000
+        sizes = []
+        for batch in range(1, 6):
+            taken = fetcher.call(fetcher.take, batch)
+            sizes.append((sum(len(c.frames) for c in taken), sum(c.body_bytes for c in taken)))
+        # max_bytes_per_batch 1000: 100 bodies; the large one alone; then nothing
+        assert sizes == [(100, 1000), (100, 1000), (100, 1000), (100, 1000), (1, 5000)]
+        assert fetcher.call(fetcher.take, 6) == [] and fetcher.call(fetcher.arrived_count) == 0
+        assert fetcher.call(fetcher.holding, 6) and fetcher.call(fetcher.commit, 5) == 401
+        assert fetcher.held_bytes == 0 and not fetcher.call(fetcher.holding, 6)
+        # one write for the connection, every id in it once
+        assert len(conn.fin_writes) == 1 and sorted(conn.fin_writes[0]) == sorted(
+            [b"%016x" % i for i in range(200)] * 2 + [b"%016x" % 0])
+    finally:
+        fetcher.close()

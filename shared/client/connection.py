@@ -37,6 +37,7 @@ from trio_nsq.shared.protocol import (
     FRAME_TYPE_RESPONSE,
     HEARTBEAT,
     MAGIC_V2,
+    MIN_VALID_MSG_LENGTH,
     DecodedMessage,
     FrameParser,
     decode_message,
@@ -135,6 +136,9 @@ class _Pending:
 
 # on_message(connection, message): called by the reader task, so it must not block.
 MessageCallback = Callable[["Connection", DecodedMessage], None]
+# on_messages(connection, frames): the message frames of one read, undecoded (the wire format: timestamp,
+# attempts, id, body), for a caller that decodes them in bulk; called by the reader task, must not block.
+MessagesCallback = Callable[["Connection", list[bytes]], None]
 
 
 def tls_context(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
@@ -182,7 +186,8 @@ class Connection:
     Entering connects, sends the magic and IDENTIFY (with feature_negotiation; the broker's JSON answer
     is kept in `features` and its main values as attributes), and AUTH when the broker requires it.
     Message frames go to `on_message`, or, without one, into `messages` (a memory channel of
-    `message_buffer` entries; the reader waits when it is full). Leaving closes the socket.
+    `message_buffer` entries; the reader waits when it is full); with `on_messages`, the frames of each
+    read go to it in one list, undecoded (no per-message object or call). Leaving closes the socket.
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class Connection:
         identify: dict[str, Any] | None = None,
         auth_secret: bytes | str | None = None,
         on_message: MessageCallback | None = None,
+        on_messages: MessagesCallback | None = None,
         message_buffer: int = 100,
         connect_timeout: float = 5.0,
         max_pending: int = 10_000,
@@ -216,6 +222,7 @@ class Connection:
         }
         self.auth_secret = auth_secret.encode() if isinstance(auth_secret, str) else auth_secret
         self.on_message = on_message
+        self.on_messages = on_messages
         self.connect_timeout = connect_timeout
         self.write_buffer_size = write_buffer_size
 
@@ -356,7 +363,14 @@ class Connection:
         try:
             while True:
                 # every frame already received, then one timed read: a deadline per read, not per frame
+                frames: list[bytes] = []  # message frames for on_messages, handed over in order
                 for kind, data in self._parser:
+                    if kind == FRAME_TYPE_MESSAGE and self.on_messages is not None:
+                        frames.append(data)
+                        continue
+                    if frames:
+                        self._got_messages(frames)
+                        frames = []
                     if kind == FRAME_TYPE_MESSAGE:
                         await self._got_message(decode_message(data))
                     elif kind == FRAME_TYPE_RESPONSE and data == HEARTBEAT:
@@ -365,6 +379,8 @@ class Connection:
                         self._got_error(NSQError.from_frame(data))
                     else:
                         self._got_response(data)
+                if frames:
+                    self._got_messages(frames)
                 with trio.fail_after(timeout):
                     received = await self.stream.receive_some(RECV_SIZE)
                 if not received:
@@ -393,6 +409,16 @@ class Connection:
             self.on_message(self, msg)
         else:
             await self._messages_send.send(msg)
+
+    def _got_messages(self, frames: list[bytes]) -> None:
+        assert self.on_messages is not None
+        if min(map(len, frames)) < MIN_VALID_MSG_LENGTH:
+            raise ValueError(f"invalid message buffer size ({min(map(len, frames))})")
+        self.in_flight += len(frames)
+        self.rdy_remaining -= len(frames)
+        self.messages_received += len(frames)
+        self.last_message_at = trio.current_time()
+        self.on_messages(self, frames)
 
     def _got_error(self, error: NSQError) -> None:
         if not error.fatal:
@@ -495,8 +521,8 @@ class Connection:
         self.rdy_history.append(count)
         self.write(encode_rdy(count))
 
-    def _responded(self) -> None:
-        self.in_flight -= 1
+    def _responded(self, count: int = 1) -> None:
+        self.in_flight -= count
         if self.in_flight <= 0:
             self.in_flight = 0
             self._idle_lot.unpark_all()
@@ -511,6 +537,24 @@ class Connection:
 
     def touch(self, msg_id: bytes) -> None:
         self.write(encode_touch(msg_id))
+
+    def fin_many(self, msg_ids: list[bytes]) -> None:
+        """FIN each of `msg_ids`: the bytes of one FIN per message, built and queued in one go."""
+        self._write_many(encode_fin(b"\0").split(b"\0"), msg_ids)
+        self._responded(len(msg_ids))
+
+    def req_many(self, msg_ids: list[bytes], delay_ms: int = 0) -> None:
+        self._write_many(encode_req(b"\0", max(0, int(delay_ms))).split(b"\0"), msg_ids)
+        self._responded(len(msg_ids))
+
+    def touch_many(self, msg_ids: list[bytes]) -> None:
+        self._write_many(encode_touch(b"\0").split(b"\0"), msg_ids)
+
+    def _write_many(self, around: list[bytes], msg_ids: list[bytes]) -> None:
+        """One command per id, the id between `around`'s two parts (b"FIN ", b"\\n"), joined in C."""
+        if msg_ids:
+            before, after = around
+            self.write(before + (after + before).join(msg_ids) + after)
 
     async def wait_idle(self) -> None:
         """Wait until no message received on this connection is waiting for FIN or REQ."""

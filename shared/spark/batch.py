@@ -98,7 +98,7 @@ class NSQBatchReader(DataSourceReader):
         done = False
         try:
             self._wait_drained(fetcher, partition)
-            fetcher.call(fetcher.pause)  # before the FINs, which would make room for more
+            fetcher.call(fetcher.stop_delivery)  # before the FINs, which would make room for more
             messages = fetcher.call(fetcher.take, 1)
             if messages:
                 yield to_record_batch(settings, messages)
@@ -111,11 +111,9 @@ class NSQBatchReader(DataSourceReader):
 
     def _wait_drained(self, fetcher, partition: BrokerShare) -> None:
         """Until the share has arrived, or no message came for idle_timeout once connected."""
-        deadline = time.monotonic() + 30.0  # to connect (the Fetcher retries with backoff meanwhile)
-        while not fetcher.call(fetcher.all_connected):
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"nsq read: cannot connect to {partition.address} (see the log)")
-            time.sleep(0.02)
+        # to connect (the Fetcher retries with backoff meanwhile)
+        if not fetcher.wait_connected(timeout=30.0):
+            raise ConnectionError(f"nsq read: cannot connect to {partition.address} (see the log)")
         count, quiet_since = 0, time.monotonic()
         while count < partition.max_messages and time.monotonic() - quiet_since < self.idle_timeout:
             time.sleep(0.01)

@@ -14,6 +14,11 @@ change a broker flag, and it works the same on Go nsqd.
 Bounds: nsqd never has more than `max_in_flight` messages out to us (the sum of the RDY counts); held
 bytes above `2 * max_bytes_per_batch` set RDY to 0 everywhere until a commit brings them under
 `max_bytes_per_batch` (what was already on its way still arrives: at most the RDY counts' worth).
+
+Why chunks: at 100k+ messages/s, work per message in Python is what limits the source. So messages are
+kept as the connection read them, undecoded frames in one list per read (a `Chunk`): taking a
+micro-batch moves whole chunks, the record batch is cut from the frames column-wise (source.py), and a
+commit FINs each connection's messages in one write.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +36,7 @@ import trio
 
 from trio_nsq.shared.client.backoff import backoff_delay
 from trio_nsq.shared.client.connection import Connection, NSQConnectionError, NSQError
-from trio_nsq.shared.protocol import DecodedMessage, encode_cls, encode_sub
+from trio_nsq.shared.protocol import MIN_VALID_MSG_LENGTH, encode_cls, encode_sub
 
 if TYPE_CHECKING:
     from trio_nsq.shared.spark.source import ReadSettings
@@ -38,7 +44,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("trio_nsq.spark")
 
 T = TypeVar("T")
-Held = tuple[Connection, DecodedMessage, float]  # the connection it came on, the message, when it came
+ID = slice(10, 26)  # a message frame: timestamp (8), attempts (2), id (16), body
+
+
+class Chunk:
+    """Messages one read delivered on one connection, as frames (the wire format of a message)."""
+
+    __slots__ = ("conn", "frames", "body_bytes", "since")
+
+    def __init__(self, conn: Connection, frames: list[bytes], since: float) -> None:
+        self.conn = conn
+        self.frames = frames
+        self.body_bytes = sum(map(len, frames)) - MIN_VALID_MSG_LENGTH * len(frames)
+        self.since = since  # trio.current_time() when it came
+
+    def ids(self) -> list[bytes]:
+        return [frame[ID] for frame in self.frames]
+
+    def split(self, n: int) -> Chunk:
+        """The first `n` messages, cut off this chunk."""
+        head = Chunk(self.conn, self.frames[:n], self.since)
+        self.frames = self.frames[n:]
+        self.body_bytes -= head.body_bytes
+        return head
 
 
 class Fetcher:
@@ -48,10 +76,12 @@ class Fetcher:
 
     def __init__(self, settings: ReadSettings) -> None:
         self.settings = settings
-        self.arrived: deque[Held] = deque()  # delivered, not yet in a micro-batch
-        self.batches: dict[int, list[Held]] = {}  # micro-batch number -> its messages, until its commit
+        self.arrived: deque[Chunk] = deque()  # delivered, not yet in a micro-batch
+        self.arrived_messages = 0
+        self.batches: dict[int, list[Chunk]] = {}  # micro-batch number -> its messages, until its commit
         self.held_bytes = 0  # bodies of arrived + batches
-        self.paused = False  # RDY 0 everywhere: held_bytes went over the bound
+        self.paused = False  # RDY 0 everywhere: held_bytes went over the bound (until a commit)
+        self.stopped = False  # RDY 0 everywhere for good: no more messages wanted (stop_delivery)
         self.connections: dict[str, list[Connection]] = {}  # broker address -> its live connections
         self.brokers: dict[str, trio.CancelScope] = {}
         self.wanted: dict[str, int] = {}  # broker address -> connections its share needs
@@ -84,7 +114,7 @@ class Fetcher:
         self._thread.join()
 
     async def _close(self, requeue_held: bool) -> None:
-        self.pause()
+        self.stop_delivery()
         conns = [conn for conns in self.connections.values() for conn in conns]
         with trio.move_on_after(5):
             # CLS: nsqd answers CLOSE_WAIT after the last message it sends us, so every message it has out
@@ -94,12 +124,12 @@ class Fetcher:
                     nursery.start_soon(self._cls, conn)
             held = list(self.arrived) + ([h for b in self.batches.values() for h in b] if requeue_held else [])
             self.arrived.clear()
-            for conn, message, _ in held:
-                if not conn.is_closed:
-                    try:
-                        conn.req(message.id)
-                    except NSQConnectionError:
-                        pass  # nsqd has it back already
+            self.arrived_messages = 0
+            for conn, ids in by_connection(held).items():
+                try:
+                    conn.req_many(ids)
+                except NSQConnectionError:
+                    pass  # nsqd has them back already
             for conn in conns:
                 await conn.flush()
         self._nursery.cancel_scope.cancel()
@@ -134,8 +164,8 @@ class Fetcher:
         with scope:
             async with trio.open_nursery() as nursery:
                 # the first connection tells the broker's max_rdy_count, so how many more its share needs
-                count = self.wanted[address] = await nursery.start(self._keep_connection, address)
-                for _ in range(count - 1):
+                await nursery.start(self._keep_connection, address)
+                for _ in range(self.wanted[address] - 1):
                     nursery.start_soon(self._keep_connection, address)
         self.connections.pop(address, None)
 
@@ -149,10 +179,11 @@ class Fetcher:
         failures = 0
         while True:
             try:
-                async with Connection(address, identify=identify, on_message=self._on_message) as conn:
+                async with Connection(address, identify=identify, on_messages=self._on_messages) as conn:
                     await conn.command(encode_sub(s.topic, s.channel))
                     failures = 0
-                    task_status.started(max(1, math.ceil(self.share() / conn.max_rdy_count)))
+                    self.wanted.setdefault(address, max(1, math.ceil(self.share() / conn.max_rdy_count)))
+                    task_status.started()
                     task_status = trio.TASK_STATUS_IGNORED
                     self.connections[address].append(conn)
                     self._apply_rdy()
@@ -169,11 +200,14 @@ class Fetcher:
 
     def _apply_rdy(self) -> None:
         """Spread each broker's share over its connections (RDY is a window: nsqd sends while the
-        connection has fewer than RDY messages not FIN'd, so it is sent again only when it changes)."""
+        connection has fewer than RDY messages not FIN'd, so it is sent again only when it changes).
+        The share is cut in as many parts as connections are wanted, not as are open yet: a connection
+        open early would otherwise get more than its part, and the sum more than the share."""
         share = self.share()
-        for conns in self.connections.values():
+        for address, conns in self.connections.items():
+            parts = max(len(conns), self.wanted.get(address, 1))
             for i, conn in enumerate(conns):
-                rdy = 0 if self.paused else share // len(conns) + (1 if i < share % len(conns) else 0)
+                rdy = 0 if self.paused or self.stopped else share // parts + (1 if i < share % parts else 0)
                 rdy = min(rdy, conn.max_rdy_count)
                 if rdy != conn.rdy and not conn.is_closed:
                     conn.send_rdy(rdy)
@@ -199,9 +233,11 @@ class Fetcher:
 
     # --- messages ------------------------------------------------------------------------------------
 
-    def _on_message(self, conn: Connection, message: DecodedMessage) -> None:
-        self.arrived.append((conn, message, trio.current_time()))
-        self.held_bytes += len(message.body)
+    def _on_messages(self, conn: Connection, frames: list[bytes]) -> None:
+        chunk = Chunk(conn, frames, trio.current_time())
+        self.arrived.append(chunk)
+        self.arrived_messages += len(frames)
+        self.held_bytes += chunk.body_bytes
         if not self.paused and self.held_bytes > 2 * self.settings.max_bytes_per_batch:
             self.paused = True
             self._apply_rdy()
@@ -215,46 +251,66 @@ class Fetcher:
             period = (self.settings.msg_timeout or min(timeouts, default=4000)) / 4000
             await trio.sleep(period)
             old = trio.current_time() - period
-            for held in [h for b in list(self.batches.values()) for h in b] + list(self.arrived):
-                conn, message, since = held
-                if since <= old and not conn.is_closed:
-                    try:
-                        conn.touch(message.id)
-                    except NSQConnectionError:
-                        pass  # nsqd has it back already
+            held = [h for b in self.batches.values() for h in b] + list(self.arrived)
+            for conn, ids in by_connection([h for h in held if h.since <= old]).items():
+                try:
+                    conn.touch_many(ids)
+                except NSQConnectionError:
+                    pass  # nsqd has them back already
 
     # --- called from Spark's thread (through call) -----------------------------------------------------
 
-    def take(self, batch: int) -> list[Held]:
+    def take(self, batch: int) -> list[Chunk]:
         """Up to max_messages_per_batch and max_bytes_per_batch (at least one message) of what arrived,
         filed under `batch` until its commit. Messages whose connection has closed are taken too: they
         were received, so Spark gets them; only their FIN is impossible (nsqd delivers them again)."""
         s = self.settings
-        taken: list[Held] = []
-        size = 0
+        taken: list[Chunk] = []
+        count = size = 0
         arrived = self.arrived
-        while arrived and len(taken) < s.max_messages_per_batch:
-            body = len(arrived[0][1].body)
-            if taken and size + body > s.max_bytes_per_batch:
-                break
-            size += body
-            taken.append(arrived.popleft())
+        while arrived and count < s.max_messages_per_batch:
+            chunk = arrived[0]
+            room = s.max_messages_per_batch - count
+            n = len(chunk.frames)
+            if n > room or size + chunk.body_bytes > s.max_bytes_per_batch:
+                # the last chunk of this batch: the part of it that fits
+                n = fitting(chunk.frames[:room], s.max_bytes_per_batch - size, at_least_one=not taken)
+                if not n:
+                    break
+            if n == len(chunk.frames):
+                arrived.popleft()
+            else:
+                chunk = chunk.split(n)
+            taken.append(chunk)
+            count += len(chunk.frames)
+            size += chunk.body_bytes
+        self.arrived_messages -= count
         if taken:  # (a read planned twice for one batch adds to it)
             self.batches.setdefault(batch, []).extend(taken)
         return taken
 
-    def pause(self) -> None:
-        """RDY 0 everywhere: nsqd sends no more (a FIN would otherwise make room for new messages)."""
-        self.paused = True
+    def stop_delivery(self) -> None:
+        """RDY 0 everywhere, for good: nsqd sends no more (a FIN would otherwise make room for new
+        messages, which would only be REQ'd when the connections close)."""
+        self.stopped = True
         self._apply_rdy()
 
     def arrived_count(self) -> int:
-        return len(self.arrived)
+        return self.arrived_messages
 
     def all_connected(self) -> bool:
         """Whether every broker has all the connections its share needs."""
         return bool(self.brokers) and all(
             len(self.connections.get(address, ())) >= self.wanted.get(address, 1) for address in self.brokers)
+
+    def wait_connected(self, timeout: float) -> bool:
+        """From Spark's thread: wait until every broker has its connections, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.call(self.all_connected):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def holding(self, batch: int) -> bool:
         """Whether messages of batches before `batch` still wait for their commit."""
@@ -262,17 +318,38 @@ class Fetcher:
 
     def commit(self, upto: int) -> int:
         """FIN every message of the batches up to `upto`, each on the connection it came on."""
+        done = [chunk for b in sorted(b for b in self.batches if b <= upto) for chunk in self.batches.pop(b)]
+        self.held_bytes -= sum(chunk.body_bytes for chunk in done)
         finished = 0
-        for batch in sorted(b for b in self.batches if b <= upto):
-            for conn, message, _ in self.batches.pop(batch):
-                self.held_bytes -= len(message.body)
-                if not conn.is_closed:
-                    try:
-                        conn.fin(message.id)
-                        finished += 1
-                    except NSQConnectionError:
-                        pass  # closed meanwhile: nsqd delivers it again
+        for conn, ids in by_connection(done).items():
+            try:
+                conn.fin_many(ids)
+                finished += len(ids)
+            except NSQConnectionError:
+                pass  # closed meanwhile: nsqd delivers them again
         if self.paused and self.held_bytes <= self.settings.max_bytes_per_batch:
             self.paused = False
             self._apply_rdy()
         return finished
+
+
+def fitting(frames: list[bytes], room: int, at_least_one: bool) -> int:
+    """How many of `frames`, from the first, have bodies that fit in `room` bytes (with `at_least_one`,
+    a first message larger than `room` still counts: a batch holds at least one)."""
+    n = size = 0
+    for frame in frames:
+        size += len(frame) - MIN_VALID_MSG_LENGTH
+        if size > room and (n or not at_least_one):
+            break
+        n += 1
+    return n
+
+
+def by_connection(chunks: list[Chunk]) -> dict[Connection, list[bytes]]:
+    """The ids of the chunks' messages, per connection still open (a closed one takes no FIN/REQ/TOUCH:
+    nsqd gives its messages to another consumer)."""
+    ids: dict[Connection, list[bytes]] = {}
+    for chunk in chunks:
+        if not chunk.conn.is_closed:
+            ids.setdefault(chunk.conn, []).extend(chunk.ids())
+    return ids

@@ -14,6 +14,7 @@ the query's start included) and `spark.read` into a `noop` write.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
@@ -53,16 +54,21 @@ def publish(http: str, topic: str, count: int) -> None:
             client.publish(topic, bodies[i:i + 5000])
 
 
+PHASES = ("latestOffset", "walCommit", "queryPlanning", "addBatch", "commitOffsets", "triggerExecution")
+
+
 def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
-                options: dict[str, str]) -> tuple[float, float]:
+                options: dict[str, str]) -> tuple[float, float, dict[str, float]]:
     """Seconds from the query's start until `count` messages were read into a noop sink and FIN'd (each
-    after the commit of its micro-batch); and the messages/s of its micro-batches that carried messages
-    (their rows over their trigger durations: the sustained rate, without the query's start)."""
+    after the commit of its micro-batch); the messages/s of its micro-batches that carried messages
+    (their rows over their trigger durations: the sustained rate, without the query's start); and where
+    the time went: seconds from start() to the first micro-batch, and each phase of Spark's
+    StreamingQueryProgress.durationMs summed over the micro-batches."""
     reader = spark.readStream.format("nsq").option("topic", topic).option("channel", "bench") \
         .option("nsqd_tcp_address", broker.tcp_address)
     for key, value in options.items():
         reader = reader.option(key, value)
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     query = reader.load().writeStream.format("noop").option("checkpointLocation", f"{scratch}/{topic}").start()
     try:
         while True:
@@ -70,10 +76,16 @@ def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
             s = channel_stats(broker.http_url, topic, "bench")
             if s and s["message_count"] == count and s["depth"] == 0 and s["in_flight_count"] == 0:
                 elapsed = time.perf_counter() - start
-                busy = [p for p in query.recentProgress if p["numInputRows"]]
+                progress = query.recentProgress
+                busy = [p for p in progress if p["numInputRows"]]
                 sustained = sum(p["numInputRows"] for p in busy) / (
                     sum(p["durationMs"]["triggerExecution"] for p in busy) / 1000)
-                return elapsed, sustained
+                first = datetime.datetime.fromisoformat(progress[0]["timestamp"].replace("Z", "+00:00"))
+                phases = {"start to first micro-batch": first.timestamp() - started_at,
+                          "micro-batches": float(len(progress))}
+                for phase in PHASES:
+                    phases[phase] = sum(p["durationMs"].get(phase, 0) for p in progress) / 1000
+                return elapsed, sustained, phases
             time.sleep(0.02)
     finally:
         query.stop()
@@ -192,14 +204,17 @@ def main() -> None:
         stream_read(spark, broker, "read-warm-up", 1000, scratch, options)
         publish(http, "batch-warm-up", 1000)
         batch_read(spark, broker, "batch-warm-up", 1000)
-        stream, sustained, batch = [], [], []
+        stream, sustained, batch, breakdowns = [], [], [], []
         for run in range(args.runs):
             publish(http, f"stream-{run}", args.messages)
-            elapsed, rate = stream_read(spark, broker, f"stream-{run}", args.messages, scratch, options)
+            elapsed, rate, phases = stream_read(spark, broker, f"stream-{run}", args.messages, scratch, options)
             stream.append(args.messages / elapsed)
             sustained.append(rate)
+            breakdowns.append(phases)
             print(f"  readStream -> noop        {stream[-1]:>12,.0f} messages/s from the query's start "
                   f"({elapsed:.2f} s); {rate:,.0f} messages/s in its micro-batches", flush=True)
+            print("    where the time went (s): " + ", ".join(
+                f"{k} {v:.0f}" if k == "micro-batches" else f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
             publish(http, f"batch-{run}", args.messages)
             batch.append(args.messages / batch_read(spark, broker, f"batch-{run}", args.messages))
             print(f"  read (batch) -> noop      {batch[-1]:>12,.0f} messages/s", flush=True)
@@ -211,6 +226,8 @@ def main() -> None:
                   f"{latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s", flush=True)
         results["readStream messages/s"] = statistics.median(stream)
         results["readStream sustained messages/s"] = statistics.median(sustained)
+        for phase in breakdowns[0]:
+            results[f"readStream {phase} (s, median)"] = statistics.median(b[phase] for b in breakdowns)
         results["read messages/s"] = statistics.median(batch)
         write = results.get("write nsq idempotent=true rows/s")
         print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s, read (batch) "
