@@ -646,14 +646,17 @@ class DiskQueue:
                 continue
             self._move_forward(4 + len(data))
             if cursor:
-                if key in self._claimed_set:  # held (in flight or deferred): its owner has it
-                    self._claimed_set.discard(key)
-                    self._hidden -= 1
-                    continue
-                self._handed.append(key)
-                if key in self._finished:  # finished before a restart
-                    self._hidden -= 1
-                    continue
+                if self._hidden:  # some unread records are to be skipped: is this one?
+                    if key in self._claimed_set:  # held (in flight or deferred): its owner has it
+                        self._claimed_set.discard(key)
+                        self._hidden -= 1
+                        continue
+                    self._handed.append(key)
+                    if key in self._finished:  # finished before a restart
+                        self._hidden -= 1
+                        continue
+                else:
+                    self._handed.append(key)
             out.append(data)
             if positions is not None:
                 positions.append(key)
@@ -840,27 +843,45 @@ class DiskQueue:
     def finish(self, pos: int) -> None:
         """The record at `pos` is done with (FIN, or written again elsewhere): never delivered again once
         the next sync round has persisted that. No fsync of its own."""
-        if not self.cursor or pos < 0:
+        self.finish_many([pos])
+
+    def finish_many(self, positions: list[int]) -> None:
+        """finish() of each position in turn: a run of FINs is one call (negative positions: none)."""
+        if not self.cursor:
             return
-        if not self._claimed and not self._moved:
+        finished = self._finished
+        if self._claimed or self._moved:
+            for pos in positions:
+                self._finish_any(pos)
+        else:
             # the common case (FINs of records read, none held or moved): positions handed out in order
             handed = self._handed
-            if not handed or pos < handed[0]:
-                return  # already finished, or emptied since
-            finished = self._finished
-            if pos == handed[0]:  # the oldest: the mark-delete position moves
-                handed.popleft()
-                while handed and handed[0] in finished:
-                    finished.discard(handed.popleft())
-            elif pos in finished:
+            deadlines = self._deadlines
+            count = 0
+            for pos in positions:
+                if not handed or pos < handed[0]:
+                    continue  # already finished, or emptied since
+                if pos == handed[0]:  # the oldest: the mark-delete position moves
+                    handed.popleft()
+                    while handed and handed[0] in finished:
+                        finished.discard(handed.popleft())
+                elif pos in finished:
+                    continue
+                else:
+                    finished.add(pos)
+                if deadlines:
+                    deadlines.pop(pos, None)
+                count += 1
+            if not count:
                 return
-            else:
-                finished.add(pos)
-            if self._deadlines:
-                self._deadlines.pop(pos, None)
-            self._counted()
-            if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
-                self._maybe_reclaim()
+            self._counted(count)
+        # after the whole run: a record reclaim would move is not one this run finishes
+        if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
+            self._maybe_reclaim()
+
+    def _finish_any(self, pos: int) -> None:
+        """finish() of a position that may be held, or moved by reclaim."""
+        if pos < 0:
             return
         moved = self._moved.pop(pos, None)
         if moved is not None:
@@ -873,8 +894,6 @@ class DiskQueue:
             self._deadlines.pop(pos, None)
         self._pop_finished()
         self._counted()
-        if len(self._finished) > FINISHED_LIMIT and len(self._finished) > self._reclaim_after:
-            self._maybe_reclaim()
 
     def _pop_finished(self) -> None:
         """Move the mark-delete position past finished records."""
