@@ -629,6 +629,7 @@ class DiskQueue:
         if self._closed:
             return out
         cursor = self.cursor
+        hand = self._handed.append  # bound once: a deque's methods are looked up by name per call
         while len(out) < limit and self._has_unread():  # each read error skips at least one whole file
             key = (self.read_file_num << POS_SHIFT) | self.read_pos
             try:
@@ -651,12 +652,12 @@ class DiskQueue:
                         self._claimed_set.discard(key)
                         self._hidden -= 1
                         continue
-                    self._handed.append(key)
+                    hand(key)
                     if key in self._finished:  # finished before a restart
                         self._hidden -= 1
                         continue
                 else:
-                    self._handed.append(key)
+                    hand(key)
             out.append(data)
             if positions is not None:
                 positions.append(key)
@@ -856,24 +857,25 @@ class DiskQueue:
         else:
             # the common case (FINs of records read, none held or moved): positions handed out in order
             handed = self._handed
-            deadlines = self._deadlines
-            count = 0
-            for pos in positions:
-                if not handed or pos < handed[0]:
-                    continue  # already finished, or emptied since
-                if pos == handed[0]:  # the oldest: the mark-delete position moves
-                    handed.popleft()
-                    while handed and handed[0] in finished:
-                        finished.discard(handed.popleft())
-                elif pos in finished:
-                    continue
-                else:
-                    finished.add(pos)
-                if deadlines:
-                    deadlines.pop(pos, None)
-                count += 1
+            if handed and positions and min(positions) >= handed[0]:
+                # none finished before (the usual run): one set update, then the front is retired
+                finished.update(positions)
+                count = len(positions)
+            else:
+                count = 0
+                for pos in positions:
+                    if handed and pos >= handed[0] and pos not in finished:
+                        finished.add(pos)
+                        count += 1
+                    # else: already finished, or emptied since
             if not count:
                 return
+            popleft = handed.popleft
+            while handed and handed[0] in finished:  # the mark-delete position moves
+                finished.discard(popleft())
+            if self._deadlines:
+                for pos in positions:
+                    self._deadlines.pop(pos, None)
             self._counted(count)
         # after the whole run: a record reclaim would move is not one this run finishes
         if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
