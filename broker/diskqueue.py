@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 from typing import BinaryIO
 
 import trio
@@ -163,6 +164,7 @@ class DiskQueue:
         self._claimed: deque[int] = deque()  # positions written by hold(), in order
         self._claimed_set: set[int] = set()  # held positions the reader has not passed yet: it skips them
         self._finished: set[int] = set()  # finished positions at or past the mark-delete position
+        self._fins: list[int] = []  # FINs noted by finish_many, not applied yet (see there)
         self._moved: dict[int, int] = {}  # reclaim: a held record's first position -> where it is now
         self._moved_from: dict[int, int] = {}
         self._hidden = 0  # unread records the reader will skip (held, or finished before a restart)
@@ -774,6 +776,7 @@ class DiskQueue:
         self._close_read_file()
         self._close_write_fd()
         first = self.read_file_num
+        self._apply_fins()
         if self.cursor and (self._handed or self._claimed):
             # records handed out before here stay until finished (their files go with the mark-delete)
             first = max(first, (self.mark_delete() >> POS_SHIFT) + 1)
@@ -794,6 +797,7 @@ class DiskQueue:
     def mark_delete(self) -> int:
         """The oldest position that may hold an unfinished record: the read position, or the first
         unfinished record handed out or held before it."""
+        self._apply_fins()
         mark = (self.read_file_num << POS_SHIFT) | self.read_pos
         if self._handed and self._handed[0] < mark:
             mark = self._handed[0]
@@ -847,9 +851,28 @@ class DiskQueue:
         self.finish_many([pos])
 
     def finish_many(self, positions: list[int]) -> None:
-        """finish() of each position in turn: a run of FINs is one call (negative positions: none)."""
+        """finish() of each position in turn: a run of FINs is one call (negative positions: none).
+
+        The hot path of a channel read from disk, so it only notes them: they are applied in bulk
+        (_apply_fins) before anything reads the cursor (the mark-delete position, a sync round's
+        metadata, reclaim, a held record's finish), or once FINISHED_LIMIT positions wait."""
         if not self.cursor:
             return
+        fins = self._fins
+        fins.extend(positions)
+        self._counted(len(positions))
+        if len(fins) + len(self._finished) > FINISHED_LIMIT:
+            self._apply_fins()
+            finished = self._finished
+            if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
+                self._maybe_reclaim()
+
+    def _apply_fins(self) -> None:
+        """Apply the FINs finish_many noted, in order."""
+        positions = self._fins
+        if not positions:
+            return
+        self._fins = []
         finished = self._finished
         if self._claimed or self._moved:
             for pos in positions:
@@ -857,32 +880,27 @@ class DiskQueue:
         else:
             # the common case (FINs of records read, none held or moved): positions handed out in order
             handed = self._handed
-            if handed and positions and min(positions) >= handed[0]:
-                # none finished before (the usual run): one set update, then the front is retired
-                finished.update(positions)
-                count = len(positions)
+            if not handed:
+                return  # every one finished already, or emptied since
+            if min(positions) >= handed[0]:
+                finished.update(positions)  # none finished before (the usual run): one set update
             else:
-                count = 0
-                for pos in positions:
-                    if handed and pos >= handed[0] and pos not in finished:
-                        finished.add(pos)
-                        count += 1
-                    # else: already finished, or emptied since
-            if not count:
-                return
-            popleft = handed.popleft
-            while handed and handed[0] in finished:  # the mark-delete position moves
-                finished.discard(popleft())
+                front_pos = handed[0]
+                finished.update(pos for pos in positions if pos >= front_pos)  # the rest: finished before
+            # the mark-delete position moves past the finished front (found and dropped in C, not per
+            # element in compiled code, which would box each position again)
+            front = list(takewhile(finished.__contains__, handed))
+            if front:
+                finished.difference_update(front)
+                popleft = handed.popleft
+                for _ in range(len(front)):
+                    popleft()
             if self._deadlines:
                 for pos in positions:
                     self._deadlines.pop(pos, None)
-            self._counted(count)
-        # after the whole run: a record reclaim would move is not one this run finishes
-        if len(finished) > FINISHED_LIMIT and len(finished) > self._reclaim_after:
-            self._maybe_reclaim()
 
     def _finish_any(self, pos: int) -> None:
-        """finish() of a position that may be held, or moved by reclaim."""
+        """finish() of a position that may be held, or moved by reclaim (counted by finish_many)."""
         if pos < 0:
             return
         moved = self._moved.pop(pos, None)
@@ -895,10 +913,10 @@ class DiskQueue:
         if self._deadlines:
             self._deadlines.pop(pos, None)
         self._pop_finished()
-        self._counted()
 
     def _pop_finished(self) -> None:
         """Move the mark-delete position past finished records."""
+        self._apply_fins()
         finished = self._finished
         handed = self._handed
         claimed = self._claimed
@@ -1002,6 +1020,7 @@ class DiskQueue:
             return data
 
     def _reset_cursor(self) -> None:
+        self._fins.clear()
         self._handed.clear()
         self._claimed.clear()
         self._claimed_set.clear()
