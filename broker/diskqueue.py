@@ -72,8 +72,11 @@ _OFFSET_MASK = (1 << POS_SHIFT) - 1
 FINISHED_LIMIT = 4096
 # reclaim copies unfinished records only when that frees at least this many times the bytes it writes
 RECLAIM_RATIO = 4
-# the metadata's extension after go-diskqueue's three lines (Go's Fscanf reads those and stops)
-_EXT_HEADER = b"trio-nsq-cursor 1"
+# the metadata's extension after go-diskqueue's three lines (Go's Fscanf reads those and stops); version 2
+# writes the finished positions as hex of big-endian int64s (every sync round writes up to thousands:
+# struct packs them ~4x faster than decimal text); version 1 (decimal, space-separated) is still read
+_EXT_HEADER = b"trio-nsq-cursor 2"
+_EXT_HEADER_V1 = b"trio-nsq-cursor 1"
 # the journal (`<name>.diskqueue.journal.dat`): one entry per record written with a deadline or in place
 # of another (REQ, a timeout, DPUB, reclaim), appended (not fsynced: a kill -9 keeps the page cache, as
 # it keeps the record) before the record: its position, the position it replaces (-1: none), its message
@@ -220,21 +223,27 @@ class DiskQueue:
         return text + self._ext_text()
 
     def _ext_text(self) -> bytes:
+        finished = self._finished
         return b"%s\nupstream %d\nfinished %s\ndeadlines %s\n" % (
             _EXT_HEADER, self.upstream,
-            " ".join(map(str, self._finished)).encode(),
+            struct.pack(f">{len(finished)}q", *finished).hex().encode(),
             " ".join(f"{k}:{d!r}" for k, d in self._deadlines.items()).encode())
 
     def _load_ext(self, lines: list[str]) -> None:
         """Our state after the three lines (absent in a Go-written file: nothing finished, nothing
         deferred). Whatever it holds refers to this very metadata, written in one rename."""
-        if len(lines) < 7 or lines[3].encode() != _EXT_HEADER:
+        header = lines[3].encode() if len(lines) >= 7 else b""
+        if header not in (_EXT_HEADER, _EXT_HEADER_V1):
             return
         try:
             upstream = int(lines[4].split(" ", 1)[1])
-            finished = {int(x) for x in lines[5].split(" ")[1:] if x}
+            if header == _EXT_HEADER_V1:
+                finished = {int(x) for x in lines[5].split(" ")[1:] if x}
+            else:
+                packed = bytes.fromhex(lines[5].split(" ", 1)[1])
+                finished = set(struct.unpack(f">{len(packed) // 8}q", packed))
             deadlines = {int(k): float(d) for k, d in (x.split(":") for x in lines[6].split(" ")[1:] if x)}
-        except (ValueError, IndexError) as exc:
+        except (ValueError, IndexError, struct.error) as exc:
             log.error("DISKQUEUE(%s) ignoring unreadable cursor state in %s - %s",
                       self.name, self.meta_file_name(), exc)
             return

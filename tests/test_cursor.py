@@ -116,3 +116,24 @@ def test_runs_of_fins_finish_exactly_the_records_named(tmp_path):
     want = [data for _, data in a[15:] + b[10:15] + b[16:]] + [b"h0000"]
     assert [data for _, data in read_all(after)] == want
     trio.run(after.close)
+
+
+def test_finished_positions_persist_and_a_version_1_metadata_still_loads(tmp_path):
+    """The finished positions past the mark-delete position go into the metadata (version 2: hex of
+    int64s); a metadata written by version 1 (decimal) reads the same."""
+    dq = cursor_queue(tmp_path)
+    dq.put_many([b"a" * 30, b"b" * 30, b"c" * 30])
+    (_, _), (b_pos, _), (_, _) = read_all(dq)
+    dq.finish(b_pos)  # behind the unfinished first record: kept in the finished set
+    trio.run(dq.close)
+    meta = tmp_path / "q.diskqueue.meta.dat"
+    lines = meta.read_text().split("\n")
+    assert lines[3] == "trio-nsq-cursor 2" and lines[5] == "finished %016x" % b_pos
+    reopened = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-v2"))
+    assert [data for _, data in read_all(reopened)] == [b"a" * 30, b"c" * 30]
+    trio.run(reopened.close)
+    lines[3], lines[5] = "trio-nsq-cursor 1", f"finished {b_pos}"
+    meta.write_text("\n".join(lines))
+    v1 = cursor_queue(tmp_path)
+    assert [data for _, data in read_all(v1)] == [b"a" * 30, b"c" * 30]
+    trio.run(v1.close)
