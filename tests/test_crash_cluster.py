@@ -1,6 +1,10 @@
 """No copy made by a crash, in a cluster: 3 brokers and 2 lookupds with --mem-queue-size=0 --sync-every=1,
-publishers on every broker, one consumer through lookupd; one broker gets kill -9 under that load and is
-restarted on its data dir.
+publishers on every broker, consumers through lookupd; one broker gets kill -9 under that load and is
+restarted on its data dir. On that broker two of the four channels are paused until after the restart, so
+what their topics handed them before the kill is still queued there: a second hand-off of it is a second
+delivery after the restart. (With the channel's persisted topic position ignored on load, the test failed
+in 2 of 4 runs: whether the kill finds a hand-off whose channel round has ended and whose topic round has
+not is chance.)
 
 What the counters mean across a restart (here as in Go nsqd): `message_count` is not persisted. After
 the restart the topic's counts what was published to it since; the channel's counts what the topic
@@ -25,6 +29,9 @@ from trio_nsq.client import Consumer, NSQConnectionError, NSQError, Producer
 
 # several topics on the victim, each its own topic -> channel hand-off caught at its own moment by the kill
 TOPICS = [f"cluster{i}" for i in range(4)]
+# on the victim these channels are paused until after the restart: what the topic handed them before the
+# kill is still there, so a second hand-off would be a second delivery after the restart
+PAUSED = TOPICS[:2]
 DURABLE = {"mem_queue_size": 0, "sync_every": 1}
 # a message delivered before the kill may come again after it only if it was FIN'd (or still in flight)
 # this close to the kill: a FIN is persisted by the next sync round, which with --sync-every=1 follows
@@ -59,6 +66,8 @@ async def test_kill_9_in_a_cluster_hands_nothing_twice(tmp_path):
             broker.start()
             for name in TOPICS:
                 _create_channel(broker, name, "c")
+        for name in PAUSED:
+            assert victim.http.post(f"/channel/pause?topic={name}&channel=c").status_code == 200
 
         def handler(name: str):
             async def handle(msg) -> None:  # returns: FIN
@@ -97,21 +106,16 @@ async def test_kill_9_in_a_cluster_hands_nothing_twice(tmp_path):
                 nursery.start_soon(run)
             # under load, with the consumers taking from every broker
             with trio.fail_after(20):
-                while len(acked[0]) < 4000 or not all(acked[n] for n in (1, 2)) or sum(map(len, seen.values())) < 4000:
+                while len(acked[0]) < 4000 or not all(acked[n] for n in (1, 2)) or sum(map(len, seen.values())) < 3000:
                     await trio.sleep(0.01)
-            # a backlog in the victim's topics, so the kill finds their pumps handing batches over
-            for name in TOPICS:
-                victim.http.post(f"/topic/pause?topic={name}")
-            await trio.sleep(0.3)
-            for name in TOPICS:
-                victim.http.post(f"/topic/unpause?topic={name}")
-            await trio.sleep(0.02)
             await trio.to_thread.run_sync(victim.kill)
             killed_at = time.monotonic()
             publishers[0].cancel()
             old_conns = {conn for name in TOPICS for d in list(seen[name].values()) for _, conn in d}
             await trio.to_thread.run_sync(victim.start)
             own = {name: await trio.to_thread.run_sync(unfinished_of_its_own, victim, name) for name in TOPICS}
+            for name in PAUSED:
+                assert victim.http.post(f"/channel/unpause?topic={name}&channel=c").status_code == 200
             await publish(0, "b0-after", batches=50)
             await trio.sleep(0.5)
             for scope in publishers:
