@@ -54,7 +54,7 @@ def unfinished_of_its_own(broker: BrokerProcess, name: str) -> int:
 
 
 async def test_kill_9_in_a_cluster_hands_nothing_twice(tmp_path):
-    lookupds = [LookupdProcess(tmp_path).start() for _ in range(2)]
+    lookupds = [LookupdProcess(tmp_path) for _ in range(2)]
     peers = [f"--lookupd-tcp-address={lk.tcp_address}" for lk in lookupds]
     brokers = [BrokerProcess(tmp_path, *peers, broadcast_address="127.0.0.1", **DURABLE) for _ in range(3)]
     victim = brokers[0]
@@ -62,6 +62,8 @@ async def test_kill_9_in_a_cluster_hands_nothing_twice(tmp_path):
     # topic -> body -> each delivery's (monotonic time, the connection it came on)
     seen: dict[str, dict[bytes, list[tuple[float, object]]]] = {name: defaultdict(list) for name in TOPICS}
     try:
+        for lookupd in lookupds:
+            lookupd.start()
         for broker in brokers:
             broker.start()
             for name in TOPICS:
