@@ -55,6 +55,9 @@ class BackendQueue(Protocol):
     def finish(self, pos: int) -> None:
         """The record read or held at `pos` is done with (a no-op unless the queue keeps a cursor)."""
 
+    def finish_many(self, positions: list[int]) -> None:
+        """finish() of each position in turn (a run of FINs in one call)."""
+
     def has_deadlines(self) -> bool: ...
 
     def delay_of(self, pos: int) -> float:
@@ -105,6 +108,9 @@ class DummyBackendQueue:
         raise BackendError("no backend queue")
 
     def finish(self, pos: int) -> None:
+        return None
+
+    def finish_many(self, positions: list[int]) -> None:
         return None
 
     def has_deadlines(self) -> bool:

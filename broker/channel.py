@@ -279,13 +279,33 @@ class Channel:
         self.in_flight.pop(msg_id)
         return msg
 
-    def finish_message(self, client_id: int, msg_id: bytes) -> Message:
-        msg = self._pop_in_flight(client_id, msg_id)
-        if msg.pos >= 0:
-            self.queue.backend.finish(msg.pos)
-        if self.e2e is not None:
-            self.e2e.insert(msg.timestamp)
-        return msg
+    def finish_message(self, client_id: int, msg_id: bytes) -> None:
+        finished, error = self.finish_messages(client_id, [msg_id])
+        if error is not None:
+            raise error
+
+    def finish_messages(self, client_id: int, msg_ids: list[bytes]) -> tuple[int, ChannelError | None]:
+        """FIN of each id in turn, up to the first that does not apply: how many were finished, and that
+        one's error. The backend hears of the run in one call (its records are finished in the same
+        order as one call each would, and nothing else runs in between)."""
+        positions: list[int] = []
+        finished = 0
+        error = None
+        e2e = self.e2e
+        for msg_id in msg_ids:
+            try:
+                msg = self._pop_in_flight(client_id, msg_id)
+            except ChannelError as exc:
+                error = exc
+                break
+            if msg.pos >= 0:
+                positions.append(msg.pos)
+            if e2e is not None:
+                e2e.insert(msg.timestamp)
+            finished += 1
+        if positions:
+            self.queue.backend.finish_many(positions)
+        return finished, error
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)

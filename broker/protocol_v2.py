@@ -431,18 +431,12 @@ class ProtocolV2:
         errors, in order); the parser consumes those executed, so after an error the rest follow as
         usual."""
         check_command(b"FIN", 1, client.state, self._tls_ok(client))
-        finish, client_id = self._channel(client).finish_message, client.id
-        finished = 0
-        for msg_id in ids:
-            try:
-                finish(client_id, msg_id)
-            except ChannelError as exc:
-                parser.skip_fins(finished + 1)  # this one is answered with its error
-                client.finished_messages(finished)
-                raise ClientError("E_FIN_FAILED", f"FIN {msg_id.decode(errors='replace')} failed {exc}") from None
-            finished += 1
-        parser.skip_fins(finished)
+        finished, error = self._channel(client).finish_messages(client.id, ids)
         client.finished_messages(finished)
+        if error is not None:
+            parser.skip_fins(finished + 1)  # this one is answered with its error
+            raise ClientError("E_FIN_FAILED", f"FIN {ids[finished].decode(errors='replace')} failed {error}")
+        parser.skip_fins(finished)
 
     async def REQ(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(cmd)

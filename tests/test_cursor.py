@@ -94,3 +94,46 @@ def test_a_journal_still_needed_is_rewritten_smaller(tmp_path):
     assert got[-500:] == [b"R%028d" % i for i in range(1500, 2000)]
     trio.run(dq.close)
     trio.run(after.close)
+
+
+def test_runs_of_fins_finish_exactly_the_records_named(tmp_path):
+    """finish_many (a run of FIN commands): two consumers' FINs interleaved, a position named twice, one
+    finished before, and a run while a record is held (the general path); after a round and a crash
+    exactly the unfinished records come back, in order."""
+    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
+    dq.put_many([b"m%04d" % i for i in range(40)])
+    got = read_all(dq)
+    a, b = got[:20], got[20:]  # two consumers' batches
+    dq.finish(a[0][0])
+    run = [pos for pair in zip(a[:10], b[:10]) for pos, _ in pair]  # A's first ten, B's first ten
+    dq.finish_many(run + [a[0][0], b[3][0], -1])  # finished before, named twice, none
+    assert dq.mark_delete() == a[10][0]  # A's first ten finished: the mark moved; B's wait behind A's rest
+    dq.hold(b"h0000", 60.0)
+    dq.finish_many([pos for pos, _ in a[10:15]] + [b[15][0]])
+    trio.run(dq.sync)
+    trio.run(dq.close)
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
+    want = [data for _, data in a[15:] + b[10:15] + b[16:]] + [b"h0000"]
+    assert [data for _, data in read_all(after)] == want
+    trio.run(after.close)
+
+
+def test_finished_positions_persist_and_a_version_1_metadata_still_loads(tmp_path):
+    """The finished positions past the mark-delete position go into the metadata (version 2: hex of
+    int64s); a metadata written by version 1 (decimal) reads the same."""
+    dq = cursor_queue(tmp_path)
+    dq.put_many([b"a" * 30, b"b" * 30, b"c" * 30])
+    (_, _), (b_pos, _), (_, _) = read_all(dq)
+    dq.finish(b_pos)  # behind the unfinished first record: kept in the finished set
+    trio.run(dq.close)
+    meta = tmp_path / "q.diskqueue.meta.dat"
+    lines = meta.read_text().split("\n")
+    assert lines[3] == "trio-nsq-cursor 2" and lines[5] == "finished %016x" % b_pos
+    reopened = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-v2"))
+    assert [data for _, data in read_all(reopened)] == [b"a" * 30, b"c" * 30]
+    trio.run(reopened.close)
+    lines[3], lines[5] = "trio-nsq-cursor 1", f"finished {b_pos}"
+    meta.write_text("\n".join(lines))
+    v1 = cursor_queue(tmp_path)
+    assert [data for _, data in read_all(v1)] == [b"a" * 30, b"c" * 30]
+    trio.run(v1.close)

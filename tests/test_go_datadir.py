@@ -136,7 +136,7 @@ def test_our_data_dir_is_what_go_nsqd_writes(tmp_path):
     for name, meta in expected_meta.items():
         # a channel's cursor state follows Go's three lines (Go's Fscanf reads those and stops)
         text = (data / f"{name}.diskqueue.meta.dat").read_text()
-        assert text.split("trio-nsq-cursor 1\n")[0] == meta, name
+        assert text.split("trio-nsq-cursor 2\n")[0] == meta, name
     blob = (data / "withch:c1.diskqueue.000000.dat").read_bytes()
     bodies, pos = [], 0
     while pos < len(blob):
