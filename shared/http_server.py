@@ -516,7 +516,7 @@ class Connection:
             m = self.ready[0]
             if m.version == "1.1" and "host" not in m.headers:
                 raise BadRequest(400)  # h11's rule
-            req = self._request(m)
+            req = self._request(m, whole=False)
             if req.expect_continue:
                 self.out.append(continue_bytes())
                 await self._flush()
@@ -531,10 +531,12 @@ class Connection:
             if close:
                 return False
 
-    def _request(self, m: _Message) -> Request:
+    def _request(self, m: _Message, whole: bool) -> Request:
+        """`m` as the endpoints see it; `whole` (the poller's, for a message complete): its body at hand
+        for Request.body_now (a task's request reads it through Request.read instead)."""
         path, _, query = m.url.partition(b"?")
         body: bytes | None = None
-        if m.complete and m.keep:
+        if whole and m.keep:
             body = m.body[0] if len(m.body) == 1 else b"".join(m.body)
         return Request(m.method, path.decode("latin-1"), query, m.headers, reader=self._read_body,
                        remote=self.remote, server_port=self.server_port, version=m.version, body=body)
@@ -575,7 +577,7 @@ class Connection:
                 break
             if m.version == "1.1" and "host" not in m.headers:
                 return TASK
-            req = self._request(m)
+            req = self._request(m, whole=True)
             if req.expect_continue:
                 return TASK
             reply = site.now(req)
