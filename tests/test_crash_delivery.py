@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from processes import BrokerProcess
-from test_durability import _connect, _create_channel, _read_frame, mpub_all
+from test_durability import _connect, _create_channel, _read_frame, fin_each, mpub_all
 
 from trio_nsq.shared.protocol import (
     FrameParser,
@@ -67,21 +67,13 @@ def drain(broker: BrokerProcess, topic: str, want: set[bytes], timeout: float, l
     sock, parser = subscriber(broker, topic, 2500)
     with sock:
         deadline = time.monotonic() + timeout
-        done_at = None
-        while time.monotonic() < deadline and (done_at is None or time.monotonic() < done_at):
-            try:
-                frame = _read_frame(sock, parser, timeout=0.2)
-            except socket.timeout:
-                continue
-            if frame is None:
-                break
-            kind, data = frame
-            if kind == 2:
-                msg = decode_message(data)
-                seen.setdefault(msg.body, Seen()).deliveries.append((time.monotonic(), msg.attempts))
-                sock.sendall(encode_fin(msg.id))
-            elif data == b"_heartbeat_":
-                sock.sendall(b"NOP\n")
+        done_at: float | None = None
+
+        def keep_going() -> bool:
+            return time.monotonic() < deadline and (done_at is None or time.monotonic() < done_at)
+
+        for msg in fin_each(sock, parser, keep_going, 0.2):
+            seen.setdefault(msg.body, Seen()).deliveries.append((time.monotonic(), msg.attempts))
             if done_at is None and want <= seen.keys():
                 done_at = time.monotonic() + linger
     return seen

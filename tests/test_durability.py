@@ -13,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
 from processes import BrokerProcess, REPO_ROOT
 from trio_nsq.shared.protocol import (
     MAGIC_V2,
+    DecodedMessage,
     FrameParser,
     decode_message,
     encode_dpub,
@@ -50,6 +52,26 @@ def _read_frame(sock: socket.socket, parser: FrameParser, timeout: float = 10) -
         parser.feed(data)
 
 
+def fin_each(sock: socket.socket, parser: FrameParser, keep_going: Callable[[], bool],
+             read_timeout: float) -> Iterator[DecodedMessage]:
+    """Each message delivered on `sock`, FIN'd once the caller has taken it (heartbeats answered), while
+    keep_going() and the connection is open."""
+    while keep_going():
+        try:
+            frame = _read_frame(sock, parser, timeout=read_timeout)
+        except socket.timeout:
+            continue
+        if frame is None:
+            return
+        kind, data = frame
+        if kind == 2:
+            msg = decode_message(data)
+            yield msg
+            sock.sendall(encode_fin(msg.id))
+        elif data == b"_heartbeat_":
+            sock.sendall(b"NOP\n")
+
+
 def _create_channel(broker: BrokerProcess, topic: str, channel: str) -> None:
     with _connect(broker) as sock:
         sock.sendall(encode_sub(topic, channel))
@@ -71,20 +93,8 @@ def consume(broker: BrokerProcess, topic: str, channel: str, want: set[bytes], t
         parser = FrameParser()
         sock.sendall(encode_identify({"heartbeat_interval": 5000}) + encode_sub(topic, channel) + encode_rdy(2500))
         deadline = time.monotonic() + timeout
-        while not want <= seen.keys() and time.monotonic() < deadline:
-            try:
-                frame = _read_frame(sock, parser, timeout=1)
-            except socket.timeout:
-                continue
-            if frame is None:
-                break
-            kind, data = frame
-            if kind == 2:
-                msg = decode_message(data)
-                seen[msg.body] = seen.get(msg.body, 0) + 1
-                sock.sendall(encode_fin(msg.id))
-            elif data == b"_heartbeat_":
-                sock.sendall(b"NOP\n")
+        for msg in fin_each(sock, parser, lambda: not want <= seen.keys() and time.monotonic() < deadline, 1):
+            seen[msg.body] = seen.get(msg.body, 0) + 1
     return seen
 
 
