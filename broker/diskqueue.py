@@ -45,9 +45,10 @@ import re
 import struct
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import BinaryIO
 
 import trio
@@ -163,7 +164,11 @@ class DiskQueue:
         # mark-delete position (the oldest unfinished record); finish(pos) retires a record.
         self.cursor = cursor
         self.upstream = -1  # the highest topic position this channel has taken (Channel's no-copy rule)
-        self._handed: deque[int] = deque()  # positions read (handed out, or skipped as finished), in order
+        # positions read (handed out, or skipped as finished), in order: those from _head on are not retired
+        # yet. A list and an index rather than a deque: a run of FINs that continues the front is then
+        # found and retired by comparing slices (in C, mostly by identity) instead of per element
+        self._handed: list[int] = []
+        self._head = 0
         self._claimed: deque[int] = deque()  # positions written by hold(), in order
         self._claimed_set: set[int] = set()  # held positions the reader has not passed yet: it skips them
         self._finished: set[int] = set()  # finished positions at or past the mark-delete position
@@ -215,7 +220,7 @@ class DiskQueue:
             return text + self._ext_text()
         self._pop_finished()
         mark = self.mark_delete()
-        depth = self._depth + len(self._handed) + len(self._claimed) - len(self._claimed_set)
+        depth = self._depth + len(self._handed) - self._head + len(self._claimed) - len(self._claimed_set)
         text = b"%d\n%d,%d\n%d,%d\n" % (
             depth, mark >> POS_SHIFT, mark & _OFFSET_MASK, self.write_file_num, self.write_pos)
         if self.upstream < 0 and not self._finished and not self._deadlines:
@@ -640,7 +645,7 @@ class DiskQueue:
         if self._closed:
             return out
         cursor = self.cursor
-        hand = self._handed.append  # bound once: a deque's methods are looked up by name per call
+        hand = self._handed.append  # bound once
         while len(out) < limit and self._has_unread():  # each read error skips at least one whole file
             key = (self.read_file_num << POS_SHIFT) | self.read_pos
             try:
@@ -786,7 +791,7 @@ class DiskQueue:
         self._close_write_fd()
         first = self.read_file_num
         self._apply_fins()
-        if self.cursor and (self._handed or self._claimed):
+        if self.cursor and (self._head < len(self._handed) or self._claimed):
             # records handed out before here stay until finished (their files go with the mark-delete)
             first = max(first, (self.mark_delete() >> POS_SHIFT) + 1)
         for num in range(first, self.write_file_num + 1):
@@ -808,8 +813,8 @@ class DiskQueue:
         unfinished record handed out or held before it."""
         self._apply_fins()
         mark = (self.read_file_num << POS_SHIFT) | self.read_pos
-        if self._handed and self._handed[0] < mark:
-            mark = self._handed[0]
+        if self._head < len(self._handed) and self._handed[self._head] < mark:
+            mark = self._handed[self._head]
         if self._claimed and self._claimed[0] < mark:
             mark = self._claimed[0]
         return mark
@@ -882,31 +887,65 @@ class DiskQueue:
         if not positions:
             return
         self._fins = []
-        finished = self._finished
         if self._claimed or self._moved:
             for pos in positions:
                 self._finish_any(pos)
-        else:
-            # the common case (FINs of records read, none held or moved): positions handed out in order
-            handed = self._handed
-            if not handed:
-                return  # every one finished already, or emptied since
-            if min(positions) >= handed[0]:
-                finished.update(positions)  # none finished before (the usual run): one set update
-            else:
-                front_pos = handed[0]
-                finished.update(pos for pos in positions if pos >= front_pos)  # the rest: finished before
-            # the mark-delete position moves past the finished front (found and dropped in C, not per
-            # element in compiled code, which would box each position again)
-            front = list(takewhile(finished.__contains__, handed))
-            if front:
-                finished.difference_update(front)
-                popleft = handed.popleft
-                for _ in range(len(front)):
-                    popleft()
-            if self._deadlines:
-                for pos in positions:
-                    self._deadlines.pop(pos, None)
+            return
+        # the common case (FINs of records read, none held or moved): every position is one handed out
+        # (or, finished before or emptied since, is before the front). Consumers FIN mostly in the order
+        # they were sent, so most of the sorted run continues the front: it is retired without the set
+        handed = self._handed
+        head = self._head
+        end = len(handed)
+        if head == end:
+            return  # every one finished already, or emptied since
+        finished = self._finished
+        if finished:
+            head = self._retire_finished(head)
+        positions.sort()
+        first = 0
+        if head == end:
+            first = len(positions)  # all of them before the front
+        elif positions[0] < handed[head]:
+            first = bisect_left(positions, handed[head])
+        n = min(len(positions) - first, end - head)
+        if n > 0 and positions[first:first + n] != handed[head:head + n]:
+            # the longest run that matches (positions are unique and a subset of handed[head:], so once
+            # one differs all later ones do): binary search, each probe one comparison
+            lo, hi = 0, n - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if positions[first + mid] == handed[head + mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            n = lo + 1 if positions[first] == handed[head] else 0
+            if n and positions[first:first + n] != handed[head:head + n]:
+                n = 0  # not in order after all: the set below handles every case
+        head += n
+        if first + n < len(positions):
+            finished.update(positions[first + n:])
+        if finished:
+            head = self._retire_finished(head)
+        self._set_head(head)
+        if self._deadlines:
+            for pos in positions:
+                self._deadlines.pop(pos, None)
+
+    def _set_head(self, head: int) -> None:
+        """The handed positions before `head` are retired: they go in bulk once they are most of the list."""
+        if head > 4096 and head * 2 > len(self._handed):
+            del self._handed[:head]
+            head = 0
+        self._head = head
+
+    def _retire_finished(self, head: int) -> int:
+        """Move `head` past the finished positions at the front of the handed ones, dropping them from the
+        finished set (found in C: per element in compiled code, each position would be boxed again)."""
+        front = list(takewhile(self._finished.__contains__, islice(self._handed, head, None)))
+        if front:
+            self._finished.difference_update(front)
+        return head + len(front)
 
     def _finish_any(self, pos: int) -> None:
         """finish() of a position that may be held, or moved by reclaim (counted by finish_many)."""
@@ -930,21 +969,27 @@ class DiskQueue:
         handed = self._handed
         claimed = self._claimed
         if not claimed:
-            while handed and handed[0] in finished:
-                finished.discard(handed.popleft())
+            if finished:
+                self._set_head(self._retire_finished(self._head))
             return
         # both in position order: retire the lower front while it is finished, so that every finished
         # position past the mark-delete position stays in the set (and is persisted)
         read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
-        while True:
-            if claimed and claimed[0] < read_key and (not handed or claimed[0] < handed[0]):
-                if claimed[0] not in finished:
+        head = self._head
+        end = len(handed)
+        try:
+            while True:
+                if claimed and claimed[0] < read_key and (head == end or claimed[0] < handed[head]):
+                    if claimed[0] not in finished:
+                        return
+                    finished.discard(claimed.popleft())
+                elif head < end and handed[head] in finished:
+                    finished.discard(handed[head])
+                    head += 1
+                else:
                     return
-                finished.discard(claimed.popleft())
-            elif handed and handed[0] in finished:
-                finished.discard(handed.popleft())
-            else:
-                return
+        finally:
+            self._set_head(head)
 
     def _maybe_reclaim(self) -> None:
         """Copy the few unfinished records that pin old files (a message held for an hour, a poison
@@ -957,13 +1002,13 @@ class DiskQueue:
         mark = self.mark_delete()
         if (mark >> POS_SHIFT) < self.read_file_num - 1:
             cutoff = self.read_file_num << POS_SHIFT
-        elif len(self._finished) > FINISHED_LIMIT and self._handed:
-            cutoff = self._handed[len(self._handed) // 2]
+        elif len(self._finished) > FINISHED_LIMIT and self._head < len(self._handed):
+            cutoff = self._handed[(self._head + len(self._handed)) // 2]
         else:
             return
         finished = self._finished
         read_key = (self.read_file_num << POS_SHIFT) | self.read_pos
-        pinning = [k for k in self._handed if k < cutoff and k not in finished]
+        pinning = [k for k in islice(self._handed, self._head, None) if k < cutoff and k not in finished]
         pinning.extend(k for k in self._claimed if k < cutoff and k < read_key and k not in finished)
         freed = 0
         for num in range(mark >> POS_SHIFT, cutoff >> POS_SHIFT):
@@ -1031,6 +1076,7 @@ class DiskQueue:
     def _reset_cursor(self) -> None:
         self._fins.clear()
         self._handed.clear()
+        self._head = 0
         self._claimed.clear()
         self._claimed_set.clear()
         self._finished.clear()

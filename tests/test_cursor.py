@@ -3,6 +3,7 @@ deadlines, and one record never finished does not pin the files written after it
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import trio
@@ -115,6 +116,50 @@ def test_runs_of_fins_finish_exactly_the_records_named(tmp_path):
     after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
     want = [data for _, data in a[15:] + b[10:15] + b[16:]] + [b"h0000"]
     assert [data for _, data in read_all(after)] == want
+    trio.run(after.close)
+
+
+def test_fins_in_any_order_move_the_mark_to_the_oldest_unfinished_record(tmp_path):
+    """Runs of FINs as consumers send them (mostly in order, some late, a few named twice or not at all,
+    runs split anywhere), over enough records that the handed positions are dropped in bulk several
+    times: after every run the mark-delete position is the oldest record not finished, and after a
+    round and a crash exactly the unfinished records come back."""
+    rng = random.Random(7)
+    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
+    dq.put_many([b"r%05d" % i for i in range(12000)])
+    got = read_all(dq)
+    order = [pos for pos, _ in got]
+    for i in range(0, len(order) - 50, 50):  # a consumer answers its batch out of order now and then
+        if rng.random() < 0.3:
+            chunk = order[i:i + 50]
+            rng.shuffle(chunk)
+            order[i:i + 50] = chunk
+    kept = set(rng.sample(range(len(got)), 5))  # held forever
+    unfinished = {pos for pos, _ in got}
+    finished: set[int] = set()
+    todo = [pos for pos in order if pos not in {got[i][0] for i in kept}]
+    late = todo[100:400]  # answered long after the rest
+    todo = todo[:100] + todo[400:]
+    while todo or late:
+        n = rng.randint(1, 300)
+        run, todo = todo[:n], todo[n:]
+        if not todo and late:
+            run, late = run + late, []
+        if rng.random() < 0.1 and finished:
+            run.append(rng.choice(sorted(finished)))  # named again
+        if rng.random() < 0.1:
+            run.append(-1)
+        dq.finish_many(run)
+        finished.update(pos for pos in run if pos >= 0)
+        unfinished -= finished
+        if rng.random() < 0.3:
+            assert dq.mark_delete() == min(unfinished)
+    assert dq.mark_delete() == min(unfinished)
+    assert len(unfinished) == 5
+    trio.run(dq.sync)
+    trio.run(dq.close)
+    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
+    assert [data for _, data in read_all(after)] == [got[i][1] for i in sorted(kept)]
     trio.run(after.close)
 
 
