@@ -16,7 +16,7 @@ import trio
 from trio_nsq.broker.backend import BackendError, BackendQueue
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.message_queue import MessageQueue
-from trio_nsq.broker.pqueue import MessagePQueue
+from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, MessagePQueue
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.shared.names import is_ephemeral
 
@@ -270,6 +270,13 @@ class Channel:
         msg.delivery_ts = now
         self.in_flight.push(msg, now + timeout, lane=timeout)
 
+    def start_in_flight_many(self, msgs: list[Message], client_id: int, now: float, timeout: float) -> None:
+        """start_in_flight() of a message pump's batch: one deadline for all of them."""
+        for msg in msgs:
+            msg.client_id = client_id
+            msg.delivery_ts = now
+        self.in_flight.push_many(msgs, now + timeout, timeout)
+
     def _pop_in_flight(self, client_id: int, msg_id: bytes) -> Message:
         msg = self.in_flight.get(msg_id)
         if msg is None:
@@ -288,24 +295,19 @@ class Channel:
         """FIN of each id in turn, up to the first that does not apply: how many were finished, and that
         one's error. The backend hears of the run in one call (its records are finished in the same
         order as one call each would, and nothing else runs in between)."""
-        positions: list[int] = []
-        finished = 0
+        msgs, stopped = self.in_flight.pop_owned(msg_ids, client_id)
         error = None
-        e2e = self.e2e
-        for msg_id in msg_ids:
-            try:
-                msg = self._pop_in_flight(client_id, msg_id)
-            except ChannelError as exc:
-                error = exc
-                break
-            if msg.pos >= 0:
-                positions.append(msg.pos)
-            if e2e is not None:
-                e2e.insert(msg.timestamp)
-            finished += 1
+        if stopped == MISSING:
+            error = ChannelError("ID not in flight")
+        elif stopped == NOT_OWNED:
+            error = ChannelError("client does not own message")
+        if self.e2e is not None:
+            for msg in msgs:
+                self.e2e.insert(msg.timestamp)
+        positions = [msg.pos for msg in msgs if msg.pos >= 0]  # those read from the backend
         if positions:
             self.queue.backend.finish_many(positions)
-        return finished, error
+        return len(msgs), error
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)

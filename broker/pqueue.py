@@ -22,6 +22,10 @@ from collections import deque
 from trio_nsq.broker.message import Message
 
 _COMPACT_MIN = 1024
+# pop_owned: why a run stopped
+OWNED = 0
+MISSING = 1
+NOT_OWNED = 2
 # distinct lane keys kept (one per msg_timeout in use); pushes for further keys use the heap
 MAX_LANES = 16
 
@@ -69,6 +73,56 @@ class MessagePQueue:
                 return
         heapq.heappush(self._heap, (pri, next(self._seq), msg.generation, msg))
         self._maybe_compact()
+
+    def push_many(self, msgs: list[Message], pri: float, lane: float) -> None:
+        """push() of each message with one deadline and lane (a message pump's batch put in flight)."""
+        fifo = self._lanes.get(lane)
+        if fifo is None and len(self._lanes) < MAX_LANES:
+            fifo = self._lanes[lane] = deque()
+        if fifo is None or (fifo and fifo[-1][0] > pri):
+            for msg in msgs:
+                self.push(msg, pri, lane)
+            return
+        items = self._items
+        append = fifo.append
+        for msg in msgs:
+            generation = msg.generation + 1
+            msg.generation = generation
+            msg.pri = pri
+            msg.lane = lane
+            items[msg.id] = msg
+            append((pri, generation, msg))
+        self._entries += len(msgs)
+        self._maybe_compact()
+
+    def pop_owned(self, msg_ids: list[bytes], owner: int) -> tuple[list[Message], int]:
+        """pop() of each id in turn while its message is here and its client_id is `owner` (a consumer's
+        run of FINs): the messages, and why it stopped (OWNED: it did not; MISSING: an id not here;
+        NOT_OWNED: a message of another client, left here). The lanes' fronts are cleared once."""
+        items = self._items
+        out: list[Message] = []
+        stopped = OWNED
+        for msg_id in msg_ids:
+            msg = items.get(msg_id)
+            if msg is None:
+                stopped = MISSING
+                break
+            if msg.client_id != owner:
+                stopped = NOT_OWNED
+                break
+            del items[msg_id]
+            msg.generation += 1
+            out.append(msg)
+        if out:
+            for fifo in self._lanes.values():
+                while fifo:
+                    _, generation, msg = fifo[0]
+                    if msg.generation == generation and items.get(msg.id) is msg:
+                        break
+                    fifo.popleft()  # FINs in delivery order: the front goes at once
+                    self._entries -= 1
+            self._maybe_compact()
+        return out, stopped
 
     def pop(self, msg_id: bytes) -> Message | None:
         """Remove by id (FIN, REQ, TOUCH's first half); its deadline entry goes stale."""

@@ -20,6 +20,7 @@ from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.channel import ChannelError
 from trio_nsq.broker.client_state import ClientState, check_command
 from trio_nsq.broker.client_v2 import ClientV2
+from trio_nsq.broker.message import Message
 from trio_nsq.broker.channel import Channel
 from trio_nsq.shared.streams import CompressionError
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
@@ -170,27 +171,34 @@ class ProtocolV2:
             timeout = client.msg_timeout
             sample_rate = client.sample_rate
             out = client.out
-            start_in_flight = channel.start_in_flight
-            sent = 0
+            if sample_rate:
+                msgs = self._sample(channel, msgs, sample_rate)
             for msg in msgs:
-                if sample_rate and random.randrange(100) > sample_rate:
-                    channel.drop_sampled(msg)
-                    continue  # nsqd's sample_rate: this share of the stream is not delivered
                 if msg.attempts < 0xFFFF:
                     msg.attempts += 1
-                start_in_flight(msg, client.id, now, timeout)
                 body = msg.body
                 out += frame_header(30 + len(body), 2, msg.timestamp, msg.attempts)
                 out += msg.id
                 out += body
-                sent += 1
-            client.in_flight_count += sent
-            client.message_count += sent
+            channel.start_in_flight_many(msgs, client.id, now, timeout)
+            client.in_flight_count += len(msgs)
+            client.message_count += len(msgs)
             if len(out) >= client.output_buffer_size or client.output_buffer_timeout == 0:
                 await client.flush()
             else:
                 # let the io_loop read FINs before the next batch; the loop flushes when it runs dry
                 await trio.lowlevel.checkpoint()
+
+    @staticmethod
+    def _sample(channel: Channel, msgs: list[Message], sample_rate: int) -> list[Message]:
+        """nsqd's sample_rate: this share of the stream is delivered, the rest is done with."""
+        kept = []
+        for msg in msgs:
+            if random.randrange(100) > sample_rate:
+                channel.drop_sampled(msg)
+            else:
+                kept.append(msg)
+        return kept
 
     async def _answer(self, client: ClientV2, responses: list[bytes], error: ClientError | None) -> bool:
         """Write the batch's responses (after the group-commit fsync if one is owed) and its error;

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from trio_nsq.broker import pqueue
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.pqueue import _COMPACT_MIN, MessagePQueue
 
@@ -239,7 +240,7 @@ def _assert_expired(got: list[Message], model: dict[bytes, tuple[float, int]], n
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["push", "push", "lane", "lane", "pop", "expire", "next", "drain"]),
+            st.sampled_from(["push", "push", "lane", "lane", "many", "pop", "owned", "expire", "next", "drain"]),
             st.integers(0, 30),
             st.integers(0, 60),
         ),
@@ -264,10 +265,35 @@ def test_against_a_dict_and_sorted_model(ops):
             q.push(m, clock + timeout, lane=timeout)
             model[m.id] = (clock + timeout, order)
             order += 1
+        elif op == "many":  # a message pump's batch: one deadline, one lane (some of another client)
+            clock += t % 3
+            timeout = float((5, 10, 20)[t % 3])
+            batch = [msgs[(key + i) % 31] for i in range(1 + t % 4)]
+            for i, b in enumerate(batch):
+                b.client_id = 2 if (t + i) % 5 == 0 else 1
+            q.push_many(batch, clock + timeout, timeout)
+            for b in batch:
+                model[b.id] = (clock + timeout, order)
+                order += 1
         elif op == "pop":
             got = q.pop(m.id)
             assert (got is m) == (m.id in model) and (got is None) == (m.id not in model)
             model.pop(m.id, None)
+        elif op == "owned":  # a run of FINs by client 1: popped up to the first missing or not its own
+            run = [msgs[(key + i) % 31] for i in range(1 + t % 4)]
+            want = []
+            why = pqueue.OWNED
+            for r in run:
+                if r.id not in model:
+                    why = pqueue.MISSING
+                    break
+                if r.client_id != 1:
+                    why = pqueue.NOT_OWNED
+                    break
+                want.append(r)
+                del model[r.id]
+            got, stopped = q.pop_owned([r.id for r in run], 1)
+            assert got == want and stopped == why
         elif op == "expire":
             got = q.pop_expired(float(t))
             _assert_expired(got, model, float(t))
