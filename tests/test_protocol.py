@@ -732,3 +732,28 @@ def test_peek_fins_leaves_other_shapes_to_next_command():
         parser.feed(line)
         assert parser.peek_fins() == []
         assert parser.next_command() is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.sampled_from(b"FIN \n\rx")), max_size=6), st.integers(1, 9),
+       st.binary(max_size=30))
+def test_peek_fins_finds_exactly_the_run_the_line_rule_allows(damage, count, tail):
+    """Runs of FIN lines with bytes changed anywhere (a space, a newline or "\r" inside an id, a
+    broken "FIN "), cut anywhere: peek_fins gives the ids of exactly the leading lines the rule allows
+    (the regular expression, applied line by line)."""
+    from trio_nsq.shared.protocol import CommandParser
+
+    data = bytearray(b"".join(b"FIN %016d\n" % i for i in range(count)))
+    for offset, byte in damage:
+        line = offset % count if count else 0
+        data[line * 21 + offset] = byte
+    data += tail
+    want = []
+    for p in range(0, len(data) - 20, 21):
+        if not re.fullmatch(rb"FIN [^\n ]{15}[^\n\r ]\n", bytes(data[p:p + 21])):
+            break
+        want.append(bytes(data[p + 4:p + 20]))
+    parser = CommandParser(lambda name, params, size: None)
+    parser.feed(b"RDY 1\n" + data)
+    assert parser.next_command() == Command(b"RDY", (b"1",))  # the run starts past the buffer's front
+    assert parser.peek_fins() == want
