@@ -49,7 +49,6 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice, takewhile
-from typing import BinaryIO
 
 import trio
 
@@ -135,7 +134,11 @@ class DiskQueue:
         # where the read file ends: its size once it is no longer the write file (maxBytesPerFileRead)
         self._max_bytes_per_file_read = 0
 
-        self._read_file: BinaryIO | None = None
+        # the read file's descriptor and a block read from it (records are cut from it: a buffered file's
+        # two reads per record cost more than the record), which starts at _read_buf_at in the file
+        self._read_fd: int | None = None
+        self._read_buf = b""
+        self._read_buf_at = 0
         self._write_fd: int | None = None
         self._last_link_check = 0.0
 
@@ -682,38 +685,56 @@ class DiskQueue:
     def _read_one(self) -> bytes | None:
         """The next record, or None if the read file is finished (Go would take its EOF for a read
         error and keep a finished file as `.bad`)."""
-        fh = self._read_file
-        if fh is None:
+        fd = self._read_fd
+        if fd is None:
             path = self.file_name(self.read_file_num)
-            fh = open(path, "rb", buffering=_READ_BUFFER)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if self.read_pos > 0:
-                    fh.seek(self.read_pos)
                 # a finished file ends at its size; the write file at most at max_bytes_per_file
                 self._max_bytes_per_file_read = self.max_bytes_per_file
                 if self.read_file_num < self.write_file_num:
-                    self._max_bytes_per_file_read = os.fstat(fh.fileno()).st_size
+                    self._max_bytes_per_file_read = os.fstat(fd).st_size
             except OSError:
-                fh.close()
+                os.close(fd)
                 raise
-            self._read_file = fh
+            self._read_fd = fd
+            self._read_buf = b""
             log.info("DISKQUEUE(%s): readOne() opened %s", self.name, path)
-        if self.read_file_num < self.write_file_num and self.read_pos >= self._max_bytes_per_file_read:
-            if self.read_pos > self._max_bytes_per_file_read:
+        pos = self.read_pos
+        if self.read_file_num < self.write_file_num and pos >= self._max_bytes_per_file_read:
+            if pos > self._max_bytes_per_file_read:
                 log.warning("DISKQUEUE(%s) readPos %d is past the end (%d) of %s, nothing left in it",
-                            self.name, self.read_pos, self._max_bytes_per_file_read, self.file_name(self.read_file_num))
+                            self.name, pos, self._max_bytes_per_file_read, self.file_name(self.read_file_num))
             return None
-        header = fh.read(4)
-        if len(header) < 4:
-            raise ValueError(f"unexpected EOF reading a record length ({len(header)} of 4 bytes)")
-        (length,) = _LEN.unpack(header)
+        buf = self._read_buf
+        at = pos - self._read_buf_at
+        if at < 0 or at + 4 > len(buf):
+            buf = self._fill_read_buf(fd, pos, _READ_BUFFER)
+            at = 0
+            if len(buf) < 4:
+                raise ValueError(f"unexpected EOF reading a record length ({len(buf)} of 4 bytes)")
+        # the length, a big-endian int32 (byte by byte: compiled, no call)
+        length = (buf[at] << 24) | (buf[at + 1] << 16) | (buf[at + 2] << 8) | buf[at + 3]
+        if length >= 1 << 31:
+            length -= 1 << 32
         if length < self.min_msg_size or length > self.max_msg_size:
             # corrupt: there is no telling where a next record would start
             raise ValueError(f"invalid message read size ({length})")
-        data = fh.read(length)
-        if len(data) < length:
-            raise ValueError(f"unexpected EOF reading a record ({len(data)} of {length} bytes)")
-        return data
+        end = at + 4 + length
+        if end > len(buf):
+            buf = self._fill_read_buf(fd, pos, max(_READ_BUFFER, 4 + length))
+            at, end = 0, 4 + length
+            if end > len(buf):
+                raise ValueError(f"unexpected EOF reading a record ({len(buf) - 4} of {length} bytes)")
+        return buf[at + 4 : end]
+
+    def _fill_read_buf(self, fd: int, pos: int, size: int) -> bytes:
+        """The block at `pos` (records are only ever appended, so what was read stays true)."""
+        self._read_buf = b""  # a failed read leaves nothing stale
+        buf = os.pread(fd, size, pos)
+        self._read_buf = buf
+        self._read_buf_at = pos
+        return buf
 
     def _move_forward(self, total: int) -> None:
         self.read_pos += total
@@ -741,9 +762,10 @@ class DiskQueue:
             log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", self.name, old, exc)
 
     def _close_read_file(self) -> None:
-        if self._read_file is not None:
-            self._read_file.close()
-            self._read_file = None
+        self._read_buf = b""
+        if self._read_fd is not None:
+            close_quietly(self._read_fd)
+            self._read_fd = None
 
     def _handle_read_error(self) -> None:
         """As go-diskqueue's handleReadError: keep the bad file as `.bad` and jump to the next file (the
