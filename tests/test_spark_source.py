@@ -399,6 +399,29 @@ def test_the_record_batch_is_cut_column_wise_out_of_the_frames():
     assert [f.name for f in SCHEMA.fields] == list(rows[0])
 
 
+def test_a_micro_batch_is_cut_into_partitions_of_frames_that_keep_order_and_brokers():
+    import pickle
+
+    from trio_nsq.shared.spark.fetcher import Chunk
+    from trio_nsq.shared.spark.source import Frames, ReadSettings
+
+    settings = ReadSettings("t", "c", (), (), 10, 1 << 20, 10, None)
+    bodies = [b"m-%d" % i for i in range(11)]
+    frames = frames_for(bodies)
+    a, b = FakeConnection("a:1"), FakeConnection("b:2")
+    # two chunks of one broker in a row make one run; a partition boundary falls inside a run
+    chunks = [Chunk(a, frames[:3], 0.0), Chunk(a, frames[3:4], 0.0), Chunk(b, frames[4:10], 0.0),
+              Chunk(a, frames[10:], 0.0)]
+    parts = [pickle.loads(pickle.dumps(p)) for p in Frames.split(chunks, 3)]  # as Spark ships them
+    assert [len(p) for p in parts] == [4, 4, 3]
+    assert [p.addresses for p in parts] == [[("a:1", 4)], [("b:2", 4)], [("b:2", 2), ("a:1", 1)]]
+    rows = [r for p in parts for r in p.record_batch(settings).to_pylist()]
+    assert [r["value"] for r in rows] == bodies
+    assert [r["nsqd_address"] for r in rows] == ["a:1"] * 4 + ["b:2"] * 6 + ["a:1"]
+    # nothing planned (a batch replayed empty): one empty partition, no rows
+    assert [len(p) for p in Frames.split([], 2)] == [0]
+
+
 def test_a_micro_batch_is_cut_at_max_messages_and_max_bytes_and_holds_at_least_one_message():
     from trio_nsq.shared.spark.fetcher import Fetcher
     from trio_nsq.shared.spark.source import ReadSettings
