@@ -422,6 +422,38 @@ def test_a_micro_batch_is_cut_into_partitions_of_frames_that_keep_order_and_brok
     assert [len(p) for p in Frames.split([], 2)] == [0]
 
 
+def test_wait_settled_ends_at_the_count_or_once_no_message_came_for_the_quiet_time():
+    import threading
+
+    from trio_nsq.shared.spark.fetcher import Fetcher
+    from trio_nsq.shared.spark.source import ReadSettings
+
+    # no broker: fed by hand; msg_timeout 60 s: nothing held long enough to be TOUCHed
+    fetcher = Fetcher(ReadSettings("t", "c", (), (), 250, 1000, 1000, 60_000))
+    try:
+        conn = FakeConnection("a:1")
+        fetcher.call(fetcher._on_messages, conn, frames_for([b"x"] * 3))
+        fetcher.wait_settled(3, quiet=60.0)  # the count is there: no wait for the quiet time
+        # messages keep coming for a while: the wait lasts until they stop, not until the first
+        feeding = threading.Event()
+
+        def feed() -> None:
+            for _ in range(5):
+                fetcher.call(fetcher._on_messages, conn, frames_for([b"y"]))
+                feeding.wait(0.02)
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        fetcher.wait_settled(100, quiet=1.0)  # (far above the gaps: a loaded machine stays within it)
+        settled = fetcher.call(fetcher.arrived_count)
+        feeder.join()
+        assert settled == 8
+        assert sum(len(chunk.frames) for chunk in fetcher.call(fetcher.take, 1)) == 8
+        fetcher.call(fetcher.commit, 1)
+    finally:
+        fetcher.close()
+
+
 def test_a_micro_batch_is_cut_at_max_messages_and_max_bytes_and_holds_at_least_one_message():
     from trio_nsq.shared.spark.fetcher import Fetcher
     from trio_nsq.shared.spark.source import ReadSettings
