@@ -89,9 +89,11 @@ class Frames(InputPartition):
 
     @classmethod
     def split(cls, chunks: list[Chunk], parts: int) -> list[Frames]:
-        """The chunks' messages in `parts` partitions of about as many messages each, in order."""
+        """The chunks' messages in `parts` partitions of about as many messages each, in order (more
+        partitions where that would put over 1 GiB in one: a partition's offsets are int32)."""
         frames = list(chain.from_iterable(chunk.frames for chunk in chunks))
         runs = address_runs(chunks)
+        parts = max(parts, -(-sum(map(len, frames)) // (1 << 30)))
         step = max(1, -(-len(frames) // parts))
         out = []
         for first in range(0, len(frames), step):
