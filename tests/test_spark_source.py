@@ -399,6 +399,61 @@ def test_the_record_batch_is_cut_column_wise_out_of_the_frames():
     assert [f.name for f in SCHEMA.fields] == list(rows[0])
 
 
+def test_a_micro_batch_is_cut_into_partitions_of_frames_that_keep_order_and_brokers():
+    import pickle
+
+    from trio_nsq.shared.spark.fetcher import Chunk
+    from trio_nsq.shared.spark.source import Frames, ReadSettings
+
+    settings = ReadSettings("t", "c", (), (), 10, 1 << 20, 10, None)
+    bodies = [b"m-%d" % i for i in range(11)]
+    frames = frames_for(bodies)
+    a, b = FakeConnection("a:1"), FakeConnection("b:2")
+    # two chunks of one broker in a row make one run; a partition boundary falls inside a run
+    chunks = [Chunk(a, frames[:3], 0.0), Chunk(a, frames[3:4], 0.0), Chunk(b, frames[4:10], 0.0),
+              Chunk(a, frames[10:], 0.0)]
+    parts = [pickle.loads(pickle.dumps(p)) for p in Frames.split(chunks, 3)]  # as Spark ships them
+    assert [len(p) for p in parts] == [4, 4, 3]
+    assert [p.addresses for p in parts] == [[("a:1", 4)], [("b:2", 4)], [("b:2", 2), ("a:1", 1)]]
+    rows = [r for p in parts for r in p.record_batch(settings).to_pylist()]
+    assert [r["value"] for r in rows] == bodies
+    assert [r["nsqd_address"] for r in rows] == ["a:1"] * 4 + ["b:2"] * 6 + ["a:1"]
+    # nothing planned (a batch replayed empty): one empty partition, no rows
+    assert [len(p) for p in Frames.split([], 2)] == [0]
+
+
+def test_wait_settled_ends_at_the_count_or_once_no_message_came_for_the_quiet_time():
+    import threading
+
+    from trio_nsq.shared.spark.fetcher import Fetcher
+    from trio_nsq.shared.spark.source import ReadSettings
+
+    # no broker: fed by hand; msg_timeout 60 s: nothing held long enough to be TOUCHed
+    fetcher = Fetcher(ReadSettings("t", "c", (), (), 250, 1000, 1000, 60_000))
+    try:
+        conn = FakeConnection("a:1")
+        fetcher.call(fetcher._on_messages, conn, frames_for([b"x"] * 3))
+        fetcher.wait_settled(3, quiet=60.0)  # the count is there: no wait for the quiet time
+        # messages keep coming for a while: the wait lasts until they stop, not until the first
+        feeding = threading.Event()
+
+        def feed() -> None:
+            for _ in range(5):
+                fetcher.call(fetcher._on_messages, conn, frames_for([b"y"]))
+                feeding.wait(0.02)
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        fetcher.wait_settled(100, quiet=1.0)  # (far above the gaps: a loaded machine stays within it)
+        settled = fetcher.call(fetcher.arrived_count)
+        feeder.join()
+        assert settled == 8
+        assert sum(len(chunk.frames) for chunk in fetcher.call(fetcher.take, 1)) == 8
+        fetcher.call(fetcher.commit, 1)
+    finally:
+        fetcher.close()
+
+
 def test_a_micro_batch_is_cut_at_max_messages_and_max_bytes_and_holds_at_least_one_message():
     from trio_nsq.shared.spark.fetcher import Fetcher
     from trio_nsq.shared.spark.source import ReadSettings

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -114,9 +113,4 @@ class NSQBatchReader(DataSourceReader):
         # to connect (the Fetcher retries with backoff meanwhile)
         if not fetcher.wait_connected(timeout=30.0):
             raise ConnectionError(f"nsq read: cannot connect to {partition.address} (see the log)")
-        count, quiet_since = 0, time.monotonic()
-        while count < partition.max_messages and time.monotonic() - quiet_since < self.idle_timeout:
-            time.sleep(0.01)
-            now = fetcher.call(fetcher.arrived_count)
-            if now != count:
-                count, quiet_since = now, time.monotonic()
+        fetcher.wait_settled(partition.max_messages, quiet=self.idle_timeout)

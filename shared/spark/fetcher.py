@@ -312,6 +312,19 @@ class Fetcher:
             time.sleep(0.01)
         return True
 
+    def wait_settled(self, count: int, quiet: float, timeout: float | None = None) -> None:
+        """From Spark's thread: wait until `count` messages arrived, or none came for `quiet` seconds
+        (at most `timeout` seconds): what a channel held when the connections opened has come."""
+        start = since = time.monotonic()
+        arrived = 0
+        while arrived < count and time.monotonic() - since < quiet:
+            if timeout is not None and time.monotonic() - start > timeout:
+                return
+            time.sleep(0.005)
+            now = self.call(self.arrived_count)
+            if now != arrived:
+                arrived, since = now, time.monotonic()
+
     def holding(self, batch: int) -> bool:
         """Whether messages of batches before `batch` still wait for their commit."""
         return any(b < batch for b in self.batches)

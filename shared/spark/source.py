@@ -8,10 +8,11 @@ cannot read a range again by offset, as Kafka's source does). So the Fetcher (fe
 connections per broker, on a Trio thread) lives there; the tasks only carry what it received.
 
 Offsets are `{"batch": n}`: a count of micro-batches, not positions in NSQ (a channel has none).
-- `latestOffset(start)` takes what arrived (up to max_messages_per_batch / max_bytes_per_batch), files it
-  under batch start+1 and turns it into one record batch; nothing arrived: the offset stays (or moves by
-  one empty batch, so that Spark commits the last one now).
-- `partitions(start, end)` slices that record batch into the tasks' partitions; `read()` yields a slice.
+- `latestOffset(start)` takes what arrived (up to max_messages_per_batch / max_bytes_per_batch) and files
+  it under batch start+1; nothing arrived: the offset stays (or moves by one empty batch, so that Spark
+  commits the last one now).
+- `partitions(start, end)` cuts the batch's frames into the tasks' partitions, joined, not decoded
+  (`Frames`); `read()`, in the task, cuts them column-wise into one Arrow record batch.
 - `commit(end)` FINs every message of the batches up to `end`, each on its own connection.
 - `stop()`, or the process ending: what was not committed goes back to nsqd (REQ, or msg_timeout after
   the connections close). On restart from a checkpoint, Spark replays a batch that was planned but not
@@ -23,10 +24,10 @@ from __future__ import annotations
 import array
 import logging
 import sys
-from itertools import chain
+from itertools import accumulate, chain
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType, TimestampType
@@ -59,65 +60,102 @@ class ReadSettings:
     msg_timeout: int | None  # ms, asked for in IDENTIFY; None: the broker's --msg-timeout
 
 
-def to_record_batch(settings: ReadSettings, chunks: list[Chunk]):
-    """The messages as one Arrow record batch of SCHEMA (Spark takes it as it is: no row tuples), cut
-    column-wise out of their frames (`[timestamp ns:int64 BE][attempts:uint16 BE][id:16][body]`): no
-    Python work per message."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from trio_nsq.shared.client.connection import MAX_FRAME_SIZE  # (here: the tasks that only hand over
-    # a slice need neither trio nor the client)
-
-    schema = pa.schema([
-        pa.field("value", pa.binary(), False), pa.field("topic", pa.string(), False),
-        pa.field("channel", pa.string(), False), pa.field("id", pa.string(), False),
-        pa.field("timestamp", pa.timestamp("us", tz="UTC"), False), pa.field("attempts", pa.int32(), False),
-        pa.field("nsqd_address", pa.string(), False)])
-    frames = pa.array(list(chain.from_iterable(chunk.frames for chunk in chunks)), pa.binary())
-    n = len(frames)
-
-    def big_endian(start: int, code: str, arrow_type):
-        """The fixed-width big-endian integer at `start` of every frame, as an Arrow array."""
-        values = array.array(code)
-        width = values.itemsize
-        column = pc.binary_slice(frames, start, start + width).cast(pa.binary(width))
-        values.frombytes(memoryview(column.buffers()[1])[:width * n])
-        if sys.byteorder == "little":
-            values.byteswap()
-        return pa.Array.from_buffers(arrow_type, n, [None, pa.py_buffer(values)])
-
-    return pa.record_batch([
-        pc.binary_slice(frames, 26, MAX_FRAME_SIZE),
-        pa.array([settings.topic] * n, pa.string()),
-        pa.array([settings.channel] * n, pa.string()),
-        pc.binary_slice(frames, 10, 26).cast(pa.string()),  # ids are ASCII
-        pc.divide(big_endian(0, "q", pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC")),
-        big_endian(8, "H", pa.uint16()).cast(pa.int32()),
-        pa.array(list(chain.from_iterable([chunk.conn.address] * len(chunk.frames) for chunk in chunks)),
-                 pa.string()),
-    ], schema=schema)
+def address_runs(chunks: list[Chunk]) -> list[tuple[str, int]]:
+    """Which broker sent the chunks' messages, in order: (address, count), one run per broker change."""
+    runs: list[tuple[str, int]] = []
+    for chunk in chunks:
+        if runs and runs[-1][0] == chunk.conn.address:
+            runs[-1] = (chunk.conn.address, runs[-1][1] + len(chunk.frames))
+        elif chunk.frames:
+            runs.append((chunk.conn.address, len(chunk.frames)))
+    return runs
 
 
-class RowsPartition(InputPartition):
-    """A slice of a micro-batch's messages, as an Arrow IPC stream: planned on the driver, where the
-    messages were received, and pickled into the task that hands them to Spark. (IPC, because a pickled
-    slice of a record batch carries the whole batch's buffers: every task would get every row.)"""
+class Frames(InputPartition):
+    """Messages as they came on the wire, for a task to turn into rows: their frames joined into one
+    bytes (`data`), where each starts (`offsets`: int32, one more than there are frames), and which
+    broker sent them (`addresses`: (address, count) runs, in order).
 
-    def __init__(self, rows) -> None:
-        self.ipc: bytes | None = None
-        if rows is not None:
-            import pyarrow as pa
+    Why frames, not rows: a micro-batch is planned on the driver, in the one process that holds the
+    connections; cutting its record batch there (and an Arrow IPC stream per task) put that work between
+    two micro-batches, on one core. Joining frames is one C call; the tasks cut the columns side by side."""
 
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, rows.schema) as writer:
-                writer.write_batch(rows)
-            self.ipc = sink.getvalue().to_pybytes()
+    def __init__(self, frames: list[bytes], addresses: list[tuple[str, int]]) -> None:
+        self.data = b"".join(frames)
+        if len(self.data) >= 1 << 31:
+            raise ValueError("nsq source: over 2 GiB of messages in one task; lower max_bytes_per_batch")
+        self.offsets = array.array("i", accumulate(map(len, frames), initial=0)).tobytes()
+        self.addresses = addresses
 
-    def rows(self):
+    @classmethod
+    def split(cls, chunks: list[Chunk], parts: int) -> list[Frames]:
+        """The chunks' messages in `parts` partitions of about as many messages each, in order (more
+        partitions where that would put over 1 GiB in one: a partition's offsets are int32)."""
+        frames = list(chain.from_iterable(chunk.frames for chunk in chunks))
+        runs = address_runs(chunks)
+        parts = max(parts, -(-sum(map(len, frames)) // (1 << 30)))
+        step = max(1, -(-len(frames) // parts))
+        out = []
+        for first in range(0, len(frames), step):
+            part, room = [], step  # the runs of frames[first:first + step]
+            while room and runs:
+                address, count = runs[0]
+                take = min(count, room)
+                part.append((address, take))
+                room -= take
+                if take == count:
+                    runs.pop(0)
+                else:
+                    runs[0] = (address, count - take)
+            out.append(cls(frames[first:first + step], part))
+        return out or [cls([], [])]
+
+    def __len__(self) -> int:
+        return len(self.offsets) // 4 - 1
+
+    def record_batch(self, settings: ReadSettings):
+        """The messages as one Arrow record batch of SCHEMA (Spark takes it as it is: no row tuples), cut
+        column-wise out of the frames (`[timestamp ns:int64 BE][attempts:uint16 BE][id:16][body]`): no
+        Python work per message."""
         import pyarrow as pa
+        import pyarrow.compute as pc
 
-        return None if self.ipc is None else pa.ipc.open_stream(self.ipc).read_next_batch()
+        from trio_nsq.shared.client.connection import MAX_FRAME_SIZE  # (here: the tasks need no trio)
+
+        schema = pa.schema([
+            pa.field("value", pa.binary(), False), pa.field("topic", pa.string(), False),
+            pa.field("channel", pa.string(), False), pa.field("id", pa.string(), False),
+            pa.field("timestamp", pa.timestamp("us", tz="UTC"), False), pa.field("attempts", pa.int32(), False),
+            pa.field("nsqd_address", pa.string(), False)])
+        n = len(self)
+        frames = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(self.offsets), pa.py_buffer(self.data)])
+
+        def big_endian(start: int, code: str, arrow_type):
+            """The fixed-width big-endian integer at `start` of every frame, as an Arrow array."""
+            values = array.array(code)
+            width = values.itemsize
+            column = pc.binary_slice(frames, start, start + width).cast(pa.binary(width))
+            values.frombytes(memoryview(column.buffers()[1])[:width * n])
+            if sys.byteorder == "little":
+                values.byteswap()
+            return pa.Array.from_buffers(arrow_type, n, [None, pa.py_buffer(values)])
+
+        return pa.record_batch([
+            pc.binary_slice(frames, 26, MAX_FRAME_SIZE),
+            pa.array([settings.topic] * n, pa.string()),
+            pa.array([settings.channel] * n, pa.string()),
+            pc.binary_slice(frames, 10, 26).cast(pa.string()),  # ids are ASCII
+            pc.divide(big_endian(0, "q", pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC")),
+            big_endian(8, "H", pa.uint16()).cast(pa.int32()),
+            pa.array(list(chain.from_iterable([address] * count for address, count in self.addresses)),
+                     pa.string()),
+        ], schema=schema)
+
+
+def to_record_batch(settings: ReadSettings, chunks: list[Chunk]):
+    """The chunks' messages as one Arrow record batch of SCHEMA."""
+    frames = list(chain.from_iterable(chunk.frames for chunk in chunks))
+    return Frames(frames, address_runs(chunks)).record_batch(settings)
 
 
 class NSQStreamReader(DataSourceStreamReader):
@@ -128,7 +166,7 @@ class NSQStreamReader(DataSourceStreamReader):
         self.settings = settings
         self.slices = partitions
         self._fetcher: Fetcher | None = None
-        self._planned: dict[int, Any] = {}  # batch -> its record batch, until its commit
+        self._planned: dict[int, list[Chunk]] = {}  # batch -> its messages, until its commit
 
     @property
     def fetcher(self) -> Fetcher:
@@ -137,9 +175,11 @@ class NSQStreamReader(DataSourceStreamReader):
 
             self._fetcher = Fetcher(self.settings)
             log.info("nsq source: consuming %s/%s", self.settings.topic, self.settings.channel)
-            # Spark runs the first micro-batch whatever the first latestOffset says: once connected, it
-            # carries what the channel holds instead of nothing (a broker that is down costs this once)
-            self._fetcher.wait_connected(timeout=2.0)
+            # Spark runs the first micro-batch whatever the first latestOffset says: once connected, and
+            # once what the channel held has come (up to a batch), it carries that instead of nothing or a
+            # part (each micro-batch costs Spark a fixed ~0.2 s; a broker that is down costs this once)
+            if self._fetcher.wait_connected(timeout=2.0):
+                self._fetcher.wait_settled(self.settings.max_messages_per_batch, quiet=0.05, timeout=1.0)
         return self._fetcher
 
     def initialOffset(self) -> dict:
@@ -156,30 +196,23 @@ class NSQStreamReader(DataSourceStreamReader):
                 # now gets the last one FIN'd without waiting for more data
                 return {"batch": batch}
             return start
-        self._planned[batch] = to_record_batch(self.settings, messages)
+        self._planned[batch] = messages
         return {"batch": batch}
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         first, last = int(start["batch"]) + 1, int(end["batch"])
-        planned = [self._planned[b] for b in range(first, last + 1) if b in self._planned]
-        if not planned:
-            if last >= first and self._fetcher is None:
-                # a batch planned by an earlier run of the query and not committed: its messages went back
-                # to nsqd when that run's connections closed, and come again in later batches
-                log.warning("nsq source: batches %d..%d of an earlier run are replayed empty; nsqd delivers "
-                            "their messages again", first, last)
-            return [RowsPartition(None)]
-        import pyarrow as pa
-
-        rows = pa.Table.from_batches(planned).combine_chunks().to_batches()[0] if len(planned) > 1 else planned[0]
-        step = -(-rows.num_rows // self.slices)
-        return [RowsPartition(rows.slice(i, step)) for i in range(0, rows.num_rows, step)]
+        planned = [chunk for b in range(first, last + 1) for chunk in self._planned.get(b, ())]
+        if not planned and last >= first and self._fetcher is None:
+            # a batch planned by an earlier run of the query and not committed: its messages went back
+            # to nsqd when that run's connections closed, and come again in later batches
+            log.warning("nsq source: batches %d..%d of an earlier run are replayed empty; nsqd delivers "
+                        "their messages again", first, last)
+        return list(Frames.split(planned, self.slices))
 
     def read(self, partition: InputPartition) -> Iterator:
-        assert isinstance(partition, RowsPartition)
-        rows = partition.rows()
-        if rows is not None:
-            yield rows
+        assert isinstance(partition, Frames)
+        if len(partition):
+            yield partition.record_batch(self.settings)
 
     def commit(self, end: dict) -> None:
         for batch in [b for b in self._planned if b <= int(end["batch"])]:

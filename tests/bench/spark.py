@@ -2,13 +2,16 @@
 against Spark's `noop` format on the same DataFrame, and messages/s read by `readStream.format("nsq")`.
 
     .venv/bin/python -m tests.bench.spark [--rows 200000] [--partitions 8] [--runs 3] [--messages 200000]
-                                          [--option NAME=VALUE ...] [--broker-flag FLAG ...] [--output FILE]
+                                          [--large-messages 1000000] [--option NAME=VALUE ...]
+                                          [--broker-flag FLAG ...] [--output FILE]
 
 One local[2] SparkSession and one trio-nsqd on loopback with default flags; each figure is the median of
 --runs, after a warm-up write and a warm-up query (the first Python write or query of a session starts and
 imports the workers). The reads are of the same 200,000 bodies the write sends, waiting on the channel:
 `readStream` into the `noop` sink (counted until every message is FIN'd, after its micro-batch's commit,
-the query's start included) and `spark.read` into a `noop` write.
+the query's start included) and `spark.read` into a `noop` write. Then `readStream` of --large-messages
+waiting, where Spark's ~1 s to start a query's Python source is spread over more messages: the rate a
+query sustains. Both stream rates are also given as a ratio to the write's rows/s of the same run.
 """
 
 from __future__ import annotations
@@ -148,6 +151,8 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--large-messages", type=int, default=1_000_000,
+                        help="messages waiting for the stream read that spreads the query's start (0: skip)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="an option of the streaming source (to measure a variant)")
     parser.add_argument("--broker-flag", action="append", default=[], help="a flag for the broker")
@@ -218,6 +223,14 @@ def main() -> None:
             publish(http, f"batch-{run}", args.messages)
             batch.append(args.messages / batch_read(spark, broker, f"batch-{run}", args.messages))
             print(f"  read (batch) -> noop      {batch[-1]:>12,.0f} messages/s", flush=True)
+        large = []
+        for run in range(args.runs if args.large_messages else 0):
+            publish(http, f"large-{run}", args.large_messages)
+            elapsed, rate, phases = stream_read(spark, broker, f"large-{run}", args.large_messages, scratch, options)
+            large.append(args.large_messages / elapsed)
+            print(f"  readStream -> noop, {args.large_messages:,} waiting {large[-1]:>10,.0f} messages/s from the "
+                  f"query's start ({elapsed:.2f} s, {phases['micro-batches']:.0f} micro-batches); {rate:,.0f} "
+                  f"messages/s in its micro-batches", flush=True)
         latencies = trickle_latency(spark, broker, scratch)
         if latencies:
             results["trickle 100 msg/s latency p50 s"] = latencies[len(latencies) // 2]
@@ -229,17 +242,26 @@ def main() -> None:
         for phase in breakdowns[0]:
             results[f"readStream {phase} (s, median)"] = statistics.median(b[phase] for b in breakdowns)
         results["read messages/s"] = statistics.median(batch)
+        if large:
+            results[f"readStream {args.large_messages} messages/s"] = statistics.median(large)
         write = results.get("write nsq idempotent=true rows/s")
-        print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s, read (batch) "
-              f"{results['read messages/s']:,.0f} messages/s"
-              + (f"; readStream = {results['readStream messages/s'] / write:.2f}x the write" if write else ""))
+        if write:
+            results["readStream / write"] = results["readStream messages/s"] / write
+            if large:
+                results[f"readStream {args.large_messages} / write"] = statistics.median(large) / write
+        print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s"
+              + (f" ({results['readStream / write']:.2f}x the write)" if write else "")
+              + (f", {statistics.median(large):,.0f} with {args.large_messages:,} waiting" if large else "")
+              + (f" ({statistics.median(large) / write:.2f}x)" if large and write else "")
+              + f"; read (batch) {results['read messages/s']:,.0f} messages/s")
     finally:
         spark.stop()
         broker.close()
         shutil.rmtree(scratch, ignore_errors=True)
     if args.output:
         merge_report(args.output, {"title": "PySpark connector, local[2] (write rows/s, read messages/s)",
-                                   "rows": args.rows, "messages": args.messages, "runs": args.runs,
+                                   "rows": args.rows, "messages": args.messages,
+                                   "large_messages": args.large_messages, "runs": args.runs,
                                    "figures": results}, "results", "spark")
         print(f"merged into {args.output} (results.spark)")
 
