@@ -132,8 +132,7 @@ class Topic:
                 room = min(ch.room() for ch in self.channels.values())
                 batch = min(PUMP_BATCH, room)
                 self.waiting_for_room = room == 0 and self.depth() > 0
-            msgs = self._take(batch) if batch else []
-            if not msgs:
+            if not (batch and self._copy(batch)):
                 self._wake = trio.Event()
                 self._receiving = batch > 0  # it would take a message at once (see _memory_room)
                 try:
@@ -141,19 +140,33 @@ class Topic:
                 finally:
                     self._receiving = False
                 continue
-            channels = list(self.channels.values())
+            await trio.lowlevel.checkpoint()
+
+    def _copy(self, n: int) -> int:
+        """Copy up to n messages to every channel; how many were taken from the topic.
+
+        Where every one of them would only be encoded again for the channels' disk queues (the topic's
+        memory queue is empty, its disk records have no deadlines, every channel's memory is full:
+        --mem-queue-size=0), the records go through as they are, without a Message each."""
+        channels = list(self.channels.values())
+        queue = self.queue
+        if not queue.memory and not queue.backend.has_deadlines() and all(ch.takes_records() for ch in channels):
+            positions: list[int] = []
+            records = queue.take_records(n, positions)
+            if records:
+                for channel in channels:
+                    channel.put_records(records, positions)
+            return len(records)
+        msgs: list[Message] = []
+        queue.take_memory(msgs, n)
+        queue.take_backend(msgs, n)
+        if msgs:
             # copies first: each channel takes its messages' topic positions (see Channel.put_messages)
             copies = [[msg.copy() for msg in msgs] for _ in channels[1:]]
             channels[0].put_messages(msgs)
             for channel, copy in zip(channels[1:], copies):
                 channel.put_messages(copy)
-            await trio.lowlevel.checkpoint()
-
-    def _take(self, n: int) -> list[Message]:
-        out: list[Message] = []
-        self.queue.take_memory(out, n)
-        self.queue.take_backend(out, n)
-        return out
+        return len(msgs)
 
     # --- publishing ---------------------------------------------------------------------------
 
