@@ -328,11 +328,13 @@ def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int, *, surpl
     pos = 4
     end = len(body)
     out: list[bytes] = []
-    unpack = INT32.unpack_from
     for i in range(count):
         if end - pos < 4:
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
-        (size,) = unpack(body, pos)
+        # the int32 from its bytes: compiled, this allocates nothing (unpack_from made a tuple each)
+        size = (body[pos] << 24) | (body[pos + 1] << 16) | (body[pos + 2] << 8) | body[pos + 3]
+        if size >= 0x80000000:
+            size -= 0x100000000
         pos += 4
         if size <= 0:
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {size}")
