@@ -8,7 +8,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from nsq_raw import Message, RawNSQ
+from nsq_raw import Message, RawNSQ, take
 from processes import BrokerProcess, LookupdProcess
 from test_durability import _connect, _read_frame
 
@@ -101,18 +101,6 @@ def test_deferred_publish_with_mem_queue_size_0_keeps_its_delay(broker_factory):
         assert time.monotonic() - published >= 1.4
 
 
-def read_messages(broker: BrokerProcess, topic: str, channel: str, n: int) -> list[Message]:
-    """The channel's first n messages, FIN'd."""
-    with RawNSQ(broker.tcp_address) as conn:
-        conn.sub(topic, channel)
-        conn.rdy(n)
-        msgs = conn.expect_messages(n, timeout=10)
-        for msg in msgs:
-            conn.fin(msg.id)
-        conn.expect_no_frame(0.2)  # the FINs were taken (an error would show here)
-    return msgs
-
-
 def test_mem_queue_size_0_gives_every_durable_channel_the_message_as_published(broker_factory):
     """With --mem-queue-size=0 the topic pump hands its disk records to the channels' disk queues as they
     are (no decode and encode on the way): each channel gets every message once, in order, with the id
@@ -125,7 +113,7 @@ def test_mem_queue_size_0_gives_every_durable_channel_the_message_as_published(b
     first = [b"first-%d" % i for i in range(300)]
     with RawNSQ(broker.tcp_address) as pub:
         pub.mpub("fan", first)
-        got_a, got_b = read_messages(broker, "fan", "a", 300), read_messages(broker, "fan", "b", 300)
+        got_a, got_b = take(broker.tcp_address, "fan", "a", 300), take(broker.tcp_address, "fan", "b", 300)
         assert [m.body for m in got_a] == first
         assert [(m.id, m.timestamp, m.body, m.attempts) for m in got_a] == \
                [(m.id, m.timestamp, m.body, m.attempts) for m in got_b]
@@ -137,7 +125,7 @@ def test_mem_queue_size_0_gives_every_durable_channel_the_message_as_published(b
             pub.mpub("fan", second)
             assert [m.body for m in tail.expect_messages(50, timeout=10)] == second
     for channel in ("a", "b"):
-        assert [m.body for m in read_messages(broker, "fan", channel, 50)] == second
+        assert [m.body for m in take(broker.tcp_address, "fan", channel, 50)] == second
     stats = topic_stats(broker, "fan")
     assert stats is not None and stats["message_count"] == 350
     counts = {c["channel_name"]: (c["message_count"], c["depth"]) for c in stats["channels"]}
@@ -149,6 +137,10 @@ def test_durable_channel_of_an_ephemeral_topic_overflows_to_its_own_disk_queue(b
     (which has no backend) never has to drop what the channel cannot hold in memory."""
     broker = broker_factory(mem_queue_size=10)
     topic = "fleeting#ephemeral"
+    # the topic's pump runs before SUB: a topic created by SUB starts it a few scheduling rounds after the
+    # answer, which a client reading the stats at once can overtake (then, as in nsqd, what the pump is not
+    # there to receive is dropped)
+    http(broker, f"/topic/create?topic={urllib.parse.quote(topic)}", b"")
     with RawNSQ(broker.tcp_address) as conn:
         conn.sub(topic, "kept")  # a durable channel: it stays after this consumer leaves
         conn.rdy(0)
