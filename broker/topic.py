@@ -15,7 +15,7 @@ from trio_nsq.broker.backend import BackendError, BackendQueue
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.guid import GUIDFactory
 from trio_nsq.broker.idempotency import IdempotencyKeys
-from trio_nsq.broker.message import Message
+from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.message_queue import MessageQueue
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
@@ -181,30 +181,47 @@ class Topic:
         (the callers answer E_PUB_FAILED, 503 ...). What the answer still waits for is in the result:
         with --sync-every=1, the fsync of `sync` (the caller awaits it, or a TCP connection once for all
         the publishes of one read)."""
+        if self.exiting:
+            raise BackendError("exiting")
         # ids made in one batch, and one timestamp for the batch (a clock read per message cost more)
-        msgs = list(map(Message, self.guid.new_ids(len(bodies)), bodies, repeat(time.time_ns())))
-        if deferred:
-            for msg in msgs:
-                msg.deferred = deferred
-        written = self._put(msgs)
+        ids = self.guid.new_ids(len(bodies))
+        now = time.time_ns()
+        if self.ephemeral or self._memory_room(deferred > 0) > 0:
+            msgs = list(map(Message, ids, bodies, repeat(now)))
+            if deferred:
+                for msg in msgs:
+                    msg.deferred = deferred
+            written = self._put(msgs)
+        else:
+            written = self._write(ids, bodies, now, deferred)
         sync = self.queue.backend if written and self.sync_every == 1 else None
-        return Published(len(msgs), sync, sync is not None and written == len(msgs))
+        return Published(len(bodies), sync, sync is not None and written == len(bodies))
 
     def _put(self, msgs: list[Message]) -> int:
         """Queue messages in order (memory first, the rest in one backend write); how many went to the
         backend. On BackendError the ones before the failing one stay queued (as nsqd) and are counted."""
-        if self.exiting:
-            raise BackendError("exiting")
         if not msgs:
             return 0
         room = max(0, self._memory_room(msgs[0].deferred > 0))
         try:
             past_memory = self.queue.put(msgs, room)  # an ephemeral topic's overflow is discarded
         except BackendError as exc:
-            self._counted(msgs[:room + exc.stored])
+            self._counted([msg.body for msg in msgs[:room + exc.stored]])
             raise
-        self._counted(msgs)
+        self._counted([msg.body for msg in msgs])
         return 0 if self.ephemeral else past_memory
+
+    def _write(self, ids: list[bytes], bodies: Sequence[bytes], now: int, deferred: float) -> int:
+        """_put when the memory queue has no room (always, with --mem-queue-size=0): the records go to
+        the disk queue in one write, with no Message made only to be encoded."""
+        records = list(map(encode_record, repeat(now), repeat(0), ids, bodies))
+        try:
+            self.queue.backend.put_many(records, deferred)
+        except BackendError as exc:
+            self._counted(bodies[:exc.stored])
+            raise
+        self._counted(bodies)
+        return len(records)
 
     def _memory_room(self, deferred: bool) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
@@ -219,10 +236,10 @@ class Topic:
             room = max(room, PUMP_BATCH - in_memory)
         return room
 
-    def _counted(self, msgs: list[Message]) -> None:
-        if msgs:
-            self.message_count += len(msgs)
-            self.message_bytes += sum(len(msg.body) for msg in msgs)
+    def _counted(self, bodies: Sequence[bytes]) -> None:
+        if bodies:
+            self.message_count += len(bodies)
+            self.message_bytes += sum(map(len, bodies))
             self._wake.set()
 
     # --- channels -----------------------------------------------------------------------------
