@@ -29,6 +29,14 @@ log = logging.getLogger("nsqd")
 RETRY_DELAY = 1.0
 
 
+def _messages(records: list[bytes], positions: list[int]) -> list[Message]:
+    """Records decoded (the topic pump's take_records checked their size), with their topic positions."""
+    msgs = [Message.decode(data) for data in records]
+    for msg, pos in zip(msgs, positions):
+        msg.pos = pos
+    return msgs
+
+
 class ChannelError(Exception):
     """A FIN/REQ/TOUCH that does not apply (nsqd's "ID not in flight" and friends)."""
 
@@ -155,6 +163,29 @@ class Channel:
         else:
             if self.ephemeral:
                 self.dropped_count += past_memory
+        if self.waiters:
+            self._wake_waiters()
+
+    def takes_records(self) -> bool:
+        """Whether put_records may have the topic's next batch: every message would go to this channel's
+        disk queue as it was read from the topic's (no memory room, a queue that keeps the topic position)."""
+        return self.queue.backend.cursor and self._memory_room() <= 0
+
+    def put_records(self, records: list[bytes], positions: list[int]) -> None:
+        """put_messages for records the topic pump read from its disk queue (`positions`, in order), none
+        deferred, when takes_records(): written to the disk queue as they are, with no Message each."""
+        backend = self.queue.backend
+        if positions[0] <= backend.upstream or backend.recovered_ids:
+            # the first batches after a restart: some may have been taken before it (_from_topic_disk)
+            self.put_messages(_messages(records, positions))
+            return
+        backend.upstream = positions[-1]
+        self.message_count += len(records)
+        try:
+            backend.put_many(records)
+        except BackendError as exc:
+            for msg in _messages(records[exc.stored:], []):
+                self._requeue(msg)
         if self.waiters:
             self._wake_waiters()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,10 @@ class ClientV2:
         self.pub_counts: dict[str, int] = {}
 
         self.out = bytearray()
+        # the plain TCP (or unix) stream and its socket's fd, written to directly by write_now() while
+        # no TLS, snappy or deflate layer has replaced it
+        self._plain = stream if isinstance(stream, trio.SocketStream) else None
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         # backends that hold this batch's published messages and must fsync before we answer OK, each
         # with the first command that put there (its error code answers a failed fsync)
         self.pending_sync: dict = {}
@@ -208,6 +213,19 @@ class ClientV2:
         self.stream = DeflateStream(self.stream, level, prefix)
         self.deflate = True
         self.deflate_level = level
+
+    def write_now(self) -> bool:
+        """Write the buffer straight to a plain socket, without awaiting: True when it took all of it.
+        For the io_loop's answers, which a read follows at once (the read is its checkpoint); what is
+        left (a full socket buffer, a flush under way, an upgraded stream, an error) is flush()'s."""
+        if self.stream is not self._plain or self._send_lock.locked() or not self.out:
+            return not self.out
+        try:
+            sent = os.write(self._fd, self.out)
+        except OSError:
+            return False  # would block, or broken: flush() waits, or raises as the stream does
+        del self.out[:sent]
+        return not self.out
 
     async def flush(self) -> None:
         """Write what is buffered, in order; a peer that does not read within the write timeout

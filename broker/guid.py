@@ -11,6 +11,8 @@ NODE_ID_SHIFT = SEQUENCE_BITS
 TIMESTAMP_SHIFT = SEQUENCE_BITS + NODE_ID_BITS
 SEQUENCE_MASK = (1 << SEQUENCE_BITS) - 1
 TWEPOCH = 1288834974288
+# an id's last three hex digits are its sequence: new_ids() joins a prefix per tick and one of these
+_SEQUENCE_HEX: tuple[bytes, ...] = tuple(b"%03x" % seq for seq in range(1 << SEQUENCE_BITS))
 
 
 class GUIDFactory:
@@ -56,6 +58,8 @@ class GUIDFactory:
         node = self._node_bits
         out: list[bytes] = []
         append = out.append
+        prefix_ts = -1
+        prefix = b""
         for _ in range(n):
             if ts <= last:
                 ts = last
@@ -65,7 +69,11 @@ class GUIDFactory:
             else:
                 seq = 0
             last = ts
-            append(b"%016x" % (((ts - TWEPOCH) << TIMESTAMP_SHIFT) | node | seq))
+            if ts != prefix_ts:
+                # b"%016x" % id, its sequence digits split off: one format per tick, not per id
+                prefix = b"%013x" % ((((ts - TWEPOCH) << TIMESTAMP_SHIFT) | node) >> SEQUENCE_BITS)
+                prefix_ts = ts
+            append(prefix + _SEQUENCE_HEX[seq])
         self._sequence = seq
         self._last_ts = last
         return out

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 from trio_nsq.shared.protocol import MESSAGE_HEADER, MIN_VALID_MSG_LENGTH
 
 _unpack_header = MESSAGE_HEADER.unpack_from
+# the header and the 16-byte id in one pack: encode() runs once per message written to a disk queue
+_pack_head = struct.Struct(">qH16s").pack
 
 
 class Message:
@@ -43,7 +46,7 @@ class Message:
 
     def encode(self) -> bytes:
         """The wire format, which is also the disk queue's record format."""
-        return MESSAGE_HEADER.pack(self.timestamp, self.attempts) + self.id + self.body
+        return encode_record(self.timestamp, self.attempts, self.id, self.body)
 
     @classmethod
     def decode(cls, data: bytes) -> Message:
@@ -56,3 +59,8 @@ class Message:
 
     def __repr__(self) -> str:
         return f"Message(id={self.id!r}, attempts={self.attempts}, size={len(self.body)})"
+
+
+def encode_record(timestamp: int, attempts: int, msg_id: bytes, body: bytes) -> bytes:
+    """A message's wire format and disk record (Message.encode; Topic publishes straight to disk with it)."""
+    return _pack_head(timestamp, attempts, msg_id) + body

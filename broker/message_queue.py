@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from trio_nsq.broker.backend import BackendQueue
 from trio_nsq.broker.message import Message
+from trio_nsq.shared.protocol import MIN_VALID_MSG_LENGTH
 
 log = logging.getLogger("nsqd")
 
@@ -72,6 +73,21 @@ class MessageQueue:
             if deadlines:
                 msg.deferred = max(0.0, backend.delay_of(pos))
             out.append(msg)
+
+    def take_records(self, limit: int, positions: list[int]) -> list[bytes]:
+        """Up to `limit` backend records as stored, not decoded (`positions` gets theirs), for a pump that
+        passes them on as they are; an undecodable record is logged and skipped, as by take_backend."""
+        backend = self.backend
+        records = backend.read_many(limit, positions)
+        if records and min(map(len, records)) < MIN_VALID_MSG_LENGTH:
+            kept = [(data, pos) for data, pos in zip(records, positions) if len(data) >= MIN_VALID_MSG_LENGTH]
+            for data, pos in zip(records, positions):
+                if len(data) < MIN_VALID_MSG_LENGTH:
+                    log.error("%s: failed to decode message - invalid message buffer size (%d)", self.owner, len(data))
+                    backend.finish(pos)
+            records = [data for data, _ in kept]
+            positions[:] = [pos for _, pos in kept]
+        return records
 
     def drain_memory(self) -> list[Message]:
         out = list(self.memory)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -13,7 +15,7 @@ from trio_nsq.broker.backend import BackendError, BackendQueue
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.guid import GUIDFactory
 from trio_nsq.broker.idempotency import IdempotencyKeys
-from trio_nsq.broker.message import Message
+from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.message_queue import MessageQueue
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
@@ -132,8 +134,7 @@ class Topic:
                 room = min(ch.room() for ch in self.channels.values())
                 batch = min(PUMP_BATCH, room)
                 self.waiting_for_room = room == 0 and self.depth() > 0
-            msgs = self._take(batch) if batch else []
-            if not msgs:
+            if not (batch and self._copy(batch)):
                 self._wake = trio.Event()
                 self._receiving = batch > 0  # it would take a message at once (see _memory_room)
                 try:
@@ -141,19 +142,33 @@ class Topic:
                 finally:
                     self._receiving = False
                 continue
-            channels = list(self.channels.values())
+            await trio.lowlevel.checkpoint()
+
+    def _copy(self, n: int) -> int:
+        """Copy up to n messages to every channel; how many were taken from the topic.
+
+        Where every one of them would only be encoded again for the channels' disk queues (the topic's
+        memory queue is empty, its disk records have no deadlines, every channel's memory is full:
+        --mem-queue-size=0), the records go through as they are, without a Message each."""
+        channels = list(self.channels.values())
+        queue = self.queue
+        if not queue.memory and not queue.backend.has_deadlines() and all(ch.takes_records() for ch in channels):
+            positions: list[int] = []
+            records = queue.take_records(n, positions)
+            if records:
+                for channel in channels:
+                    channel.put_records(records, positions)
+            return len(records)
+        msgs: list[Message] = []
+        queue.take_memory(msgs, n)
+        queue.take_backend(msgs, n)
+        if msgs:
             # copies first: each channel takes its messages' topic positions (see Channel.put_messages)
             copies = [[msg.copy() for msg in msgs] for _ in channels[1:]]
             channels[0].put_messages(msgs)
             for channel, copy in zip(channels[1:], copies):
                 channel.put_messages(copy)
-            await trio.lowlevel.checkpoint()
-
-    def _take(self, n: int) -> list[Message]:
-        out: list[Message] = []
-        self.queue.take_memory(out, n)
-        self.queue.take_backend(out, n)
-        return out
+        return len(msgs)
 
     # --- publishing ---------------------------------------------------------------------------
 
@@ -166,29 +181,47 @@ class Topic:
         (the callers answer E_PUB_FAILED, 503 ...). What the answer still waits for is in the result:
         with --sync-every=1, the fsync of `sync` (the caller awaits it, or a TCP connection once for all
         the publishes of one read)."""
-        msgs = list(map(Message, self.guid.new_ids(len(bodies)), bodies))  # ids made in one batch
-        if deferred:
-            for msg in msgs:
-                msg.deferred = deferred
-        written = self._put(msgs)
+        if self.exiting:
+            raise BackendError("exiting")
+        # ids made in one batch, and one timestamp for the batch (a clock read per message cost more)
+        ids = self.guid.new_ids(len(bodies))
+        now = time.time_ns()
+        if self.ephemeral or self._memory_room(deferred > 0) > 0:
+            msgs = list(map(Message, ids, bodies, repeat(now)))
+            if deferred:
+                for msg in msgs:
+                    msg.deferred = deferred
+            written = self._put(msgs)
+        else:
+            written = self._write(ids, bodies, now, deferred)
         sync = self.queue.backend if written and self.sync_every == 1 else None
-        return Published(len(msgs), sync, sync is not None and written == len(msgs))
+        return Published(len(bodies), sync, sync is not None and written == len(bodies))
 
     def _put(self, msgs: list[Message]) -> int:
         """Queue messages in order (memory first, the rest in one backend write); how many went to the
         backend. On BackendError the ones before the failing one stay queued (as nsqd) and are counted."""
-        if self.exiting:
-            raise BackendError("exiting")
         if not msgs:
             return 0
         room = max(0, self._memory_room(msgs[0].deferred > 0))
         try:
             past_memory = self.queue.put(msgs, room)  # an ephemeral topic's overflow is discarded
         except BackendError as exc:
-            self._counted(msgs[:room + exc.stored])
+            self._counted([msg.body for msg in msgs[:room + exc.stored]])
             raise
-        self._counted(msgs)
+        self._counted([msg.body for msg in msgs])
         return 0 if self.ephemeral else past_memory
+
+    def _write(self, ids: list[bytes], bodies: Sequence[bytes], now: int, deferred: float) -> int:
+        """_put when the memory queue has no room (always, with --mem-queue-size=0): the records go to
+        the disk queue in one write, with no Message made only to be encoded."""
+        records = list(map(encode_record, repeat(now), repeat(0), ids, bodies))
+        try:
+            self.queue.backend.put_many(records, deferred)
+        except BackendError as exc:
+            self._counted(bodies[:exc.stored])
+            raise
+        self._counted(bodies)
+        return len(records)
 
     def _memory_room(self, deferred: bool) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
@@ -203,10 +236,10 @@ class Topic:
             room = max(room, PUMP_BATCH - in_memory)
         return room
 
-    def _counted(self, msgs: list[Message]) -> None:
-        if msgs:
-            self.message_count += len(msgs)
-            self.message_bytes += sum(len(msg.body) for msg in msgs)
+    def _counted(self, bodies: Sequence[bytes]) -> None:
+        if bodies:
+            self.message_count += len(bodies)
+            self.message_bytes += sum(map(len, bodies))
             self._wake.set()
 
     # --- channels -----------------------------------------------------------------------------

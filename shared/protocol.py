@@ -340,15 +340,18 @@ def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int, *, surpl
     max_messages = (max_body_size - 4) // 5
     if count <= 0 or count > max_messages:
         raise FatalClientError("E_BAD_BODY", f"MPUB invalid message count {count}")
-    view = memoryview(body)
+    if type(body) is not bytes:
+        body = bytes(body)  # a bytearray's slices would be bytearrays
     pos = 4
     end = len(body)
     out: list[bytes] = []
-    unpack = INT32.unpack_from
     for i in range(count):
         if end - pos < 4:
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
-        (size,) = unpack(body, pos)
+        # the int32 from its bytes: compiled, this allocates nothing (unpack_from made a tuple each)
+        size = (body[pos] << 24) | (body[pos + 1] << 16) | (body[pos + 2] << 8) | body[pos + 3]
+        if size >= 0x80000000:
+            size -= 0x100000000
         pos += 4
         if size <= 0:
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {size}")
@@ -356,7 +359,7 @@ def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int, *, surpl
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB message too big {size} > {max_msg_size}")
         if end - pos < size:
             raise FatalClientError("E_BAD_MESSAGE", "MPUB failed to read message body")
-        out.append(bytes(view[pos : pos + size]))
+        out.append(body[pos : pos + size])  # one copy (a memoryview's slice, then bytes(), made two objects)
         pos += size
     if pos != end and not surplus_ok:
         # nsqd would read the surplus as the next command; we refuse the MPUB outright instead

@@ -310,6 +310,19 @@ def subscribe(address: str, topic: str, channel: str, *, rdy: int = 0, timeout: 
     return conn
 
 
+def take(address: str, topic: str, channel: str, count: int, *, quiet: float = 0.3) -> list[Message]:
+    """SUB, take `count` messages and FIN each; then nothing more may come for `quiet` seconds (an error
+    answering a FIN, or a message beyond `count`, would show there)."""
+    with RawNSQ(address) as conn:
+        conn.sub(topic, channel)
+        conn.rdy(count)
+        msgs = conn.expect_messages(count, timeout=10)
+        for msg in msgs:
+            conn.fin(msg.id)
+        conn.expect_no_frame(quiet)
+    return msgs
+
+
 def publish(address: str, topic: str, *bodies: bytes, timeout: float = 5.0) -> None:
     """PUB each body on a fresh connection (each answered OK)."""
     with RawNSQ(address, timeout=timeout) as conn:

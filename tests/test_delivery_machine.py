@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from trio_nsq.broker.backend import BackendQueue
-from trio_nsq.broker.channel import Channel
+from trio_nsq.broker.channel import RETRY_DELAY, Channel
 from trio_nsq.broker.diskqueue import DiskQueue
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.topic import Topic
@@ -154,8 +154,8 @@ class DeliveryMachine(RuleBasedStateMachine):
     def pump(self) -> None:
         """The topic's message_pump hands what it has to the channel."""
         def hand() -> None:
-            while msgs := self.topic._take(64):
-                self.channel.put_messages(msgs)
+            while self.topic._copy(64):  # the pump's step: raw records with --mem-queue-size=0
+                pass
         self.run(hand)
         for entry in self.model.values():
             entry.handed = True
@@ -264,8 +264,8 @@ class DeliveryMachine(RuleBasedStateMachine):
 
         def recover() -> tuple[list[Any], list[Any]]:
             taken = []
-            while msgs := self.topic._take(64):
-                self.channel.put_messages(msgs)
+            while self.topic._copy(64):  # the pump's step: raw records with --mem-queue-size=0
+                pass
             while msgs := self.channel.take(64):
                 taken.extend(msgs)
             return taken, list(self.channel.deferred._items.values())
@@ -327,3 +327,35 @@ DeliveryMachine.TestCase.settings = settings(
     suppress_health_check=list(HealthCheck),
 )
 test_delivery_survives_crashes = DeliveryMachine.TestCase
+
+
+def test_records_a_channel_queue_refuses_wait_deferred_and_are_not_lost(tmp_path):
+    """The pump's record hand-through (--mem-queue-size=0) when a channel's disk queue refuses them: the
+    messages are kept deferred and retried, as put_messages keeps them; none is lost or doubled."""
+    clock = trio.testing.MockClock()
+    owner = Owner(str(tmp_path), clock)
+    topic = Topic(owner, "t", owner.make_backend("t"))  # type: ignore[arg-type]
+    channel = topic.get_channel("c")
+    refusing = channel.queue.backend
+    assert isinstance(refusing, DiskQueue)
+    bodies = [b"m%d" % i for i in range(3)]
+
+    async def main() -> list[tuple[bytes, bytes]]:
+        published = topic.publish(bodies)
+        assert published.sync is not None
+        refusing.max_msg_size = 20  # shorter than any record: every write fails
+        assert channel.takes_records()
+        assert topic._copy(64) == 3
+        assert len(channel.deferred) == 3 and channel.message_count == 3 and refusing.depth() == 0
+        refusing.max_msg_size = 1024
+        clock.jump(RETRY_DELAY)
+        assert channel.process_deferred_queue(trio.current_time())
+        assert refusing.depth() == 3 and len(channel.deferred) == 0
+        return [(msg.id, msg.body) for msg in channel.take(10)]
+
+    try:
+        got = trio.run(main, clock=clock)
+    finally:
+        for dq in owner.queues:
+            dq._shut()
+    assert [body for _, body in got] == bodies and len({msg_id for msg_id, _ in got}) == 3

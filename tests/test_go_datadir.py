@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from processes import BrokerProcess
-from nsq_raw import RawNSQ
+from nsq_raw import take
 
 GO_EMPTY_NSQD_DAT = b'{"topics":null,"version":"1.3.0"}'
 # what nsqd 1.3.0 wrote after: create topic "empty"; topic "withch" with channels c1 and c2, c2 paused;
@@ -67,14 +67,7 @@ def stats(broker: BrokerProcess) -> dict[str, dict]:
 
 
 def drain(broker: BrokerProcess, topic: str, channel: str, count: int) -> list[bytes]:
-    with RawNSQ(broker.tcp_address) as conn:
-        conn.sub(topic, channel)
-        conn.rdy(count)
-        msgs = conn.expect_messages(count, timeout=10)
-        for msg in msgs:
-            conn.fin(msg.id)
-        conn.expect_no_frame(0.3)  # nothing more than what was on disk
-    return [m.body for m in msgs]
+    return [m.body for m in take(broker.tcp_address, topic, channel, count)]  # nothing more than on disk
 
 
 def test_a_go_data_dir_with_nulls_loads_and_drains(tmp_path):
