@@ -54,10 +54,10 @@ import trio
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.files import close_quietly, fsync_dir, remove_quietly, write_synced
+from trio_nsq.shared.protocol import INT32, int32_at
 
 log = logging.getLogger("nsqd")
 
-_LEN = struct.Struct(">i")
 # how often put() checks that its write file still has a name on disk
 LINK_CHECK_INTERVAL = 0.1
 # records per writev: two buffers each, within Linux's IOV_MAX of 1024
@@ -390,7 +390,7 @@ class DiskQueue:
                 header = fh.read(4)
                 if len(header) < 4:
                     break
-                (length,) = _LEN.unpack(header)
+                (length,) = INT32.unpack(header)
                 if length < self.min_msg_size or length > self.max_msg_size or pos + 4 + length > size:
                     break
                 if length >= 26:
@@ -438,7 +438,7 @@ class DiskQueue:
             if now - self._last_link_check >= LINK_CHECK_INTERVAL:
                 self._check_write_file_linked(now)
         min_size, max_size, max_file = self.min_msg_size, self.max_msg_size, self.max_bytes_per_file
-        pack = _LEN.pack
+        pack = INT32.pack
         n = len(records)
         stored = 0
         while stored < n:
@@ -713,10 +713,7 @@ class DiskQueue:
             at = 0
             if len(buf) < 4:
                 raise ValueError(f"unexpected EOF reading a record length ({len(buf)} of 4 bytes)")
-        # the length, a big-endian int32 (byte by byte: compiled, no call)
-        length = (buf[at] << 24) | (buf[at + 1] << 16) | (buf[at + 2] << 8) | buf[at + 3]
-        if length >= 1 << 31:
-            length -= 1 << 32
+        length = int32_at(buf, at)
         if length < self.min_msg_size or length > self.max_msg_size:
             # corrupt: there is no telling where a next record would start
             raise ValueError(f"invalid message read size ({length})")
@@ -1087,7 +1084,7 @@ class DiskQueue:
             header = fh.read(4)
             if len(header) < 4:
                 raise ValueError("unexpected EOF reading a record length")
-            (length,) = _LEN.unpack(header)
+            (length,) = INT32.unpack(header)
             if length < self.min_msg_size or length > self.max_msg_size:
                 raise ValueError(f"invalid message read size ({length})")
             data = fh.read(length)

@@ -37,6 +37,13 @@ MESSAGE_HEADER = struct.Struct(">qH")
 # frame header + message header in one pack: [size][type=2][timestamp][attempts]
 MESSAGE_FRAME_HEADER = struct.Struct(">iiqH")
 
+
+def int32_at(data: bytes, pos: int) -> int:
+    """INT32 at `pos` of `data`, from its bytes: compiled, this allocates nothing (unpack_from makes a
+    tuple each), for the loops that read one per record (MPUB's sizes, the disk queue's lengths)."""
+    value = (data[pos] << 24) | (data[pos + 1] << 16) | (data[pos + 2] << 8) | data[pos + 3]
+    return value - 0x100000000 if value >= 0x80000000 else value
+
 # Commands whose line is followed by a 4-byte size and a body.
 BODY_COMMANDS = frozenset({b"IDENTIFY", b"AUTH", b"PUB", b"MPUB", b"DPUB"})
 
@@ -348,10 +355,7 @@ def parse_mpub_body(body: bytes, max_msg_size: int, max_body_size: int, *, surpl
     for i in range(count):
         if end - pos < 4:
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
-        # the int32 from its bytes: compiled, this allocates nothing (unpack_from made a tuple each)
-        size = (body[pos] << 24) | (body[pos + 1] << 16) | (body[pos + 2] << 8) | body[pos + 3]
-        if size >= 0x80000000:
-            size -= 0x100000000
+        size = int32_at(body, pos)
         pos += 4
         if size <= 0:
             raise FatalClientError("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {size}")
