@@ -16,7 +16,7 @@ import trio
 from trio_nsq.broker.backend import BackendError, BackendQueue
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.message_queue import MessageQueue
-from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, MessagePQueue
+from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.shared.names import is_ephemeral
 
@@ -39,6 +39,11 @@ def _messages(records: list[bytes], positions: list[int]) -> list[Message]:
 
 class ChannelError(Exception):
     """A FIN/REQ/TOUCH that does not apply (nsqd's "ID not in flight" and friends)."""
+
+
+def _not_applied(stopped: int) -> ChannelError:
+    """Why a FIN, REQ or TOUCH does not apply (MessagePQueue.pop_owned's MISSING or NOT_OWNED), as nsqd says it."""
+    return ChannelError("ID not in flight" if stopped == MISSING else "client does not own message")
 
 
 class Consumer(Protocol):
@@ -309,13 +314,10 @@ class Channel:
         self.in_flight.push_many(msgs, now + timeout, timeout)
 
     def _pop_in_flight(self, client_id: int, msg_id: bytes) -> Message:
-        msg = self.in_flight.get(msg_id)
-        if msg is None:
-            raise ChannelError("ID not in flight")
-        if msg.client_id != client_id:
-            raise ChannelError("client does not own message")
-        self.in_flight.pop(msg_id)
-        return msg
+        msgs, stopped = self.in_flight.pop_owned([msg_id], client_id)
+        if not msgs:
+            raise _not_applied(stopped)
+        return msgs[0]
 
     def finish_message(self, client_id: int, msg_id: bytes) -> None:
         finished, error = self.finish_messages(client_id, [msg_id])
@@ -327,11 +329,7 @@ class Channel:
         one's error. The backend hears of the run in one call (its records are finished in the same
         order as one call each would, and nothing else runs in between)."""
         msgs, stopped = self.in_flight.pop_owned(msg_ids, client_id)
-        error = None
-        if stopped == MISSING:
-            error = ChannelError("ID not in flight")
-        elif stopped == NOT_OWNED:
-            error = ChannelError("client does not own message")
+        error = None if stopped == OWNED else _not_applied(stopped)
         if self.e2e is not None:
             for msg in msgs:
                 self.e2e.insert(msg.timestamp)
@@ -355,10 +353,8 @@ class Channel:
 
     def touch_message(self, client_id: int, msg_id: bytes, timeout: float, max_msg_timeout: float) -> None:
         msg = self.in_flight.get(msg_id)
-        if msg is None:
-            raise ChannelError("ID not in flight")
-        if msg.client_id != client_id:
-            raise ChannelError("client does not own message")
+        if msg is None or msg.client_id != client_id:
+            raise _not_applied(MISSING if msg is None else NOT_OWNED)
         deadline = trio.current_time() + timeout
         # a message may not be held longer than max-msg-timeout since its delivery
         deadline = min(deadline, msg.delivery_ts + max_msg_timeout)

@@ -115,12 +115,7 @@ class MessagePQueue:
             out.append(msg)
         if out:
             for fifo in self._lanes.values():
-                while fifo:
-                    _, generation, msg = fifo[0]
-                    if msg.generation == generation and items.get(msg.id) is msg:
-                        break
-                    fifo.popleft()  # FINs in delivery order: the front goes at once
-                    self._entries -= 1
+                self._drop_stale_front(fifo)
             self._maybe_compact()
         return out, stopped
 
@@ -131,11 +126,15 @@ class MessagePQueue:
             msg.generation += 1
             fifo = self._lanes.get(msg.lane) if msg.lane is not None else None
             if fifo:
-                while fifo and not self._live(fifo[0][1], fifo[0][2]):
-                    fifo.popleft()  # FINs in delivery order: the front goes at once
-                    self._entries -= 1
+                self._drop_stale_front(fifo)
             self._maybe_compact()
         return msg
+
+    def _drop_stale_front(self, fifo: deque[tuple[float, int, Message]]) -> None:
+        """FINs come in delivery order: the entries they left stale at a lane's front go at once."""
+        while fifo and not self._live(fifo[0][1], fifo[0][2]):
+            fifo.popleft()
+            self._entries -= 1
 
     def pop_expired(self, now: float) -> list[Message]:
         """Every message whose deadline is <= now, removed, earliest first."""

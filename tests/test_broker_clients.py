@@ -37,6 +37,7 @@ from nsq_raw import (
     FrameTimeout,
     RawNSQ,
     Response,
+    encode_command,
     encode_mpub_body,
     publish,
     subscribe,
@@ -912,6 +913,30 @@ def test_bad_input(abused_broker, setup, payload, expected, fatal):
             conn.fin(msg.id)
             conn.command("PUB", topic, body=b"sync")
             assert conn.expect_response() == OK
+    assert_healthy(abused_broker)
+
+
+def test_a_message_in_flight_to_another_consumer_cannot_be_finished_requeued_or_touched(abused_broker):
+    """Two consumers of one channel: FIN, REQ and TOUCH of the other's message each get nsqd's
+    E_*_FAILED (the same text as Go nsqd 1.3.0), keep the connection, and leave the message with its
+    owner, who can still FIN it."""
+    topic = unique("owner")
+    with RawNSQ(abused_broker.tcp_address) as owner, RawNSQ(abused_broker.tcp_address) as other:
+        owner.pub(topic, b"mine")
+        owner.sub(topic, "c")
+        other.sub(topic, "c")
+        owner.rdy(1)
+        msg = owner.expect_message()
+        for name, params in ((b"FIN", (msg.id,)), (b"REQ", (msg.id, 0)), (b"TOUCH", (msg.id,))):
+            other.send(encode_command(name, *params))
+            error = other.expect_error()
+            command = name.decode()
+            assert error.text == f"E_{command}_FAILED {command} {msg.id.decode()} failed client does not own message"
+        other.command("PUB", topic + "-other", body=b"still connected")
+        assert other.expect_response() == OK
+        owner.fin(msg.id)
+        owner.command("PUB", topic, body=b"sync")
+        assert owner.expect_response() == OK  # the FIN was accepted: no error came before this OK
     assert_healthy(abused_broker)
 
 
