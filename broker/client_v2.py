@@ -82,7 +82,7 @@ class ClientV2:
         # the plain TCP (or unix) stream and its socket's fd, written to directly by write_now() while
         # no TLS, snappy or deflate layer has replaced it
         self._plain = stream if isinstance(stream, trio.SocketStream) else None
-        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        self._fd = self._plain.socket.fileno() if self._plain is not None else -1
         # backends that hold this batch's published messages and must fsync before we answer OK, each
         # with the first command that put there (its error code answers a failed fsync)
         self.pending_sync: dict = {}

@@ -72,6 +72,9 @@ _OFFSET_MASK = (1 << POS_SHIFT) - 1
 FINISHED_LIMIT = 4096
 # reclaim copies unfinished records only when that frees at least this many times the bytes it writes
 RECLAIM_RATIO = 4
+# cursor: retired handed-out positions are dropped from the front of the list once more than this many
+# (and most of the list) are retired
+_HANDED_TRIM = 4096
 # the metadata's extension after go-diskqueue's three lines (Go's Fscanf reads those and stops); version 2
 # writes the finished positions as hex of big-endian int64s (every sync round writes up to thousands:
 # struct packs them ~4x faster than decimal text); version 1 (decimal, space-separated) is still read
@@ -953,7 +956,7 @@ class DiskQueue:
 
     def _set_head(self, head: int) -> None:
         """The handed positions before `head` are retired: they go in bulk once they are most of the list."""
-        if head > 4096 and head * 2 > len(self._handed):
+        if head > _HANDED_TRIM and head * 2 > len(self._handed):
             del self._handed[:head]
             head = 0
         self._head = head

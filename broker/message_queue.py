@@ -80,13 +80,17 @@ class MessageQueue:
         backend = self.backend
         records = backend.read_many(limit, positions)
         if records and min(map(len, records)) < MIN_VALID_MSG_LENGTH:
-            kept = [(data, pos) for data, pos in zip(records, positions) if len(data) >= MIN_VALID_MSG_LENGTH]
+            kept: list[bytes] = []
+            kept_positions: list[int] = []
             for data, pos in zip(records, positions):
                 if len(data) < MIN_VALID_MSG_LENGTH:
                     log.error("%s: failed to decode message - invalid message buffer size (%d)", self.owner, len(data))
                     backend.finish(pos)
-            records = [data for data, _ in kept]
-            positions[:] = [pos for _, pos in kept]
+                else:
+                    kept.append(data)
+                    kept_positions.append(pos)
+            records = kept
+            positions[:] = kept_positions
         return records
 
     def drain_memory(self) -> list[Message]:
