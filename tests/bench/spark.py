@@ -186,8 +186,8 @@ def main() -> None:
             .selectExpr("concat('message-', lpad(CAST(id AS STRING), 8, '0')) AS value").cache()
         df.count()
 
-        def nsq(topic: str, idempotent: str):
-            return lambda: df.write.format("nsq").option("nsqd_http_address", http).option("topic", topic) \
+        def nsq(topic: str, idempotent: str, frame=df):
+            return lambda: frame.write.format("nsq").option("nsqd_http_address", http).option("topic", topic) \
                 .option("idempotent", idempotent).mode("append").save()
 
         df.write.format("noop").mode("append").save()
@@ -233,8 +233,7 @@ def main() -> None:
             large_df.count()
         for run in range(args.runs if args.large_messages else 0):
             started = time.perf_counter()
-            large_df.write.format("nsq").option("nsqd_http_address", http).option("topic", f"large-{run}") \
-                .option("idempotent", "true").mode("append").save()
+            nsq(f"large-{run}", "true", large_df)()
             large_write.append(args.large_messages / (time.perf_counter() - started))
             elapsed, rate, phases = stream_read(spark, broker, f"large-{run}", args.large_messages, scratch, options)
             large.append(args.large_messages / elapsed)
