@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -44,11 +45,39 @@ _LISTENING = re.compile(r"\b(TCP|HTTP): listening on \S+:(\d+)")
 STOP_TIMEOUT = 10.0
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+_pick = random.Random()  # its own: a test seeding the global generator must not replay our picks
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range.
+
+    Not a port from bind(("127.0.0.1", 0)): that comes from the ephemeral range, where every outgoing
+    connection takes its own port too, so a broker restarted after kill -9 on "its" port could find a
+    client's connection holding it ("Address already in use", seen once in CI). Ports are picked at
+    random from [10000, low end of that range), each at most once per test process, and bind-checked."""
+    low = min(_ephemeral_range()[0], 65536)
+    floor = 10000 if low > 12000 else 1024
+    for _ in range(1000):
+        port = _pick.randrange(floor, low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise AssertionError(f"no free port found in [{floor}, {low})")
 
 
 def repo_env(**extra: str) -> dict[str, str]:
