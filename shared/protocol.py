@@ -117,6 +117,30 @@ class FrameParser:
         del buf[: 4 + size]
         return frame_type, data
 
+    def message_run(self) -> list[bytes]:
+        """The message frames at the front of what was fed (each frame's data, as next_frame gives it),
+        up to the first frame of another type, the first incomplete one or a bad size: a consumer that takes what a
+        read brought as one list (the Spark source's connections) splits it in one call, with one slice
+        per frame (next_frame makes two) and the buffer cut once."""
+        buf = self._buf
+        if len(buf) < 8:
+            return []
+        size, frame_type = FRAME_HEADER.unpack_from(buf)
+        if frame_type != FRAME_TYPE_MESSAGE or len(buf) < 4 + size:
+            return []  # (so a large frame still arriving is copied below once at most, not per read)
+        data = bytes(buf)
+        end = len(data)
+        pos = 0
+        run: list[bytes] = []
+        while end - pos >= 8:
+            size = int32_at(data, pos)
+            if size < 4 or size > self._max or int32_at(data, pos + 4) != FRAME_TYPE_MESSAGE or end - pos < 4 + size:
+                break  # (a bad size is next_frame's to refuse, after the messages before it)
+            run.append(data[pos + 8 : pos + 4 + size])
+            pos += 4 + size
+        del buf[:pos]
+        return run
+
 
 # --- messages ---------------------------------------------------------------------------------------
 

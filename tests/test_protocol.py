@@ -529,6 +529,46 @@ def test_frames_round_trip_fed_one_byte_at_a_time(frame_list):
     assert got == [expected for _, expected in encoded]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(frames, min_size=1, max_size=10), st.data())
+def test_message_runs_split_as_next_frame_does(frame_list, data):
+    """message_run (the Spark source's reads) then next_frame for what is not a message, under random
+    chunking: the same frames in the same order as next_frame alone, and nothing left behind."""
+    encoded = [_frame_wire(f) for f in frame_list]
+    wire = b"".join(w for w, _ in encoded)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(wire) - 1)), max_size=30))))
+    parser = FrameParser()
+    got = []
+    for start, end in zip([0, *cuts], [*cuts, len(wire)]):
+        parser.feed(wire[start:end])
+        while True:
+            got.extend((FRAME_TYPE_MESSAGE, data) for data in parser.message_run())
+            frame = parser.next_frame()
+            if frame is None:
+                break
+            got.append(frame)
+    assert got == [expected for _, expected in encoded]
+    assert parser.take_buffered() == b""
+
+
+def test_message_run_stops_at_a_bad_size_or_another_frame_type():
+    run = encode_message_frame(b"0" * 16, 1, 1, b"a") + encode_message_frame(b"1" * 16, 2, 1, b"b")
+    parser = FrameParser()
+    parser.feed(run + encode_frame(FRAME_TYPE_RESPONSE, b"OK") + run)
+    assert [m[10:] for m in parser.message_run()] == [b"0" * 16 + b"a", b"1" * 16 + b"b"]
+    assert parser.message_run() == []
+    assert parser.next_frame() == (FRAME_TYPE_RESPONSE, b"OK")
+    assert len(parser.message_run()) == 2
+    parser.feed(run[:30])  # a message frame still arriving: nothing yet, and it stays
+    assert parser.message_run() == []
+    parser.feed(run[30:])
+    assert len(parser.message_run()) == 2
+    parser.feed(run + (3).to_bytes(4, "big") + b"\x00\x00\x00\x02")
+    assert len(parser.message_run()) == 2  # the messages before a bad size, then next_frame refuses it
+    with pytest.raises(ValueError):
+        parser.next_frame()
+
+
 def test_heartbeat_and_ok_frames_on_the_wire():
     assert encode_frame(FRAME_TYPE_RESPONSE, HEARTBEAT) == b"\x00\x00\x00\x0f\x00\x00\x00\x00_heartbeat_"
     assert encode_frame(FRAME_TYPE_ERROR, b"E_INVALID x") == b"\x00\x00\x00\x0f\x00\x00\x00\x01E_INVALID x"

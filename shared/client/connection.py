@@ -363,14 +363,16 @@ class Connection:
         try:
             while True:
                 # every frame already received, then one timed read: a deadline per read, not per frame
-                frames: list[bytes] = []  # message frames for on_messages, handed over in order
-                for kind, data in self._parser:
-                    if kind == FRAME_TYPE_MESSAGE and self.on_messages is not None:
-                        frames.append(data)
-                        continue
-                    if frames:
-                        self._got_messages(frames)
-                        frames = []
+                while True:
+                    if self.on_messages is not None:
+                        # a run of message frames, split in one call (compiled), handed over in order
+                        frames = self._parser.message_run()
+                        if frames:
+                            self._got_messages(frames)
+                    frame = self._parser.next_frame()
+                    if frame is None:
+                        break
+                    kind, data = frame
                     if kind == FRAME_TYPE_MESSAGE:
                         await self._got_message(decode_message(data))
                     elif kind == FRAME_TYPE_RESPONSE and data == HEARTBEAT:
@@ -379,8 +381,6 @@ class Connection:
                         self._got_error(NSQError.from_frame(data))
                     else:
                         self._got_response(data)
-                if frames:
-                    self._got_messages(frames)
                 with trio.fail_after(timeout):
                     received = await self.stream.receive_some(RECV_SIZE)
                 if not received:

@@ -140,15 +140,17 @@ class Frames(InputPartition):
                 values.byteswap()
             return pa.Array.from_buffers(arrow_type, n, [None, pa.py_buffer(values)])
 
+        def same(value: str, count: int):
+            return pa.repeat(pa.scalar(value, pa.string()), count)  # (no Python list of `count` strings)
+
         return pa.record_batch([
             pc.binary_slice(frames, 26, MAX_FRAME_SIZE),
-            pa.array([settings.topic] * n, pa.string()),
-            pa.array([settings.channel] * n, pa.string()),
+            same(settings.topic, n),
+            same(settings.channel, n),
             pc.binary_slice(frames, 10, 26).cast(pa.string()),  # ids are ASCII
             pc.divide(big_endian(0, "q", pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC")),
             big_endian(8, "H", pa.uint16()).cast(pa.int32()),
-            pa.array(list(chain.from_iterable([address] * count for address, count in self.addresses)),
-                     pa.string()),
+            pa.concat_arrays([same(address, count) for address, count in self.addresses] or [same("", 0)]),
         ], schema=schema)
 
 
