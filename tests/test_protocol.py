@@ -502,9 +502,25 @@ def _frame_wire(frame) -> tuple[bytes, tuple[int, bytes]]:
     return encode_frame(frame_type, payload), (frame_type, payload)
 
 
+def _frames_one_by_one(parser: FrameParser) -> list:
+    return list(parser)
+
+
+def _message_runs_then_the_rest(parser: FrameParser) -> list:
+    """As the Spark source's connections read: message_run, then next_frame for what is not a message."""
+    got: list = []
+    while True:
+        got.extend((FRAME_TYPE_MESSAGE, data) for data in parser.message_run())
+        frame = parser.next_frame()
+        if frame is None:
+            return got
+        got.append(frame)
+
+
+@pytest.mark.parametrize("read", [_frames_one_by_one, _message_runs_then_the_rest])
 @settings(max_examples=200, deadline=None)
-@given(st.lists(frames, min_size=1, max_size=10), st.data())
-def test_frames_round_trip_under_random_chunking(frame_list, data):
+@given(frame_list=st.lists(frames, min_size=1, max_size=10), data=st.data())
+def test_frames_round_trip_under_random_chunking(read, frame_list, data):
     encoded = [_frame_wire(f) for f in frame_list]
     wire = b"".join(w for w, _ in encoded)
     cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(wire) - 1)), max_size=30))))
@@ -512,8 +528,9 @@ def test_frames_round_trip_under_random_chunking(frame_list, data):
     got = []
     for start, end in zip([0, *cuts], [*cuts, len(wire)]):
         parser.feed(wire[start:end])
-        got.extend(parser)
+        got.extend(read(parser))
     assert got == [expected for _, expected in encoded]
+    assert parser.take_buffered() == b""
 
 
 @settings(max_examples=40, deadline=None)
@@ -527,28 +544,6 @@ def test_frames_round_trip_fed_one_byte_at_a_time(frame_list):
         parser.feed(wire[i : i + 1])
         got.extend(parser)
     assert got == [expected for _, expected in encoded]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(frames, min_size=1, max_size=10), st.data())
-def test_message_runs_split_as_next_frame_does(frame_list, data):
-    """message_run (the Spark source's reads) then next_frame for what is not a message, under random
-    chunking: the same frames in the same order as next_frame alone, and nothing left behind."""
-    encoded = [_frame_wire(f) for f in frame_list]
-    wire = b"".join(w for w, _ in encoded)
-    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(wire) - 1)), max_size=30))))
-    parser = FrameParser()
-    got = []
-    for start, end in zip([0, *cuts], [*cuts, len(wire)]):
-        parser.feed(wire[start:end])
-        while True:
-            got.extend((FRAME_TYPE_MESSAGE, data) for data in parser.message_run())
-            frame = parser.next_frame()
-            if frame is None:
-                break
-            got.append(frame)
-    assert got == [expected for _, expected in encoded]
-    assert parser.take_buffered() == b""
 
 
 def test_message_run_stops_at_a_bad_size_or_another_frame_type():
