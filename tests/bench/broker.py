@@ -3,6 +3,7 @@ started by tests/processes.py as the tests start theirs; `startup` is how long i
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -38,6 +39,12 @@ class Broker(BrokerProcess):
         with socket.create_connection(self.tcp) as sock:
             sock.sendall(MAGIC_V2 + encode_sub(topic, channel))
             sock.recv(100)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the broker process (every thread), from /proc."""
+        with open(f"/proc/{self.proc.pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
         return self.memory()["VmRSS"] / (1024 * 1024)

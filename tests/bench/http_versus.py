@@ -74,13 +74,6 @@ def _script(folder: str, key: str) -> str:
     return path
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (every thread), from /proc."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _post(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
@@ -95,9 +88,9 @@ def run_once(reference: str | None, side: str, key: str, seconds: float, folder:
         assert WRK is not None
         args = [WRK, f"-t{min(2, connections)}", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s",
                 "-s", _script(folder, key), *extra, broker.http_url + path]
-        cpu_before = _cpu_seconds(broker.proc.pid)
+        cpu_before = broker.cpu_seconds()
         out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
-        cpu = _cpu_seconds(broker.proc.pid) - cpu_before
+        cpu = broker.cpu_seconds() - cpu_before
         match = _RATE.search(out.stdout)
         requests = _REQUESTS.search(out.stdout)
         if out.returncode != 0 or not match:

@@ -11,21 +11,26 @@ The machine (CPU, cores, Python) and the compiled modules are printed and writte
 The shape is NSQ's bench.sh: the topic and channel are created first,
 `bench_writer --size=200 --batch-size=200` publishes for --runfor, then `bench_reader` (RDY 2500, a FIN
 per message) reads the same broker for --runfor. Both tools open one connection per CPU.
+The `backlog` scenario reads as the Spark source does (backlog_reader below); its second figure is
+messages per CPU-second of the broker, the others are messages per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 from tests.bench.broker import Broker
 from tests.bench.machine import describe, machine, merge_report
+from trio_nsq.shared.spark.publisher import MPubClient
 from trio_nsq import compiled
 
 OPS = re.compile(r"([0-9.]+)ops/s")
@@ -93,10 +98,44 @@ def durable_reader(reference: str, side: str, runfor: float) -> dict[str, float]
         broker.close()
 
 
+BACKLOG = 1_000_000
+
+
+def backlog_reader(reference: str, side: str, runfor: float) -> dict[str, float]:
+    """The Spark source's way of reading, without Spark: BACKLOG messages published to a topic with no
+    channel (default flags), then one consumer (tests/bench/backlog_reader.py) subscribes a new channel
+    over 80 connections of RDY 2500 (the source's default window, 200,000) and FINs in runs of 100,000 (a
+    micro-batch's commit). The figures: messages/s, and messages per CPU-second of the broker over the
+    read (its hand-off from topic to channel, deliveries and FINs). `runfor` is not used: the run ends
+    when the backlog is read."""
+    command = [os.path.join(reference, "nsqd")] if side == "go" else None
+    broker = Broker(command=command, env={compiled.ENV: "0"} if side == "pure" else None)
+    try:
+        with MPubClient([broker.http_address]) as client:
+            bodies = [b"message-%08d" % i for i in range(BACKLOG)]
+            for first in range(0, BACKLOG, 5000):
+                client.publish("backlog", bodies[first:first + 5000])
+        cpu = broker.cpu_seconds()
+        out = subprocess.run([sys.executable, "-m", "tests.bench.backlog_reader", *map(str, broker.tcp), "backlog",
+                              "ch", str(BACKLOG), "80", "2500", "100000"], capture_output=True, text=True, timeout=600)
+        cpu = broker.cpu_seconds() - cpu
+        if out.returncode != 0:
+            raise RuntimeError(f"backlog_reader failed: {(out.stdout + out.stderr)[-500:]}")
+        seconds = json.loads(out.stdout)["seconds"]
+        return {"backlog": BACKLOG / seconds, "backlog_per_cpu_s": BACKLOG / cpu}
+    finally:
+        broker.close()
+
+
 # scenario key -> (title, runner) for scenarios that are not one broker run of SCENARIOS' shape
 RUNNERS: dict[str, tuple[str, Callable[[str, str, float], dict[str, float]]]] = {
     "sync_reader": ("--mem-queue-size=0 --sync-every=1, channel filled first", durable_reader),
+    "backlog": ("1M waiting, new channel, FIN per 100k", backlog_reader),
 }
+
+# figure -> how the table names it: NSQ's tools, or ours (msg/s, or messages per broker CPU-second)
+LABELS = {"writer": "bench_writer", "reader": "bench_reader", "backlog": "backlog_reader",
+          "backlog_per_cpu_s": "backlog_reader per CPU-s"}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -122,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else:
                     figures = run_once(args.reference, side, *SCENARIOS[key][1:], args.runfor)
                 samples[key][side].append(figures)
-                shown = "  ".join(f"{k}={v:,.0f}" for k, v in figures.items())
-                print(f"round {round_no} {title:<36} {side:<5} {shown} msg/s", flush=True)
+                shown = "  ".join(f"{LABELS[k]}={v:,.0f}" for k, v in figures.items())
+                print(f"round {round_no} {title:<36} {side:<5} {shown}", flush=True)
     results: dict[str, Any] = {}
     pure = "pure" in sides
     print(f"\n{'scenario':<44} {'Go nsqd':>12} {'trio-nsqd':>12} {'ratio':>7}"
@@ -135,9 +174,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             go = medians["go"]
             ratios = {side: (medians[side] / go if go else float("inf")) for side in sides}
             name = f"{key}_{figure}"
-            results[name] = {"title": f"bench_{figure}, {title}", "go_msg_s": go, "trio_msg_s": medians["trio"],
+            results[name] = {"title": f"{LABELS[figure]}, {title}", "go_msg_s": go, "trio_msg_s": medians["trio"],
                              "ratio": ratios["trio"], "samples": samples[key]}
-            line = f"bench_{figure + ', ' + title:<38} {go:>12,.0f} {medians['trio']:>12,.0f} {ratios['trio']:>7.2f}"
+            line = f"{LABELS[figure] + ', ' + title:<44} {go:>12,.0f} {medians['trio']:>12,.0f} {ratios['trio']:>7.2f}"
             if pure:
                 results[name].update(pure_msg_s=medians["pure"], pure_ratio=ratios["pure"])
                 line += f" {medians['pure']:>12,.0f} {ratios['pure']:>7.2f}"
