@@ -12,7 +12,9 @@ imports the workers). The reads are of the same 200,000 bodies the write sends, 
 the query's start included) and `spark.read` into a `noop` write. Then --large-messages rows are
 written by `df.write.format("nsq")` and read back by `readStream`, where Spark's ~1 s to start a query's
 Python source is spread over more messages (the rate a query sustains); each stream rate is also given as
-a ratio to the write of the same rows in the same run.
+a ratio to the write of the same rows in the same run. Each stream read is followed by Spark's own
+ceiling for the same count: a Python stream source of the same schema and micro-batch size that costs
+nothing (ceiling_source), so the figures say how much of the gap is Spark's.
 """
 
 from __future__ import annotations
@@ -109,6 +111,81 @@ def batch_read(spark, broker: Broker, topic: str, count: int) -> float:
     return elapsed
 
 
+def ceiling_source():
+    """Spark's own ceiling for a Python stream source of the nsq schema: a DataSource ("nsq-ceiling") that
+    serves `rows` rows in micro-batches of `batch`, two tasks each (as the nsq source cuts its batches),
+    every row built in its task as one Arrow record batch of constants. No NSQ, no driver-side data: what
+    Spark itself costs to carry the stream's rows into a sink here. (Defined in a function: pyspark is
+    imported by main(), and Spark pickles the classes by value.)"""
+    from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+
+    from trio_nsq.shared.spark.source import SCHEMA
+
+    class Rows(InputPartition):
+        def __init__(self, count: int) -> None:
+            self.count = count
+
+    class Reader(DataSourceStreamReader):
+        def __init__(self, rows: int, batch: int) -> None:
+            self.rows, self.batch = rows, batch
+
+        def initialOffset(self) -> dict:
+            return {"rows": 0}
+
+        def latestOffset(self, start: dict, limit=None) -> dict:
+            return {"rows": min(self.rows, int(start["rows"]) + self.batch)}
+
+        def partitions(self, start: dict, end: dict) -> list:
+            count = int(end["rows"]) - int(start["rows"])
+            return [Rows(count // 2), Rows(count - count // 2)]
+
+        def read(self, partition):
+            import pyarrow as pa
+
+            n = partition.count
+            text = lambda value: pa.repeat(pa.scalar(value, pa.string()), n)  # noqa: E731
+            yield pa.record_batch([
+                pa.repeat(pa.scalar(b"message-00000001", pa.binary()), n), text("topic"), text("bench"),
+                text("0123456789abcdef"), pa.repeat(pa.scalar(1_700_000_000_000_000, pa.timestamp("us", tz="UTC")), n),
+                pa.repeat(pa.scalar(1, pa.int32()), n), text("127.0.0.1:4150")], schema=pa.schema([
+                    pa.field(f.name, t, False) for f, t in zip(SCHEMA.fields, [
+                        pa.binary(), pa.string(), pa.string(), pa.string(), pa.timestamp("us", tz="UTC"), pa.int32(),
+                        pa.string()])]))
+
+        def commit(self, end: dict) -> None:
+            pass
+
+    class Ceiling(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "nsq-ceiling"
+
+        def schema(self):
+            return SCHEMA
+
+        def streamReader(self, schema):
+            return Reader(int(self.options["rows"]), int(self.options["batch"]))
+
+    return Ceiling
+
+
+def stream_ceiling(spark, rows: int, batch: int, scratch: str, name: str) -> tuple[float, float]:
+    """Seconds from the query's start until `rows` rows of ceiling_source() reached a noop sink, and the
+    rows/s of its micro-batches (as stream_read measures the nsq source)."""
+    start = time.perf_counter()
+    query = spark.readStream.format("nsq-ceiling").option("rows", rows).option("batch", batch).load() \
+        .writeStream.format("noop").option("checkpointLocation", f"{scratch}/{name}").start()
+    try:
+        while sum(p["numInputRows"] for p in query.recentProgress) < rows:
+            assert query.isActive, query.exception()
+            time.sleep(0.01)
+        elapsed = time.perf_counter() - start
+        busy = [p for p in query.recentProgress if p["numInputRows"]]
+        return elapsed, rows / (sum(p["durationMs"]["triggerExecution"] for p in busy) / 1000)
+    finally:
+        query.stop()
+
+
 def trickle_latency(spark, broker: Broker, scratch: str, rate: int = 100, seconds: float = 6.0) -> list[float]:
     """Seconds from publish (nsqd's timestamp) to the foreachBatch sink, for `rate` messages/s."""
     import threading
@@ -179,6 +256,10 @@ def main() -> None:
              .config("spark.ui.enabled", "false").config("spark.local.dir", scratch).getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(NSQDataSource)
+    spark.dataSource.register(ceiling_source())
+    # Spark's ceiling runs in the reads' micro-batch size
+    from trio_nsq.shared.spark.options import READ_OPTIONS
+    batch_size = int(options.get("max_messages_per_batch", READ_OPTIONS["max_messages_per_batch"][0]))
     http = broker.http_address
     results: dict[str, float] = {}
     try:
@@ -212,7 +293,8 @@ def main() -> None:
         stream_read(spark, broker, "read-warm-up", 1000, scratch, options)
         publish(http, "batch-warm-up", 1000)
         batch_read(spark, broker, "batch-warm-up", 1000)
-        stream, sustained, batch, breakdowns = [], [], [], []
+        stream_ceiling(spark, 1000, batch_size, scratch, "ceiling-warm-up")
+        stream, sustained, batch, breakdowns, ceiling, large_ceiling = [], [], [], [], [], []
         for run in range(args.runs):
             publish(http, f"stream-{run}", args.messages)
             elapsed, rate, phases = stream_read(spark, broker, f"stream-{run}", args.messages, scratch, options)
@@ -223,6 +305,10 @@ def main() -> None:
                   f"({elapsed:.2f} s); {rate:,.0f} messages/s in its micro-batches", flush=True)
             print("    where the time went (s): " + ", ".join(
                 f"{k} {v:.0f}" if k == "micro-batches" else f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
+            elapsed, rate = stream_ceiling(spark, args.messages, batch_size, scratch, f"ceiling-{run}")
+            ceiling.append(args.messages / elapsed)
+            print(f"  Spark's own ceiling       {ceiling[-1]:>12,.0f} rows/s from the query's start "
+                  f"({elapsed:.2f} s); {rate:,.0f} rows/s in its micro-batches", flush=True)
             publish(http, f"batch-{run}", args.messages)
             batch.append(args.messages / batch_read(spark, broker, f"batch-{run}", args.messages))
             print(f"  read (batch) -> noop      {batch[-1]:>12,.0f} messages/s", flush=True)
@@ -243,6 +329,10 @@ def main() -> None:
                   f"{large[-1]:>10,.0f} messages/s from the query's start ({elapsed:.2f} s, "
                   f"{phases['micro-batches']:.0f} micro-batches), {rate:,.0f} messages/s in its micro-batches",
                   flush=True)
+            elapsed, rate = stream_ceiling(spark, args.large_messages, batch_size, scratch, f"large-ceiling-{run}")
+            large_ceiling.append(args.large_messages / elapsed)
+            print(f"  {args.large_messages:,} rows: Spark's own ceiling {large_ceiling[-1]:>10,.0f} rows/s from the "
+                  f"query's start ({elapsed:.2f} s), {rate:,.0f} rows/s in its micro-batches", flush=True)
         latencies = trickle_latency(spark, broker, scratch)
         if latencies:
             results["trickle 100 msg/s latency p50 s"] = latencies[len(latencies) // 2]
@@ -254,10 +344,17 @@ def main() -> None:
         for phase in breakdowns[0]:
             results[f"readStream {phase} (s, median)"] = statistics.median(b[phase] for b in breakdowns)
         results["read messages/s"] = statistics.median(batch)
+        results["Spark ceiling rows/s"] = statistics.median(ceiling)
+        results["readStream / Spark ceiling"] = results["readStream messages/s"] / results["Spark ceiling rows/s"]
         if large:
             results[f"readStream {args.large_messages} messages/s"] = statistics.median(large)
             results[f"write nsq idempotent=true {args.large_messages} rows/s"] = statistics.median(large_write)
             results[f"readStream {args.large_messages} / write"] = statistics.median(large) / statistics.median(large_write)
+            results[f"Spark ceiling {args.large_messages} rows/s"] = statistics.median(large_ceiling)
+            results[f"readStream {args.large_messages} / Spark ceiling"] = \
+                statistics.median(large) / statistics.median(large_ceiling)
+            results[f"Spark ceiling {args.large_messages} / write"] = \
+                statistics.median(large_ceiling) / statistics.median(large_write)
         write = results.get("write nsq idempotent=true rows/s")
         if write:
             results["readStream / write"] = results["readStream messages/s"] / write
@@ -267,6 +364,12 @@ def main() -> None:
               + (f" ({statistics.median(large) / statistics.median(large_write):.2f}x the write of the same "
                  f"{args.large_messages:,} rows, {statistics.median(large_write):,.0f} rows/s)" if large else "")
               + f"; read (batch) {results['read messages/s']:,.0f} messages/s")
+        print(f"Spark's own ceiling for a Python stream source of this schema, in micro-batches of {batch_size:,}: "
+              f"{results['Spark ceiling rows/s']:,.0f} rows/s (readStream is "
+              f"{results['readStream / Spark ceiling']:.2f}x it)"
+              + (f", {statistics.median(large_ceiling):,.0f} with {args.large_messages:,} rows "
+                 f"({statistics.median(large_ceiling) / statistics.median(large_write):.2f}x the write; readStream "
+                 f"is {statistics.median(large) / statistics.median(large_ceiling):.2f}x it)" if large else ""))
     finally:
         spark.stop()
         broker.close()
