@@ -32,7 +32,7 @@ import urllib.request
 
 from trio_nsq.shared.spark.publisher import MPubClient
 from tests.bench.broker import Broker
-from tests.bench.machine import merge_report
+from tests.bench.machine import describe, machine, merge_report
 
 
 def channel_stats(http: str, topic: str, channel: str) -> dict:
@@ -240,6 +240,8 @@ def main() -> None:
     parser.add_argument("--output", default="", help="merge the figures into this JSON file (bench-results.json)")
     args = parser.parse_args()
     options = dict(o.split("=", 1) for o in args.option)
+    info = machine()
+    print(f"machine: {describe(info)}")
 
     from pyspark.sql import SparkSession
 
@@ -358,6 +360,7 @@ def main() -> None:
         write = results.get("write nsq idempotent=true rows/s")
         if write:
             results["readStream / write"] = results["readStream messages/s"] / write
+            results["Spark ceiling / write"] = results["Spark ceiling rows/s"] / write
         print(f"readStream (median) {results['readStream messages/s']:,.0f} messages/s"
               + (f" ({results['readStream / write']:.2f}x the write)" if write else "")
               + (f", {statistics.median(large):,.0f} with {args.large_messages:,} waiting" if large else "")
@@ -365,7 +368,8 @@ def main() -> None:
                  f"{args.large_messages:,} rows, {statistics.median(large_write):,.0f} rows/s)" if large else "")
               + f"; read (batch) {results['read messages/s']:,.0f} messages/s")
         print(f"Spark's own ceiling for a Python stream source of this schema, in micro-batches of {batch_size:,}: "
-              f"{results['Spark ceiling rows/s']:,.0f} rows/s (readStream is "
+              f"{results['Spark ceiling rows/s']:,.0f} rows/s ("
+              + (f"{results['Spark ceiling / write']:.2f}x the write; " if write else "") + "readStream is "
               f"{results['readStream / Spark ceiling']:.2f}x it)"
               + (f", {statistics.median(large_ceiling):,.0f} with {args.large_messages:,} rows "
                  f"({statistics.median(large_ceiling) / statistics.median(large_write):.2f}x the write; readStream "
@@ -376,6 +380,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.output:
         merge_report(args.output, {"title": "PySpark connector, local[2] (write rows/s, read messages/s)",
+                                   "machine": info,
                                    "rows": args.rows, "messages": args.messages,
                                    "large_messages": args.large_messages, "runs": args.runs,
                                    "figures": results}, "results", "spark")
