@@ -65,17 +65,60 @@ def publish(http: str, topic: str, count: int) -> None:
 PHASES = ("latestOffset", "walCommit", "queryPlanning", "addBatch", "commitOffsets", "triggerExecution")
 
 
+ROLES = ("JVM", "broker", "Spark's Python processes")
+
+
+def process_cpu(broker_pid: int) -> dict[str, float]:
+    """CPU-seconds (user + system) used so far by the processes under this one, by role: the broker, the
+    JVM, and Spark's Python processes (the stream source's, the workers'), from /proc. Two of these
+    around a step say where its CPU went (a process that ended in between is not counted)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu, program = {}, {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                program[int(entry)] = os.path.basename(fh.read().split(b"\0")[0])
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    me, out = os.getpid(), dict.fromkeys(ROLES, 0.0)
+    for pid, seconds in cpu.items():
+        ancestor = parent.get(pid, 0)
+        while ancestor not in (me, 0, 1):
+            ancestor = parent.get(ancestor, 0)
+        if ancestor != me or pid not in program:
+            continue
+        role = "broker" if pid == broker_pid else "JVM" if program[pid] == b"java" else ROLES[2]
+        out[role] += seconds
+    return out
+
+
+def cpu_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {role: after[role] - before[role] for role in ROLES}
+
+
+def shown_cpu(cpu: dict[str, float]) -> str:
+    return ", ".join(f"{role} {cpu[role]:.2f}" for role in ROLES) + f" (all {sum(cpu.values()):.2f})"
+
+
 def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
                 options: dict[str, str]) -> tuple[float, float, dict[str, float]]:
     """Seconds from the query's start until `count` messages were read into a noop sink and FIN'd (each
     after the commit of its micro-batch); the messages/s of its micro-batches that carried messages
     (their rows over their trigger durations: the sustained rate, without the query's start); and where
-    the time went: seconds from start() to the first micro-batch, and each phase of Spark's
-    StreamingQueryProgress.durationMs summed over the micro-batches."""
+    the time went: seconds from start() to the first micro-batch, each phase of Spark's
+    StreamingQueryProgress.durationMs summed over the micro-batches, and the CPU-seconds of each
+    process role (process_cpu) over the query."""
     reader = spark.readStream.format("nsq").option("topic", topic).option("channel", "bench") \
         .option("nsqd_tcp_address", broker.tcp_address)
     for key, value in options.items():
         reader = reader.option(key, value)
+    cpu = process_cpu(broker.proc.pid)
     start, started_at = time.perf_counter(), time.time()
     query = reader.load().writeStream.format("noop").option("checkpointLocation", f"{scratch}/{topic}").start()
     try:
@@ -84,6 +127,7 @@ def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
             s = channel_stats(broker.http_url, topic, "bench")
             if s and s["message_count"] == count and s["depth"] == 0 and s["in_flight_count"] == 0:
                 elapsed = time.perf_counter() - start
+                cpu = cpu_between(cpu, process_cpu(broker.proc.pid))
                 progress = query.recentProgress
                 busy = [p for p in progress if p["numInputRows"]]
                 sustained = sum(p["numInputRows"] for p in busy) / (
@@ -93,6 +137,7 @@ def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
                           "micro-batches": float(len(progress))}
                 for phase in PHASES:
                     phases[phase] = sum(p["durationMs"].get(phase, 0) for p in progress) / 1000
+                phases.update({f"CPU-s {role}": seconds for role, seconds in cpu.items()})
                 return elapsed, sustained, phases
             time.sleep(0.02)
     finally:
@@ -321,16 +366,22 @@ def main() -> None:
             large_df = spark.range(args.large_messages, numPartitions=args.partitions) \
                 .selectExpr("concat('message-', lpad(CAST(id AS STRING), 8, '0')) AS value").cache()
             large_df.count()
+        large_cpu: dict[str, list[dict[str, float]]] = {"write": [], "readStream": []}
         for run in range(args.runs if args.large_messages else 0):
+            cpu = process_cpu(broker.proc.pid)
             started = time.perf_counter()
             nsq(f"large-{run}", "true", large_df)()
             large_write.append(args.large_messages / (time.perf_counter() - started))
+            large_cpu["write"].append(cpu_between(cpu, process_cpu(broker.proc.pid)))
             elapsed, rate, phases = stream_read(spark, broker, f"large-{run}", args.large_messages, scratch, options)
             large.append(args.large_messages / elapsed)
             print(f"  {args.large_messages:,} rows: write {large_write[-1]:>10,.0f} rows/s; readStream -> noop "
                   f"{large[-1]:>10,.0f} messages/s from the query's start ({elapsed:.2f} s, "
                   f"{phases['micro-batches']:.0f} micro-batches), {rate:,.0f} messages/s in its micro-batches",
                   flush=True)
+            large_cpu["readStream"].append({role: phases[f"CPU-s {role}"] for role in ROLES})
+            print(f"    CPU-seconds: the write {shown_cpu(large_cpu['write'][-1])}; the read "
+                  f"{shown_cpu(large_cpu['readStream'][-1])}", flush=True)
             elapsed, rate = stream_ceiling(spark, args.large_messages, batch_size, scratch, f"large-ceiling-{run}")
             large_ceiling.append(args.large_messages / elapsed)
             print(f"  {args.large_messages:,} rows: Spark's own ceiling {large_ceiling[-1]:>10,.0f} rows/s from the "
@@ -357,6 +408,10 @@ def main() -> None:
                 statistics.median(large) / statistics.median(large_ceiling)
             results[f"Spark ceiling {args.large_messages} / write"] = \
                 statistics.median(large_ceiling) / statistics.median(large_write)
+            for step, samples in large_cpu.items():
+                for role in (*ROLES, "all"):
+                    results[f"{step} {args.large_messages} CPU-s {role} (median)"] = statistics.median(
+                        sum(c.values()) if role == "all" else c[role] for c in samples)
         write = results.get("write nsq idempotent=true rows/s")
         if write:
             results["readStream / write"] = results["readStream messages/s"] / write
