@@ -68,10 +68,9 @@ PHASES = ("latestOffset", "walCommit", "queryPlanning", "addBatch", "commitOffse
 ROLES = ("JVM", "broker", "Spark's Python processes")
 
 
-def process_cpu(broker_pid: int) -> dict[str, float]:
-    """CPU-seconds (user + system) used so far by the processes under this one, by role: the broker, the
-    JVM, and Spark's Python processes (the stream source's, the workers'), from /proc. Two of these
-    around a step say where its CPU went (a process that ended in between is not counted)."""
+def process_cpu(broker_pid: int) -> dict[int, tuple[str, float]]:
+    """CPU-seconds (user + system) used so far by each process under this one, with its role: the broker,
+    the JVM, or Spark's Python processes (the stream source's, the workers'), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     parent, cpu, program = {}, {}, {}
     for entry in os.listdir("/proc"):
@@ -86,20 +85,23 @@ def process_cpu(broker_pid: int) -> dict[str, float]:
             continue
         parent[int(entry)] = int(fields[1])
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    me, out = os.getpid(), dict.fromkeys(ROLES, 0.0)
+    me, out = os.getpid(), {}
     for pid, seconds in cpu.items():
         ancestor = parent.get(pid, 0)
         while ancestor not in (me, 0, 1):
             ancestor = parent.get(ancestor, 0)
-        if ancestor != me or pid not in program:
-            continue
-        role = "broker" if pid == broker_pid else "JVM" if program[pid] == b"java" else ROLES[2]
-        out[role] += seconds
+        if ancestor == me and pid in program:
+            out[pid] = ("broker" if pid == broker_pid else "JVM" if program[pid] == b"java" else ROLES[2], seconds)
     return out
 
 
-def cpu_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {role: after[role] - before[role] for role in ROLES}
+def cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU-seconds by role between two process_cpu() calls: a process started in between counts from
+    zero; one that ended in between is not counted (Spark's Python workers outlive a query)."""
+    out = dict.fromkeys(ROLES, 0.0)
+    for pid, (role, seconds) in after.items():
+        out[role] += seconds - before.get(pid, (role, 0.0))[1]
+    return out
 
 
 def shown_cpu(cpu: dict[str, float]) -> str:
@@ -118,7 +120,7 @@ def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
         .option("nsqd_tcp_address", broker.tcp_address)
     for key, value in options.items():
         reader = reader.option(key, value)
-    cpu = process_cpu(broker.proc.pid)
+    processes = process_cpu(broker.proc.pid)
     start, started_at = time.perf_counter(), time.time()
     query = reader.load().writeStream.format("noop").option("checkpointLocation", f"{scratch}/{topic}").start()
     try:
@@ -127,7 +129,7 @@ def stream_read(spark, broker: Broker, topic: str, count: int, scratch: str,
             s = channel_stats(broker.http_url, topic, "bench")
             if s and s["message_count"] == count and s["depth"] == 0 and s["in_flight_count"] == 0:
                 elapsed = time.perf_counter() - start
-                cpu = cpu_between(cpu, process_cpu(broker.proc.pid))
+                cpu = cpu_between(processes, process_cpu(broker.proc.pid))
                 progress = query.recentProgress
                 busy = [p for p in progress if p["numInputRows"]]
                 sustained = sum(p["numInputRows"] for p in busy) / (
@@ -368,11 +370,11 @@ def main() -> None:
             large_df.count()
         large_cpu: dict[str, list[dict[str, float]]] = {"write": [], "readStream": []}
         for run in range(args.runs if args.large_messages else 0):
-            cpu = process_cpu(broker.proc.pid)
+            processes = process_cpu(broker.proc.pid)
             started = time.perf_counter()
             nsq(f"large-{run}", "true", large_df)()
             large_write.append(args.large_messages / (time.perf_counter() - started))
-            large_cpu["write"].append(cpu_between(cpu, process_cpu(broker.proc.pid)))
+            large_cpu["write"].append(cpu_between(processes, process_cpu(broker.proc.pid)))
             elapsed, rate, phases = stream_read(spark, broker, f"large-{run}", args.large_messages, scratch, options)
             large.append(args.large_messages / elapsed)
             print(f"  {args.large_messages:,} rows: write {large_write[-1]:>10,.0f} rows/s; readStream -> noop "
