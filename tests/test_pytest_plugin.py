@@ -72,7 +72,8 @@ def test_fresh_venv_with_test_extra(tmp_path):
     work.mkdir()
     (work / "test_user.py").write_text(USER_TEST)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    done = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py"],
-                          cwd=work, env=env, capture_output=True, text=True)
+    # (--basetemp: the user's run keeps its brokers' data dirs under ours, removed with it, not in /tmp)
+    done = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}",
+                           "test_user.py"], cwd=work, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
