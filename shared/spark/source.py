@@ -48,6 +48,18 @@ SCHEMA = StructType([
 ])
 
 
+def arrow_schema():
+    """SCHEMA as the Arrow schema of the record batches `read()` hands to Spark (pyarrow is imported here:
+    the tasks need it, the driver's planning does not)."""
+    import pyarrow as pa
+
+    return pa.schema([
+        pa.field("value", pa.binary(), False), pa.field("topic", pa.string(), False),
+        pa.field("channel", pa.string(), False), pa.field("id", pa.string(), False),
+        pa.field("timestamp", pa.timestamp("us", tz="UTC"), False), pa.field("attempts", pa.int32(), False),
+        pa.field("nsqd_address", pa.string(), False)])
+
+
 @dataclass(frozen=True)
 class ReadSettings:
     topic: str
@@ -122,11 +134,6 @@ class Frames(InputPartition):
 
         from trio_nsq.shared.client.connection import MAX_FRAME_SIZE  # (here: the tasks need no trio)
 
-        schema = pa.schema([
-            pa.field("value", pa.binary(), False), pa.field("topic", pa.string(), False),
-            pa.field("channel", pa.string(), False), pa.field("id", pa.string(), False),
-            pa.field("timestamp", pa.timestamp("us", tz="UTC"), False), pa.field("attempts", pa.int32(), False),
-            pa.field("nsqd_address", pa.string(), False)])
         n = len(self)
         frames = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(self.offsets), pa.py_buffer(self.data)])
 
@@ -151,7 +158,7 @@ class Frames(InputPartition):
             pc.divide(big_endian(0, "q", pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC")),
             big_endian(8, "H", pa.uint16()).cast(pa.int32()),
             pa.concat_arrays([same(address, count) for address, count in self.addresses] or [same("", 0)]),
-        ], schema=schema)
+        ], schema=arrow_schema())
 
 
 def to_record_batch(settings: ReadSettings, chunks: list[Chunk]):

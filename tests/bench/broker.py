@@ -3,7 +3,6 @@ started by tests/processes.py as the tests start theirs; `startup` is how long i
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import tempfile
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 from trio_nsq.shared.protocol import MAGIC_V2, encode_sub
+from trio_nsq.shared.spark.publisher import MPubClient
+from tests.bench.machine import process_stat
 from tests.processes import BrokerProcess
 
 
@@ -42,9 +43,7 @@ class Broker(BrokerProcess):
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the broker process (every thread), from /proc."""
-        with open(f"/proc/{self.proc.pid}/stat") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_stat(self.proc.pid)[1]
 
     def rss_mb(self) -> float:
         return self.memory()["VmRSS"] / (1024 * 1024)
@@ -52,3 +51,12 @@ class Broker(BrokerProcess):
     def close(self) -> None:
         self.stop(timeout=20)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def publish(http: str, topic: str, count: int) -> None:
+    """`count` messages (b"message-00000000", ...) published to `topic` through HTTP /mpub, 5,000 a request:
+    a backlog for the read benches."""
+    with MPubClient([http]) as client:
+        bodies = [b"message-%08d" % i for i in range(count)]
+        for i in range(0, len(bodies), 5000):
+            client.publish(topic, bodies[i:i + 5000])

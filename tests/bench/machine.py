@@ -1,5 +1,6 @@
 """What a figure was measured on: the CPU, its cores, Python, and which trio-nsq modules ran compiled;
-and merge_report, how each part of `make bench` adds its figures to bench-results.json."""
+process_stat, a process's CPU time so far; and merge_report, how each part of `make bench` adds its
+figures to bench-results.json."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def process_stat(pid: int) -> tuple[int, float]:
+    """A process's parent pid and its user + system CPU-seconds so far (every thread), from /proc; OSError
+    when it is gone."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine() -> dict[str, Any]:

@@ -31,8 +31,8 @@ import time
 import urllib.request
 
 from trio_nsq.shared.spark.publisher import MPubClient
-from tests.bench.broker import Broker
-from tests.bench.machine import describe, machine, merge_report
+from tests.bench.broker import Broker, publish
+from tests.bench.machine import describe, machine, merge_report, process_stat
 
 
 def channel_stats(http: str, topic: str, channel: str) -> dict:
@@ -55,13 +55,6 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def publish(http: str, topic: str, count: int) -> None:
-    with MPubClient([http]) as client:
-        bodies = [b"message-%08d" % i for i in range(count)]
-        for i in range(0, len(bodies), 5000):
-            client.publish(topic, bodies[i:i + 5000])
-
-
 PHASES = ("latestOffset", "walCommit", "queryPlanning", "addBatch", "commitOffsets", "triggerExecution")
 
 
@@ -71,20 +64,17 @@ ROLES = ("JVM", "broker", "Spark's Python processes")
 def process_cpu(broker_pid: int) -> dict[int, tuple[str, float]]:
     """CPU-seconds (user + system) used so far by each process under this one, with its role: the broker,
     the JVM, or Spark's Python processes (the stream source's, the workers'), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
     parent, cpu, program = {}, {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        pid = int(entry)
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rpartition(")")[2].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                program[int(entry)] = os.path.basename(fh.read().split(b"\0")[0])
+            parent[pid], cpu[pid] = process_stat(pid)
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                program[pid] = os.path.basename(fh.read().split(b"\0")[0])
         except OSError:
             continue
-        parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
     me, out = os.getpid(), {}
     for pid, seconds in cpu.items():
         ancestor = parent.get(pid, 0)
@@ -166,7 +156,7 @@ def ceiling_source():
     imported by main(), and Spark pickles the classes by value.)"""
     from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-    from trio_nsq.shared.spark.source import SCHEMA
+    from trio_nsq.shared.spark.source import SCHEMA, arrow_schema
 
     class Rows(InputPartition):
         def __init__(self, count: int) -> None:
@@ -194,10 +184,7 @@ def ceiling_source():
             yield pa.record_batch([
                 pa.repeat(pa.scalar(b"message-00000001", pa.binary()), n), text("topic"), text("bench"),
                 text("0123456789abcdef"), pa.repeat(pa.scalar(1_700_000_000_000_000, pa.timestamp("us", tz="UTC")), n),
-                pa.repeat(pa.scalar(1, pa.int32()), n), text("127.0.0.1:4150")], schema=pa.schema([
-                    pa.field(f.name, t, False) for f, t in zip(SCHEMA.fields, [
-                        pa.binary(), pa.string(), pa.string(), pa.string(), pa.timestamp("us", tz="UTC"), pa.int32(),
-                        pa.string()])]))
+                pa.repeat(pa.scalar(1, pa.int32()), n), text("127.0.0.1:4150")], schema=arrow_schema())
 
         def commit(self, end: dict) -> None:
             pass

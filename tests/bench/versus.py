@@ -28,9 +28,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from tests.bench.broker import Broker
+from tests.bench.broker import Broker, publish
 from tests.bench.machine import describe, machine, merge_report
-from trio_nsq.shared.spark.publisher import MPubClient
 from trio_nsq import compiled
 
 OPS = re.compile(r"([0-9.]+)ops/s")
@@ -111,10 +110,7 @@ def backlog_reader(reference: str, side: str, runfor: float) -> dict[str, float]
     command = [os.path.join(reference, "nsqd")] if side == "go" else None
     broker = Broker(command=command, env={compiled.ENV: "0"} if side == "pure" else None)
     try:
-        with MPubClient([broker.http_address]) as client:
-            bodies = [b"message-%08d" % i for i in range(BACKLOG)]
-            for first in range(0, BACKLOG, 5000):
-                client.publish("backlog", bodies[first:first + 5000])
+        publish(broker.http_address, "backlog", BACKLOG)
         cpu = broker.cpu_seconds()
         out = subprocess.run([sys.executable, "-m", "tests.bench.backlog_reader", *map(str, broker.tcp), "backlog",
                               "ch", str(BACKLOG), "80", "2500", "100000"], capture_output=True, text=True, timeout=600)
