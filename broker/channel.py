@@ -1,23 +1,33 @@
-"""Channel: a topic's copy of the stream for one set of consumers (nsqd/channel.go).
+"""Channel: one set of consumers of a topic's stream (nsqd/channel.go), a cursor over the topic's log.
 
-A channel holds a bounded memory queue that overflows to its backend queue, the in-flight table of
-messages sent to consumers and not yet FIN'd, and the deferred queue (DPUB, REQ with a delay). Its
-consumers' message pumps take messages in batches with take(); queue-scan workers move timed-out and
-due messages back with process_in_flight_queue()/process_deferred_queue().
+A channel holds a bounded memory queue (messages its topic's pump handed over in memory, and requeued
+ones), its reader of the topic's log (a LogReader: where it is, what it finished, what it holds), maybe
+its own queue (another LogReader, over the go-diskqueue files `<topic>:<channel>.diskqueue.*`), the
+in-flight table of messages sent to consumers and not yet FIN'd, and the deferred queue (DPUB, REQ with a
+delay). Its consumers' message pumps take messages in batches with take(); queue-scan workers move
+timed-out and due messages back with process_in_flight_queue()/process_deferred_queue().
+
+A message read from a log keeps its position (`Message.pos`; the own queue's carry OWN): FIN finishes it
+there, REQ and a timeout hold it there with its attempts (and deadline), so a restart finds it again as
+it was. A message from memory has none (-1): it lives in memory only, as in nsqd.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from trio_nsq.broker.backend import BackendError, BackendQueue
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.cursor import FINISHED_LIMIT
+from trio_nsq.broker.log_reader import LogReader
 from trio_nsq.broker.message import Message
-from trio_nsq.broker.message_queue import MessageQueue
 from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
 from trio_nsq.broker.quantile import Quantile
+from trio_nsq.broker.segment_log import POS_SHIFT
 from trio_nsq.shared.names import is_ephemeral
 
 if TYPE_CHECKING:
@@ -27,14 +37,11 @@ log = logging.getLogger("nsqd")
 
 # how long a message no queue would take waits before the next try
 RETRY_DELAY = 1.0
-
-
-def _messages(records: list[bytes], positions: list[int]) -> list[Message]:
-    """Records decoded (the topic pump's take_records checked their size), with their topic positions."""
-    msgs = [Message.decode(data) for data in records]
-    for msg, pos in zip(msgs, positions):
-        msg.pos = pos
-    return msgs
+# the tag of positions in a channel's own queue (a topic log position is below it)
+OWN = 1 << 62
+# reclaim copies records that pin the topic's log only when that frees this many times what it writes
+RECLAIM_RATIO = 4
+_OFFSET_MASK = (1 << POS_SHIFT) - 1
 
 
 class ChannelError(Exception):
@@ -62,19 +69,25 @@ class Consumer(Protocol):
 
 
 class Channel:
-    """A channel (nsqd's Channel): its MessageQueue, in-flight and deferred priority queues, and its
-    consumers. `run` (in the Topic's nursery) owns the backend's io_loop. The topic's message_pump calls
-    `put_messages`; each consumer's ProtocolV2.message_pump calls `take` and `start_in_flight`; its
-    io_loop calls finish/requeue/touch_message (FIN, REQ, TOUCH); the queue_scan workers call
-    process_in_flight_queue and process_deferred_queue. None of them awaits, so each is atomic."""
+    """A channel (nsqd's Channel). Made by its Topic, which gives it its reader of the topic's log (none
+    for an ephemeral topic) and opens its own queue on demand (`open_own`). The topic's message_pump
+    calls `put_messages`; each consumer's ProtocolV2.message_pump calls `take` and
+    `start_in_flight_many`; its io_loop calls finish/requeue/touch_message (FIN, REQ, TOUCH); the
+    queue_scan workers call process_in_flight_queue and process_deferred_queue. None of them awaits, so
+    each is atomic."""
 
-    def __init__(self, topic: Topic, name: str, backend: BackendQueue, mem_queue_size: int) -> None:
+    def __init__(self, topic: Topic, name: str, mem_queue_size: int, reader: LogReader | None,
+                 open_own: Callable[[bool], LogReader | None], clock: Callable[[], float]) -> None:
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
         self.ephemeral = is_ephemeral(name)
         self.mem_queue_size = mem_queue_size
-        self.queue = MessageQueue(f"CHANNEL({name})", backend, self.ephemeral)
+        self.memory: deque[Message] = deque()
+        self.reader = reader  # its place in the topic's log
+        self._open_own = open_own
+        self.own: LogReader | None = open_own(False) if not self.ephemeral else None
+        self.clock = clock  # unix seconds: a deadline kept across a restart is one of these
         self.in_flight = MessagePQueue()
         self.deferred = MessagePQueue()
         self.clients: dict[int, Consumer] = {}
@@ -90,177 +103,139 @@ class Channel:
         self.e2e: Quantile | None = None
         # consumers whose pump waits for messages; woken on put
         self.waiters: set[Consumer] = set()
-        self._closed = trio.Event()
-        self._scope: trio.CancelScope | None = None
+        self._reclaim_after = 0  # reclaim looks again past this many waiting finished positions
+        self._read_file = -1  # the segment the topic's reader was in when reclaim last looked
 
     def __repr__(self) -> str:
         return f"Channel({self.topic_name}:{self.name})"
 
-    # --- task ---------------------------------------------------------------------------------
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Owns the backend's io_loop; cancelled when the channel is deleted or the topic exits."""
-        with trio.CancelScope() as self._scope:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.queue.backend.run)
-                task_status.started()
-        self._closed.set()
-
-    def cancel(self) -> None:
-        if self._scope is not None:
-            self._scope.cancel()
-
-    # --- putting ------------------------------------------------------------------------------
+    # --- depth --------------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return self.queue.depth()
+        return len(self.memory) + self.backend_depth()
 
-    def room(self) -> int:
-        """How many messages put() can take now (the topic pump waits when 0): unbounded with a real
-        backend or for an ephemeral channel, else what is left of the memory queue."""
-        if self.ephemeral or self.queue.backend.stores:
-            return 1 << 30
-        return max(0, self.mem_queue_size - len(self.queue.memory))
+    def backend_depth(self) -> int:
+        """Messages waiting in the logs (the topic's and its own), not read yet."""
+        depth = 0
+        if self.reader is not None:
+            depth += self.reader.depth(self.topic.dispatched_index())
+        if self.own is not None:
+            depth += self.own.depth(self.own.segments.tail_index)
+        return depth
 
-    def _memory_room(self) -> int:
-        """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
-        --mem-queue-size: a send to it also succeeds when a consumer's pump is waiting to receive. nsqd
+    def oldest_unfinished_timestamp(self) -> int | None:
+        """The publish time (unix ns) of the oldest message the channel has not finished, if any: the
+        record at a log cursor's mark-delete position, or one held in memory only."""
+        found: list[int] = []
+        for reader, end in ((self.reader, self.topic.dispatched_position()), (self.own, -1)):
+            if reader is not None:
+                mark = reader.mark_delete()
+                if mark < (reader.segments.tail if end < 0 else end):
+                    timestamp = reader.timestamp_at(mark)
+                    if timestamp is not None:
+                        found.append(timestamp)
+        if self.memory:
+            found.append(self.memory[0].timestamp)  # handed over in order: the front is the oldest
+        for queue in (self.in_flight, self.deferred):
+            found.extend(msg.timestamp for msg in queue._items.values() if msg.pos < 0)
+        return min(found, default=None)
+
+    def memory_room(self) -> int:
+        """How many messages the topic's pump may hand over in memory now. nsqd's memory queue is a Go
+        channel of --mem-queue-size: a send also succeeds when a consumer's pump waits to receive. nsqd
         tries that hand-off only where there is no backend (an ephemeral channel), and with
         --mem-queue-size=0 it is the only way in: here the subscribed consumers take up to their RDY
         room. All of them, not only those whose pump waits at this instant: a pump woken by the last
         batch may not have run yet, and the next batch would be dropped (a test saw 21 of 50)."""
-        in_memory = len(self.queue.memory)
+        in_memory = len(self.memory)
         room = self.mem_queue_size - in_memory
         if self.ephemeral and self.clients:
             room = max(room, sum(client.ready_room() for client in self.clients.values()) - in_memory)
         return room
 
-    def put(self, msg: Message) -> None:
-        """Into the memory queue, or the backend when it is full; raises BackendError if neither takes it."""
-        if self.queue.put([msg], max(0, self._memory_room())) and self.ephemeral:
-            self.dropped_count += 1  # no room and no backend: as nsqd's dummy backend, discarded
-            return
-        if self.waiters:
-            self._wake_waiters()
+    # --- putting ------------------------------------------------------------------------------
 
     def put_messages(self, msgs: list[Message]) -> None:
-        """New messages from the topic pump (counted): deferred ones wait for their DPUB delay, the rest
-        go to the memory queue and what overflows to the backend in one write.
-
-        It never fails: the topic has accepted the messages already, so a backend error keeps them here
-        (deferred, retried) instead of losing them. Messages the topic read from its disk queue carry their
-        topic position: those this channel took before a crash (its queue persisted how far) are skipped,
-        so a restart hands nothing over twice."""
-        if msgs and msgs[-1].pos >= 0:
-            msgs = self._from_topic_disk(msgs)
+        """New messages from the topic's pump, in memory (counted): deferred ones (an ephemeral topic's
+        DPUB) wait for their delay, the rest go to the memory queue; what it has no room for goes to the
+        channel's own queue, or, for an ephemeral channel, is dropped as nsqd's dummy backend drops it.
+        It never fails: the topic has accepted the messages, so a write error keeps them here (deferred,
+        retried) instead of losing them."""
         self.message_count += len(msgs)
         ready = [msg for msg in msgs if msg.deferred <= 0]
         if len(ready) < len(msgs):
             for msg in msgs:
                 if msg.deferred > 0:
-                    self._defer(msg, msg.deferred)
-        room = max(0, self._memory_room())
-        try:
-            past_memory = self.queue.put(ready, room)
-        except BackendError as exc:
-            for msg in ready[room + exc.stored:]:
-                self._requeue(msg)
-        else:
+                    self.start_deferred_timeout(msg, msg.deferred)
+                    msg.deferred = 0.0
+        room = max(0, self.memory_room())
+        self.memory.extend(ready[:room])
+        rest = ready[room:]
+        if rest:
             if self.ephemeral:
-                self.dropped_count += past_memory
+                self.dropped_count += len(rest)
+            else:
+                self._store(rest)
         if self.waiters:
             self._wake_waiters()
 
-    def takes_records(self) -> bool:
-        """Whether put_records may have the topic's next batch: every message would go to this channel's
-        disk queue as it was read from the topic's (no memory room, a queue that keeps the topic position)."""
-        return self.queue.backend.cursor and self._memory_room() <= 0
-
-    def put_records(self, records: list[bytes], positions: list[int]) -> None:
-        """put_messages for records the topic pump read from its disk queue (`positions`, in order), none
-        deferred, when takes_records(): written to the disk queue as they are, with no Message each."""
-        backend = self.queue.backend
-        if positions[0] <= backend.upstream or backend.recovered_ids:
-            # the first batches after a restart: some may have been taken before it (_from_topic_disk)
-            self.put_messages(_messages(records, positions))
-            return
-        backend.upstream = positions[-1]
-        self.message_count += len(records)
-        try:
-            backend.put_many(records)
-        except BackendError as exc:
-            for msg in _messages(records[exc.stored:], []):
-                self._requeue(msg)
-        if self.waiters:
-            self._wake_waiters()
-
-    def _from_topic_disk(self, msgs: list[Message]) -> list[Message]:
-        """Drop what this channel already took before a crash; note how far it has taken (persisted with
-        this channel's records, in the same sync round); the positions were the topic's, not ours."""
-        backend = self.queue.backend
-        taken = backend.upstream
-        last = msgs[-1].pos  # taken now, even if all of them are skipped
-        if backend.cursor:
-            if 0 <= msgs[0].pos <= taken or msgs[-1].pos <= taken:
-                fresh = [msg for msg in msgs if msg.pos < 0 or msg.pos > taken]
-                log.info("CHANNEL(%s): skipping %d messages taken from the topic before a restart",
-                         self.name, len(msgs) - len(fresh))
-                msgs = fresh
-            ids = backend.recovered_ids
-            if ids:
-                # records written after the last sync round (their `upstream` not persisted): the topic's
-                # first messages after a restart may be those; they come first and in order
-                fresh = []
-                for msg in msgs:
-                    if msg.pos >= 0 and ids:
-                        if msg.id in ids:
-                            ids.discard(msg.id)
-                            continue
-                        ids.clear()
-                    fresh.append(msg)
-                if len(fresh) < len(msgs):
-                    log.info("CHANNEL(%s): skipping %d messages it had stored past its last sync",
-                             self.name, len(msgs) - len(fresh))
-                msgs = fresh
-            if last > taken:
-                backend.upstream = last
-        for msg in msgs:
-            msg.pos = -1
-        return msgs
-
-    def _requeue(self, msg: Message) -> None:
-        """Put a message in the queue; if neither memory nor backend takes it, keep it deferred and
-        retry in a second rather than lose it. One stored in this channel's queue is written again (with
-        its attempts) and its old record finished, in one sync round, so one of the two always survives."""
-        pos = msg.pos
-        if pos >= 0:
+    def _store(self, msgs: list[Message]) -> None:
+        """Into the channel's own queue (no memory room, and no log of the topic's has them)."""
+        own = self._own()
+        stored = 0
+        if own is not None:
             try:
-                self.queue.backend.rewrite(msg.encode(), pos)
+                own.append([msg.encode() for msg in msgs], [])
+                stored = len(msgs)
             except BackendError as exc:
-                log.error("CHANNEL(%s): failed to put msg(%s) - %s", self.name, msg.id.decode(), exc)
-                self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
-                return
-            msg.pos = -1
-            if self.waiters:
-                self._wake_waiters()
-            return
-        try:
-            self.put(msg)
-        except BackendError as exc:
-            log.error("CHANNEL(%s): failed to put msg(%s) - %s", self.name, msg.id.decode(), exc)
+                stored = exc.stored
+                log.error("CHANNEL(%s): failed to put %d messages - %s", self.name, len(msgs) - stored, exc)
+        for msg in msgs[stored:]:
             self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
 
+    def _own(self) -> LogReader | None:
+        if self.own is None and not self.ephemeral:
+            self.own = self._open_own(True)
+        return self.own
+
+    def logs_grew(self) -> None:
+        """The topic appended to its log (and handed it over): consumers waiting may take it. An
+        ephemeral channel too far behind drops the oldest (its memory queue would have no room)."""
+        if self.ephemeral and self.reader is not None:
+            self._keep_up()
+        if self.waiters:
+            self._wake_waiters()
+
+    def _keep_up(self) -> None:
+        reader = self.reader
+        assert reader is not None
+        before = reader.dropped
+        reader.skip_to_lag(self.topic.dispatched_index(), self.topic.dispatched_position(),
+                           max(0, self.memory_room()))
+        self.dropped_count += reader.dropped - before
+
+    def _requeue(self, msg: Message) -> None:
+        """Back in the queue (REQ without a delay, a timeout, a deferral that is due). One read from a log
+        is held there with its attempts, so a restart delivers it as it is now."""
+        pos = msg.pos
+        if pos >= 0:
+            self._reader_of(pos).hold(pos, msg.attempts, 0.0)
+        self.memory.append(msg)
+        if self.waiters:
+            self._wake_waiters()
+
     def _defer(self, msg: Message, timeout: float) -> None:
-        """Deferred for `timeout` seconds (DPUB, REQ with a delay). With a cursor queue the message is
-        written with its deadline (and the record it came from finished), so a restart defers it again."""
-        backend = self.queue.backend
-        if backend.cursor:
-            try:
-                msg.pos = backend.hold(msg.encode(), timeout, msg.pos)
-            except BackendError as exc:
-                # its old record (if any) stays: a restart delivers it at once, early rather than never
-                log.error("CHANNEL(%s): failed to store deferred msg(%s) - %s", self.name, msg.id.decode(), exc)
+        """Deferred for `timeout` seconds (REQ with a delay). One read from a log is held there with its
+        deadline, so a restart defers it again."""
+        pos = msg.pos
+        if pos >= 0:
+            self._reader_of(pos).hold(pos, msg.attempts, self.clock() + timeout)
         self.start_deferred_timeout(msg, timeout)
+
+    def _reader_of(self, pos: int) -> LogReader:
+        reader = self.own if pos & OWN else self.reader
+        assert reader is not None, pos
+        return reader
 
     def _wake_waiters(self) -> None:
         waiters = self.waiters
@@ -271,33 +246,37 @@ class Channel:
     # --- taking (consumer message pumps) -------------------------------------------------------
 
     def take(self, n: int) -> list[Message]:
-        """Up to n messages: from the memory queue, and from the backend so neither starves."""
+        """Up to n messages: from the logs (its own queue first) and from the memory queue, so neither
+        starves. Records read with a deadline still ahead go to the deferred queue instead."""
         out: list[Message] = []
-        queue = self.queue
-        queue.take_backend(out, (n + 1) // 2)
-        queue.take_memory(out, n)
-        queue.take_backend(out, n)
-        if queue.backend.has_deadlines():
-            out = self._restore_deferred(out, n)
-        if out and self.topic.waiting_for_room:
-            self.topic.wake()
+        self._read(out, (n + 1) // 2)
+        memory = self.memory
+        while memory and len(out) < n:
+            out.append(memory.popleft())
+        self._read(out, n)
         return out
 
-    def _restore_deferred(self, out: list[Message], n: int) -> list[Message]:
-        """Records read back with a deadline still ahead (deferred before a restart) wait in the deferred
-        queue, keeping their records; the rest of `out` is filled from the queue."""
-        while True:
-            ready = [msg for msg in out if msg.deferred <= 0]
-            if len(ready) == len(out):
-                return out
-            for msg in out:
-                if msg.deferred > 0:
-                    self.start_deferred_timeout(msg, msg.deferred)
-                    msg.deferred = 0.0
-            out = ready
-            if len(out) >= n or not self.queue.backend.depth():
-                return out
-            self.queue.take_backend(out, n)
+    def _read(self, out: list[Message], limit: int) -> None:
+        reader = self.reader
+        if reader is not None:
+            if self.ephemeral:
+                self._keep_up()
+            elif reader.reader.file_num != self._read_file:
+                # the reader moved to another segment: is an old record keeping two or more behind it?
+                self._read_file = reader.reader.file_num
+                if (reader.mark_delete() >> POS_SHIFT) < self._read_file - 1:
+                    self._reclaim(self._read_file << POS_SHIFT)
+        for reader, upto in ((self.own, -1), (self.reader, self.topic.dispatched_position())):
+            while reader is not None and len(out) < limit:
+                msgs = reader.read(limit - len(out), reader.segments.tail if upto < 0 else upto)
+                if not msgs:
+                    break
+                for msg in msgs:
+                    if msg.deferred > 0:
+                        self.start_deferred_timeout(msg, msg.deferred)
+                        msg.deferred = 0.0
+                    else:
+                        out.append(msg)
 
     # --- in flight ----------------------------------------------------------------------------
 
@@ -326,17 +305,26 @@ class Channel:
 
     def finish_messages(self, client_id: int, msg_ids: list[bytes]) -> tuple[int, ChannelError | None]:
         """FIN of each id in turn, up to the first that does not apply: how many were finished, and that
-        one's error. The backend hears of the run in one call (its records are finished in the same
-        order as one call each would, and nothing else runs in between)."""
+        one's error. The logs hear of the run in one call each."""
         msgs, stopped = self.in_flight.pop_owned(msg_ids, client_id)
         error = None if stopped == OWNED else _not_applied(stopped)
         if self.e2e is not None:
             for msg in msgs:
                 self.e2e.insert(msg.timestamp)
-        positions = [msg.pos for msg in msgs if msg.pos >= 0]  # those read from the backend
+        positions = [msg.pos for msg in msgs if msg.pos >= 0]  # those read from a log
         if positions:
-            self.queue.backend.finish_many(positions)
+            self._finish(positions)
         return len(msgs), error
+
+    def _finish(self, positions: list[int]) -> None:
+        reader = self.reader
+        if self.own is not None and any(pos & OWN for pos in positions):
+            self.own.finish_many([pos for pos in positions if pos & OWN])
+            positions = [pos for pos in positions if not pos & OWN]
+        if positions and reader is not None:
+            reader.finish_many(positions)
+            if reader.cursor.finished_waiting() > max(FINISHED_LIMIT, self._reclaim_after):
+                self._reclaim(reader.cursor.middle())
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)
@@ -349,7 +337,7 @@ class Channel:
     def drop_sampled(self, msg: Message) -> None:
         """A consumer's --sample-rate left this message out: as nsqd, it is done with."""
         if msg.pos >= 0:
-            self.queue.backend.finish(msg.pos)
+            self._finish([msg.pos])
 
     def touch_message(self, client_id: int, msg_id: bytes, timeout: float, max_msg_timeout: float) -> None:
         msg = self.in_flight.get(msg_id)
@@ -362,6 +350,56 @@ class Channel:
 
     def start_deferred_timeout(self, msg: Message, timeout: float) -> None:
         self.deferred.push(msg, trio.current_time() + timeout, lane=timeout)
+
+    # --- reclaim ------------------------------------------------------------------------------
+
+    def _reclaim(self, cutoff: int) -> None:
+        """A few records deferred or requeued long ago keep the topic's log from being dropped behind them
+        (a message deferred for an hour, a poison message requeued again and again), and keep thousands
+        of finished positions waiting behind them: move those before `cutoff` to the channel's own queue
+        (held there with their attempts and deadline, read back into memory from there), so the topic's
+        log is free. Only when that frees RECLAIM_RATIO times what it writes: a consumer's in-flight
+        window is not copied around, and in-flight messages are not moved (their timeout ends the wait)."""
+        reader = self.reader
+        assert reader is not None
+        cursor = reader.cursor
+        self._reclaim_after = 2 * cursor.finished_waiting()  # back off: look again once twice as many wait
+        if self.ephemeral or self.exiting:
+            return
+        pinning = set(cursor.unfinished_before(cutoff))
+        if not pinning:
+            return
+        mark = cursor.mark_delete()
+        freed = ((cutoff >> POS_SHIFT) - (mark >> POS_SHIFT)) * self.topic.max_bytes_per_file
+        freed += (cutoff & _OFFSET_MASK) - (mark & _OFFSET_MASK)
+        moved = [msg for msg in self.deferred._items.values() if msg.pos in pinning]
+        moved.extend(msg for msg in self.memory if msg.pos in pinning)
+        size = sum(34 + len(msg.body) for msg in moved)
+        if len(moved) < len(pinning) or size * RECLAIM_RATIO > freed:
+            return  # some are in flight, or it would not pay
+        own = self._own()
+        if own is None:
+            return
+        positions: list[int] = []
+        try:
+            own.append([msg.encode() for msg in moved], positions)
+        except BackendError:
+            return  # logged; tried again later
+        moved = moved[:len(positions)]
+        log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
+                 self.name, len(moved))
+        now_wall = self.clock()
+        now = trio.current_time()
+        ids = {msg.id for msg in moved}
+        if any(msg.id in ids for msg in self.memory):
+            self.memory = deque(msg for msg in self.memory if msg.id not in ids)
+        for msg, new in zip(moved, positions):
+            deadline = 0.0
+            if self.deferred.pop(msg.id) is not None:
+                deadline = now_wall + max(0.001, msg.pri - now)
+            own.hold(new | OWN, msg.attempts, deadline)
+        reader.finish_many([msg.pos for msg in moved])
+        self._reclaim_after = 0
 
     # --- queue scan ---------------------------------------------------------------------------
 
@@ -420,30 +458,72 @@ class Channel:
         for client in self.clients.values():
             client.wake()
 
-    async def empty(self) -> None:
-        """Drop everything queued and in flight (nsqd's /channel/empty)."""
+    def _drop_held(self) -> None:
+        self.memory.clear()
         self.in_flight.drain()
         self.deferred.drain()
         for client in self.clients.values():
             client.empty()
-        await self.queue.empty()
 
-    def drain_for_shutdown(self) -> list[Message]:
-        """Everything the channel holds outside its backend, for writing to disk at exit. With a cursor
-        queue, in-flight and deferred messages already stored stay where they are (a deferred one keeps
-        its deadline), and deferred ones not stored yet are written with theirs."""
-        out = self.queue.drain_memory()
-        backend = self.queue.backend
-        if not backend.cursor:
-            out.extend(self.in_flight.drain())
-            out.extend(self.deferred.drain())
-            return out
-        out.extend(msg for msg in self.in_flight.drain() if msg.pos < 0)
+    def empty(self) -> None:
+        """Drop everything queued, in flight and deferred (nsqd's /channel/empty): the cursors move to the
+        end of what the topic has handed over."""
+        self._drop_held()
+        if self.reader is not None:
+            self.reader.reset(self.topic.dispatched_position(), self.topic.dispatched_index())
+        if self.own is not None:
+            self.own.reset(self.own.segments.tail, self.own.segments.tail_index)
+
+    def seek(self, pos: int, index: int) -> None:
+        """Deliver the topic's log again from `pos` (a /channel/seek): what the channel held in memory, in
+        flight or deferred is dropped (what of it is in the log after `pos` comes again from there), its
+        own queue is emptied, and the cursor restarts at `pos` with nothing finished after it."""
+        assert self.reader is not None
+        self._drop_held()
+        self.reader.reset(pos, index)
+        if self.own is not None:
+            self.own.reset(self.own.segments.tail, self.own.segments.tail_index)
+        if self.waiters:
+            self._wake_waiters()
+
+    def flush_for_shutdown(self) -> None:
+        """At a clean exit: what the channel holds in memory only (handed over in memory, in flight or
+        deferred, requeued) goes to its own queue, a deferred one held there with its deadline. What was
+        read from a log stays there (its cursor has it, with its attempts and deadline)."""
+        now_wall = self.clock()
         now = trio.current_time()
-        for msg in self.deferred.drain():
-            if msg.pos < 0:
-                try:
-                    msg.pos = backend.hold(msg.encode(), max(msg.pri - now, 0.001))
-                except BackendError:
-                    out.append(msg)  # logged by the queue; written plain below if it can be
-        return out
+        plain = [msg for msg in self.memory if msg.pos < 0]
+        plain.extend(msg for msg in self.in_flight.drain() if msg.pos < 0)
+        deferred = [msg for msg in self.deferred.drain() if msg.pos < 0]
+        self.memory.clear()
+        if not (plain or deferred):
+            return
+        own = self._own()
+        if own is None:
+            log.error("CHANNEL(%s): %d messages held in memory lost at exit", self.name, len(plain) + len(deferred))
+            return
+        msgs = plain + deferred
+        positions: list[int] = []
+        try:
+            own.append([msg.encode() for msg in msgs], positions)
+        except BackendError as exc:
+            log.error("CHANNEL(%s): failed to flush %d of %d messages - %s",
+                      self.name, len(msgs) - exc.stored, len(msgs), exc)
+        # a deferred one is held with its deadline: the restart's reader defers it again
+        for msg, pos in zip(msgs[len(plain):], positions[len(plain):]):
+            own.hold(pos | OWN, msg.attempts, now_wall + max(0.001, msg.pri - now))
+        if positions:
+            log.info("CHANNEL(%s): flushed %d messages to its own queue", self.name, len(positions))
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        if self.own is not None:
+            self.own.close()
+
+    def delete_files(self) -> None:
+        """The channel's cursor file and own queue go now (nsqd removes them before it answers)."""
+        if self.reader is not None:
+            self.reader.delete()
+        if self.own is not None:
+            self.own.delete()

@@ -14,10 +14,8 @@ from typing import Any
 
 import trio
 
-from trio_nsq.broker.backend import BackendError, BackendQueue, DummyBackendQueue
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
-from trio_nsq.broker.diskqueue import DiskQueue
 from trio_nsq.broker.files import write_synced
 from trio_nsq.broker.lookup import LookupManager, register_cmd
 from trio_nsq.broker.options import Options
@@ -27,8 +25,8 @@ from trio_nsq.broker.statsd import statsd_loop
 from trio_nsq.broker.tls import build_server_context, tls_required, tls_required_http
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
-from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
-from trio_nsq.shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, MIN_VALID_MSG_LENGTH, encode_frame
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, encode_frame
 from trio_nsq.shared.service import error_text
 from trio_nsq.shared.tcp import serve_connection
 from trio_nsq.shared.version import VERSION
@@ -49,6 +47,7 @@ class NSQD:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.data_path = options.data_path or os.getcwd()
+        self.clock = time.time  # deadlines kept across a restart are unix seconds
         self.topics: dict[str, Topic] = {}
         self.clients: dict[int, ClientV2] = {}
         self._client_seq = 0
@@ -110,34 +109,15 @@ class NSQD:
             self._unlock_data_path()
 
     async def _exit(self) -> None:
-        """Clean shutdown (nsqd's Exit): metadata, then every queued, in-flight and deferred message
-        goes to the backends, which sync and close. Runs after every task has been cancelled."""
+        """Clean shutdown (nsqd's Exit): metadata, then every topic writes what its memory holds to disk
+        and persists it in a last sync round. Runs after every task has been cancelled."""
         log.info("NSQ: closing topics")
         try:
             self.write_metadata_now()
         except OSError as exc:
             log.error("failed to persist metadata - %s", exc)
         for topic in list(self.topics.values()):
-            topic.exit()
-            for channel in list(topic.channels.values()):
-                if not channel.ephemeral:  # a durable channel of an ephemeral topic has a disk queue too
-                    self._flush_to_backend(str(channel), channel.queue.backend, channel.drain_for_shutdown())
-                await channel.queue.backend.close()
-            if not topic.ephemeral:
-                self._flush_to_backend(str(topic), topic.queue.backend, topic.queue.drain_memory())
-            await topic.queue.backend.close()
-            topic.idempotency.close()  # after the messages: a key is never kept for messages lost
-
-    def _flush_to_backend(self, what: str, backend: BackendQueue, msgs: list) -> None:
-        if not msgs:
-            return
-        try:
-            backend.put_many([msg.encode() for msg in msgs])
-        except BackendError as exc:
-            log.error("%s: failed to flush %d of %d messages to backend - %s",
-                      what, len(msgs) - exc.stored, len(msgs), exc)
-        else:
-            log.info("%s: flushed %d messages to backend", what, len(msgs))
+            await topic.close()
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
         """HTTP (and HTTPS) unless --http-address is empty, which turns it off as in nsqd."""
@@ -223,36 +203,11 @@ class NSQD:
 
     # --- topics -------------------------------------------------------------------------------
 
-    def make_backend(self, topic_name: str, channel_name: str | None = None) -> BackendQueue:
-        """Ephemeral topics and channels never touch disk; a durable channel has a disk queue even on
-        an ephemeral topic (`t#ephemeral:c`), as in nsqd."""
-        if channel_name is None:
-            if is_ephemeral(topic_name):
-                return DummyBackendQueue()
-            return self._make_disk_backend(topic_name)
-        if is_ephemeral(channel_name):
-            return DummyBackendQueue()
-        return self._make_disk_backend(f"{topic_name}:{channel_name}", cursor=True)
-
-    def _make_disk_backend(self, name: str, cursor: bool = False) -> BackendQueue:
-        """A channel's queue keeps a cursor: a record stays until its message is finished."""
-        opts = self.options
-        return DiskQueue(
-            name, self.data_path,
-            max_bytes_per_file=opts.max_bytes_per_file,
-            min_msg_size=MIN_VALID_MSG_LENGTH,
-            max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
-            sync_every=opts.sync_every,
-            sync_timeout=opts.sync_timeout,
-            on_health=self.set_health,
-            cursor=cursor,
-        )
-
     def get_topic(self, name: str) -> Topic:
         topic = self.topics.get(name)
         if topic is not None:
             return topic
-        topic = Topic(self, name, self.make_backend(name))
+        topic = Topic(self, name)
         self.topics[name] = topic
         log.info("TOPIC(%s): created", name)
         if not self._loading:
@@ -274,8 +229,7 @@ class NSQD:
         for channel_name in list(topic.channels):
             topic.delete_channel(channel_name)
         topic.cancel()
-        topic.queue.backend.delete()  # the files are gone before the caller answers, as in nsqd
-        topic.idempotency.delete()
+        topic.delete()  # the files are gone before the caller answers, as in nsqd
         self._notify(topic, False)
 
     def notify_channel(self, channel: Channel, created: bool) -> None:

@@ -36,6 +36,10 @@ class Options:
     max_bytes_per_file: int = option(100 * 1024 * 1024, "number of bytes per diskqueue file before rolling")
     sync_every: int = option(2500, "number of messages per diskqueue fsync")
     sync_timeout: float = option(2.0, "duration of time per diskqueue fsync", kind="duration")
+    # not in Go nsqd: a topic's log keeps what its channels finished for this long / up to this size, so
+    # a channel can seek back (/channel/seek); 0 and 0: a segment goes once every channel is past it
+    retention_time: float = option(0.0, "keep a topic's finished messages this long for /channel/seek (0: not at all)", kind="duration")
+    retention_bytes: int = option(0, "keep up to this many bytes of a topic's log for /channel/seek (0: no size limit of its own)")
 
     queue_scan_interval: float = option(0.1, "how often the queue scan loop runs", kind="duration")
     queue_scan_refresh_interval: float = option(5.0, "how often the set of scanned channels is refreshed", kind="duration")
@@ -119,6 +123,10 @@ class Options:
             raise ValueError("--node-id must be [0,1024)")
         if self.idempotency_window <= 0:
             raise ValueError("--idempotency-window must be > 0")
+        if self.retention_time < 0:
+            raise ValueError("--retention-time must be >= 0")
+        if self.retention_bytes < 0:
+            raise ValueError("--retention-bytes must be >= 0")
         if self.max_idempotency_keys < 1:
             raise ValueError("--max-idempotency-keys must be >= 1")
         for value in self.e2e_processing_latency_percentiles:

@@ -161,6 +161,10 @@ class ChannelStats:
     clients: tuple[ClientStats, ...] | None  # None when clients were not asked for
     paused: bool
     e2e_processing_latency: E2eLatency
+    # not in nsqd: how far behind the channel is (unfinished messages: queued, in flight, deferred), and
+    # the age of its oldest unfinished message (0: none)
+    lag_messages: int = 0
+    oldest_unfinished_age_ms: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -176,6 +180,8 @@ class ChannelStats:
             "clients": None if self.clients is None else [c.to_json() for c in self.clients],
             "paused": self.paused,
             "e2e_processing_latency": self.e2e_processing_latency.to_json(),
+            "lag_messages": self.lag_messages,
+            "oldest_unfinished_age_ms": self.oldest_unfinished_age_ms,
         }
 
 
@@ -190,6 +196,11 @@ class TopicStats:
     paused: bool
     e2e_processing_latency: E2eLatency
     idempotency_keys: int  # not in nsqd: Idempotency-Keys the topic holds
+    # not in nsqd: the topic's log (positions are file << 40 | offset; none for an ephemeral topic)
+    log_first_position: int = 0
+    log_end_position: int = 0
+    log_messages: int = 0
+    log_bytes: int = 0
 
     @property
     def ephemeral(self) -> bool:
@@ -206,6 +217,10 @@ class TopicStats:
             "paused": self.paused,
             "e2e_processing_latency": self.e2e_processing_latency.to_json(),
             "idempotency_keys": self.idempotency_keys,
+            "log_first_position": self.log_first_position,
+            "log_end_position": self.log_end_position,
+            "log_messages": self.log_messages,
+            "log_bytes": self.log_bytes,
         }
 
 
@@ -328,7 +343,7 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
     return ChannelStats(
         channel_name=channel.name,
         depth=channel.depth(),
-        backend_depth=channel.queue.backend.depth(),
+        backend_depth=channel.backend_depth(),
         in_flight_count=len(channel.in_flight),
         deferred_count=len(channel.deferred),
         message_count=channel.message_count,
@@ -338,7 +353,15 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
         clients=clients,
         paused=channel.paused,
         e2e_processing_latency=E2eLatency.from_result(channel.e2e.result() if channel.e2e is not None else None),
+        lag_messages=channel.depth() + len(channel.in_flight) + len(channel.deferred),
+        oldest_unfinished_age_ms=_age_ms(channel.oldest_unfinished_timestamp()),
     )
+
+
+def _age_ms(timestamp_ns: int | None) -> int:
+    if timestamp_ns is None:
+        return 0
+    return max(0, (time.time_ns() - timestamp_ns) // 1_000_000)
 
 
 def topic_stats(topic: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
@@ -346,13 +369,23 @@ def topic_stats(topic: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
         topic_name=topic.name,
         channels=channels,
         depth=topic.depth(),
-        backend_depth=topic.queue.backend.depth(),
+        backend_depth=topic.backend_depth(),
         message_count=topic.message_count,
         message_bytes=topic.message_bytes,
         paused=topic.paused,
         e2e_processing_latency=topic_e2e(topic),
         idempotency_keys=topic.idempotency.held(),
+        **_log_stats(topic),
     )
+
+
+def _log_stats(topic: Topic) -> dict[str, int]:
+    log_ = topic.log
+    if log_ is None:
+        return {}
+    segments = log_.segments
+    return {"log_first_position": segments.start, "log_end_position": segments.tail,
+            "log_messages": segments.tail_index - segments.start_index(), "log_bytes": segments.segment_bytes()}
 
 
 def get_stats(
@@ -577,6 +610,8 @@ _TOPIC_METRICS = [
     ("nsq_topic_messages_total", "counter", "Messages published to the topic.", "message_count"),
     ("nsq_topic_message_bytes_total", "counter", "Bytes of message bodies published to the topic.", "message_bytes"),
     ("nsq_topic_paused", "gauge", "1 if the topic is paused.", "paused"),
+    ("nsq_topic_log_messages", "gauge", "Records the topic's log keeps (unfinished, or retained).", "log_messages"),
+    ("nsq_topic_log_bytes", "gauge", "Bytes of the topic's log on disk.", "log_bytes"),
 ]
 _CHANNEL_METRICS = [
     ("nsq_channel_depth", "gauge", "Messages queued in the channel (memory and disk).", "depth"),
@@ -588,6 +623,8 @@ _CHANNEL_METRICS = [
     ("nsq_channel_timed_out_total", "counter", "In-flight messages that timed out.", "timeout_count"),
     ("nsq_channel_client_count", "gauge", "Consumers connected to the channel.", "client_count"),
     ("nsq_channel_paused", "gauge", "1 if the channel is paused.", "paused"),
+    ("nsq_channel_lag_messages", "gauge", "Messages the channel has not finished (queued, in flight, deferred).",
+     "lag_messages"),
 ]
 _CLIENT_METRICS = [
     ("nsq_client_ready_count", "gauge", "The consumer's RDY count.", "ready_count"),
@@ -626,6 +663,8 @@ def prometheus_text(nsqd: NSQD) -> str:
         for c in t.channels:
             cl = {"topic": t.topic_name, "channel": c.channel_name}
             _add_all(m, _CHANNEL_METRICS, c, cl)
+            m.add("nsq_channel_oldest_unfinished_age_seconds", "gauge",
+                  "Age of the channel's oldest unfinished message (0: none).", c.oldest_unfinished_age_ms / 1000, cl)
             _latency(m, "nsq_channel_e2e_processing_latency_seconds",
                      "End-to-end processing latency (publish to FIN) of the channel.", c.e2e_processing_latency, cl)
             for client in c.clients or ():

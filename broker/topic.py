@@ -1,43 +1,60 @@
-"""Topic: where publishers put messages; its message_pump copies each one to every channel (nsqd/topic.go)."""
+"""Topic: where publishers put messages (nsqd/topic.go). Its messages are stored once, in its log.
+
+A publish goes to the topic's memory queue while it has room (--mem-queue-size), and to its log (a
+TopicLog: go-diskqueue's files) otherwise, in one write; a deferred publish always goes to the log, with
+its deadline. The topic's message_pump hands what is in memory to every channel's memory queue, or, when
+a durable channel has no room, writes it to the log once. Each channel reads the log through a cursor of
+its own, so a message is written once whatever the number of channels.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
 
-from trio_nsq.broker.backend import BackendError, BackendQueue
-from trio_nsq.broker.channel import Channel
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.channel import OWN, Channel
 from trio_nsq.broker.guid import GUIDFactory
 from trio_nsq.broker.idempotency import IdempotencyKeys
+from trio_nsq.broker.log_reader import LogReader
 from trio_nsq.broker.message import Message, encode_record
-from trio_nsq.broker.message_queue import MessageQueue
 from trio_nsq.broker.quantile import Quantile
+from trio_nsq.broker.segment_log import SegmentLog
+from trio_nsq.broker.sync_group import SyncGroup
+from trio_nsq.broker.topic_log import TopicLog
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
+from trio_nsq.shared.protocol import MIN_VALID_MSG_LENGTH
 
 if TYPE_CHECKING:
     from trio_nsq.broker.options import Options
 
 
 class TopicOwner(Protocol):
-    """What a Topic needs from the broker that holds it (NSQD): its options and data path, a backend per
-    queue, a task spawned in the broker's nursery, and to be told about channel changes and deletes."""
+    """What a Topic needs from the broker that holds it (NSQD): its options and data path, the wall clock
+    deadlines kept across a restart are read from, its health, a task spawned in the broker's nursery, and
+    to be told about channel changes and deletes."""
 
     options: Options
     data_path: str
+    clock: Callable[[], float]
 
-    def make_backend(self, topic_name: str, channel_name: str | None = None) -> BackendQueue: ...
+    def set_health(self, error: str | None) -> None: ...
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
 
     def notify_channel(self, channel: Channel, created: bool) -> None: ...
 
     def delete_topic(self, name: str) -> None: ...
+
 
 log = logging.getLogger("nsqd")
 
@@ -51,32 +68,46 @@ class Published:
     """What Topic.publish did: how many messages, and whether the answer must wait for an fsync."""
 
     count: int
-    sync: BackendQueue | None  # --sync-every=1 and something went to disk: await sync.sync() before OK
-    all_durable: bool  # every message went to the disk queue: after the fsync, all of them are durable
+    sync: SyncGroup | None  # --sync-every=1 and something went to disk: await sync.sync() before OK
+    all_durable: bool  # every message went to the log: after the fsync, all of them are durable
 
 
 class Topic:
-    """A topic (nsqd's Topic): its MessageQueue, its channels and its message_pump. `run`, started by
-    NSQD, owns a nursery with the backend's io_loop, each Channel's `run` and the message_pump, which
-    copies every message to every channel. Publishers (ProtocolV2's PUB/MPUB/DPUB, the HTTP /pub and
-    /mpub) call `publish` from their own tasks; it never awaits, so what is queued is consistent when the
-    pump runs. Channel changes come from SUB and the HTTP API through get_channel/delete_channel."""
+    """A topic (nsqd's Topic): its memory queue, its log, its channels and its message_pump. `run`,
+    started by NSQD, owns a nursery with the sync group's io_loop and the message_pump. Publishers
+    (ProtocolV2's PUB/MPUB/DPUB, the HTTP /pub and /mpub) call `publish` from their own tasks; it never
+    awaits, so what is queued is consistent when the pump runs. Channel changes come from SUB and the
+    HTTP API through get_channel/delete_channel."""
 
-    def __init__(self, nsqd: TopicOwner, name: str, backend: BackendQueue) -> None:
+    def __init__(self, nsqd: TopicOwner, name: str) -> None:
         self.nsqd = nsqd
         self.name = name
         self.ephemeral = is_ephemeral(name)
-        self.queue = MessageQueue(f"TOPIC({name})", backend, self.ephemeral)
-        self.mem_queue_size = nsqd.options.mem_queue_size
-        self.sync_every = nsqd.options.sync_every
+        opts = nsqd.options
+        self.clock = nsqd.clock
+        self.mem_queue_size = opts.mem_queue_size
+        self.sync_every = opts.sync_every
+        self.max_bytes_per_file = opts.max_bytes_per_file
         self.channels: dict[str, Channel] = {}
         self.paused = False
         self.exiting = False
-        self.guid = GUIDFactory(nsqd.options.node_id)
+        self.guid = GUIDFactory(opts.node_id)
+        self.memory: deque[Message] = deque()
+        # one group commit for every file of the topic: its log, its channels' cursors and own queues
+        self.group = SyncGroup(name, nsqd.data_path, sync_every=opts.sync_every, sync_timeout=opts.sync_timeout,
+                               on_health=nsqd.set_health)
+        self.log: TopicLog | None = None
+        if not self.ephemeral:
+            self.log = TopicLog(name, nsqd.data_path, self.group, max_bytes_per_file=opts.max_bytes_per_file,
+                                min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
+                                retention_time=opts.retention_time, retention_bytes=opts.retention_bytes,
+                                clock=self.clock)
+        # with retention every message goes to the log (what is replayed must be there): no memory queue
+        self.retains = self.log is not None and bool(opts.retention_time or opts.retention_bytes)
         # Idempotency-Keys accepted on /pub and /mpub; an ephemeral topic's stay in memory, as its messages
         self.idempotency = IdempotencyKeys(
             name, None if self.ephemeral else nsqd.data_path,
-            window=nsqd.options.idempotency_window, max_keys=nsqd.options.max_idempotency_keys,
+            window=opts.idempotency_window, max_keys=opts.max_idempotency_keys,
         )
         # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
         self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None
@@ -84,12 +115,9 @@ class Topic:
         self.message_count = 0
         self.message_bytes = 0
 
-        self.waiting_for_room = False
         self._receiving = False  # the pump waits for messages and has room for them
         self._wake = trio.Event()
-        self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
-        self._started = trio.Event()
 
     def __repr__(self) -> str:
         return f"Topic({self.name})"
@@ -97,14 +125,10 @@ class Topic:
     # --- task ---------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Owns the message_pump, the backend's io_loop and every channel's tasks."""
+        """Owns the message_pump and the sync group's io_loop."""
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await nursery.start(self.queue.backend.run)
-                for channel in self.channels.values():
-                    nursery.start_soon(channel.run)
-                self._started.set()
+                await nursery.start(self.group.run)
                 task_status.started()
                 if self.channels_from_lookupd is not None:
                     # as nsqd's GetTopic: the channels consumers have elsewhere exist before the pump
@@ -122,117 +146,143 @@ class Topic:
         self._wake.set()
 
     async def message_pump(self) -> None:
-        """Drain the topic in batches and copy every message to every channel.
-
-        It only reads while the topic has channels and is not paused (nsqd keeps messages in the topic
-        until a channel exists), and only as many as every channel can take, so a full channel makes
-        the topic wait instead of losing messages.
-        """
+        """Hand what is in the memory queue to every channel, in batches, while the topic has channels
+        and is not paused (nsqd keeps messages in the topic until a channel exists); the log is handed
+        over at the same moments (its channels read it themselves)."""
         while True:
-            batch = 0
             if not self.paused and self.channels:
-                room = min(ch.room() for ch in self.channels.values())
-                batch = min(PUMP_BATCH, room)
-                self.waiting_for_room = room == 0 and self.depth() > 0
-            if not (batch and self._copy(batch)):
-                self._wake = trio.Event()
-                self._receiving = batch > 0  # it would take a message at once (see _memory_room)
-                try:
-                    await self._wake.wait()
-                finally:
-                    self._receiving = False
-                continue
-            await trio.lowlevel.checkpoint()
+                self.dispatch()
+                if self.memory:
+                    self._hand(PUMP_BATCH)
+                    await trio.lowlevel.checkpoint()
+                    continue
+            self._wake = trio.Event()
+            self._receiving = not self.paused and bool(self.channels)  # would take a message at once
+            try:
+                await self._wake.wait()
+            finally:
+                self._receiving = False
 
-    def _copy(self, n: int) -> int:
-        """Copy up to n messages to every channel; how many were taken from the topic.
-
-        Where every one of them would only be encoded again for the channels' disk queues (the topic's
-        memory queue is empty, its disk records have no deadlines, every channel's memory is full:
-        --mem-queue-size=0), the records go through as they are, without a Message each."""
+    def _hand(self, n: int) -> None:
+        """Up to n messages from memory to every channel: in memory while every durable channel has room,
+        the rest to the log, once, for every channel to read there."""
+        memory = self.memory
+        msgs = [memory.popleft() for _ in range(min(n, len(memory)))]
         channels = list(self.channels.values())
-        queue = self.queue
-        if not queue.memory and not queue.backend.has_deadlines() and all(ch.takes_records() for ch in channels):
-            positions: list[int] = []
-            records = queue.take_records(n, positions)
-            if records:
-                for channel in channels:
-                    channel.put_records(records, positions)
-            return len(records)
-        msgs: list[Message] = []
-        queue.take_memory(msgs, n)
-        queue.take_backend(msgs, n)
-        if msgs:
-            # copies first: each channel takes its messages' topic positions (see Channel.put_messages)
-            copies = [[msg.copy() for msg in msgs] for _ in channels[1:]]
-            channels[0].put_messages(msgs)
+        room = len(msgs)
+        if self.log is not None:
+            for channel in channels:
+                if not channel.ephemeral:
+                    room = min(room, max(0, channel.memory_room()))
+        head, rest = msgs[:room], msgs[room:]
+        if rest:
+            assert self.log is not None
+            stored = 0
+            try:
+                self.log.append([msg.encode() for msg in rest])
+                stored = len(rest)
+            except BackendError as exc:
+                stored = exc.stored
+                log.error("TOPIC(%s): failed to write %d messages to its log, handing them over in memory - %s",
+                          self.name, len(rest) - stored, exc)
+            self._appended(stored)
+            head.extend(rest[stored:])
+        if head:
+            # copies first: each channel's messages are its own (attempts, deadlines)
+            copies = [[msg.copy() for msg in head] for _ in channels[1:]]
+            channels[0].put_messages(head)
             for channel, copy in zip(channels[1:], copies):
                 channel.put_messages(copy)
-        return len(msgs)
+
+    def dispatch(self) -> None:
+        """What the log holds that no channel was handed yet goes to the channels there are."""
+        log_ = self.log
+        if log_ is not None and log_.undispatched():
+            n = log_.undispatched()
+            log_.dispatch()
+            for channel in self.channels.values():
+                channel.message_count += n
+                channel.logs_grew()
+
+    def _appended(self, n: int) -> None:
+        """n records were appended to the log: handed over at once unless the topic waits (paused, or no
+        channel yet)."""
+        if n and not self.paused and self.channels:
+            self.dispatch()
+
+    def dispatched_position(self) -> int:
+        return self.log.dispatched[0] if self.log is not None else 0
+
+    def dispatched_index(self) -> int:
+        return self.log.dispatched[1] if self.log is not None else 0
 
     # --- publishing ---------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return self.queue.depth()
+        return len(self.memory) + self.backend_depth()
+
+    def backend_depth(self) -> int:
+        return self.log.undispatched() if self.log is not None else 0
 
     def publish(self, bodies: Sequence[bytes], deferred: float = 0.0) -> Published:
         """The one publish path of PUB, MPUB, DPUB, /pub and /mpub: new ids, queued in order (memory
-        first, the rest in one backend write), counted. Raises BackendError when the backend refuses
-        (the callers answer E_PUB_FAILED, 503 ...). What the answer still waits for is in the result:
-        with --sync-every=1, the fsync of `sync` (the caller awaits it, or a TCP connection once for all
-        the publishes of one read)."""
+        first, the rest in one log write; a deferred publish to the log with its deadline), counted.
+        Raises BackendError when the log refuses (the callers answer E_PUB_FAILED, 503 ...). What the
+        answer still waits for is in the result: with --sync-every=1, the fsync of the topic's sync group
+        (the caller awaits it, or a TCP connection once for all the publishes of one read)."""
         if self.exiting:
             raise BackendError("exiting")
         # ids made in one batch, and one timestamp for the batch (a clock read per message cost more)
         ids = self.guid.new_ids(len(bodies))
         now = time.time_ns()
-        if self.ephemeral or self._memory_room(deferred > 0) > 0:
+        room = self._memory_room()
+        if self.log is None:
+            written = 0
             msgs = list(map(Message, ids, bodies, repeat(now)))
             if deferred:
                 for msg in msgs:
                     msg.deferred = deferred
-            written = self._put(msgs)
-        else:
+            self.memory.extend(msgs[:max(0, room)])  # an ephemeral topic's overflow is discarded
+            self._counted(bodies)
+        elif deferred or room <= 0:
             written = self._write(ids, bodies, now, deferred)
-        sync = self.queue.backend if written and self.sync_every == 1 else None
+        else:
+            memory = self.memory
+            if room >= len(bodies):
+                memory.extend(map(Message, ids, bodies, repeat(now)))
+                written = 0
+                self._counted(bodies)
+            else:
+                memory.extend(map(Message, ids[:room], bodies[:room], repeat(now)))
+                self._counted(bodies[:room])
+                written = self._write(ids[room:], bodies[room:], now, 0.0)
+        sync = self.group if written and self.sync_every == 1 else None
         return Published(len(bodies), sync, sync is not None and written == len(bodies))
 
-    def _put(self, msgs: list[Message]) -> int:
-        """Queue messages in order (memory first, the rest in one backend write); how many went to the
-        backend. On BackendError the ones before the failing one stay queued (as nsqd) and are counted."""
-        if not msgs:
-            return 0
-        room = max(0, self._memory_room(msgs[0].deferred > 0))
-        try:
-            past_memory = self.queue.put(msgs, room)  # an ephemeral topic's overflow is discarded
-        except BackendError as exc:
-            self._counted([msg.body for msg in msgs[:room + exc.stored]])
-            raise
-        self._counted([msg.body for msg in msgs])
-        return 0 if self.ephemeral else past_memory
-
     def _write(self, ids: list[bytes], bodies: Sequence[bytes], now: int, deferred: float) -> int:
-        """_put when the memory queue has no room (always, with --mem-queue-size=0): the records go to
-        the disk queue in one write, with no Message made only to be encoded."""
+        """Into the log, in one write, with no Message made only to be encoded."""
+        assert self.log is not None
         records = list(map(encode_record, repeat(now), repeat(0), ids, bodies))
         try:
-            self.queue.backend.put_many(records, deferred)
+            self.log.append(records, self.clock() + deferred if deferred > 0 else 0.0)
         except BackendError as exc:
             self._counted(bodies[:exc.stored])
+            self._appended(exc.stored)
             raise
         self._counted(bodies)
+        self._appended(len(records))
         return len(records)
 
-    def _memory_room(self, deferred: bool) -> int:
+    def _memory_room(self) -> int:
         """How many messages the memory queue takes now. nsqd's memory queue is a Go channel of
         --mem-queue-size: a send to it also succeeds when the pump is waiting to receive. nsqd tries
-        that hand-off only for what the backend cannot hold as it is: an ephemeral topic's messages
-        (no backend) and deferred ones (nsqd's disk record loses the delay; ours keeps it, so a deferred
-        message of a topic with a disk queue goes there and survives a crash); with --mem-queue-size=0
-        it is the only way into memory."""
-        in_memory = len(self.queue.memory)
+        that hand-off only for what has no backend (an ephemeral topic's messages); with
+        --mem-queue-size=0 it is the only way into its memory. With retention there is no memory queue."""
+        if self.retains:
+            return 0
+        in_memory = len(self.memory)
         room = self.mem_queue_size - in_memory
-        if self._receiving and (self.ephemeral or (deferred and not self.queue.backend.stores)):
+        if self._receiving and self.log is None:
             room = max(room, PUMP_BATCH - in_memory)
         return room
 
@@ -247,17 +297,37 @@ class Topic:
     def get_channel(self, name: str) -> Channel:
         channel = self.channels.get(name)
         if channel is None:
-            channel = Channel(self, name, self.nsqd.make_backend(self.name, name), self.mem_queue_size)
+            ephemeral = is_ephemeral(name)
+            reader = None
+            if self.log is not None:
+                reader = self.log.reader_for(f"{self.name}:{name}", durable=not ephemeral)
+            channel = Channel(self, name, self.mem_queue_size, reader, partial(self._open_own, name), self.clock)
             opts = self.nsqd.options
             if opts.e2e_processing_latency_percentiles:
                 channel.e2e = Quantile(opts.e2e_processing_latency_window_time, opts.e2e_processing_latency_percentiles)
             self.channels[name] = channel
-            if self._nursery is not None:
-                self._nursery.start_soon(channel.run)
             log.info("TOPIC(%s): new channel(%s)", self.name, name)
             self.nsqd.notify_channel(channel, created=True)
             self._wake.set()
         return channel
+
+    def _open_own(self, channel_name: str, create: bool) -> LogReader | None:
+        """A durable channel's own queue, `<topic>:<channel>.diskqueue.*` (what Go nsqd calls the
+        channel's disk queue): opened when its files are there, or made when `create`."""
+        name = f"{self.name}:{channel_name}"
+        data_path = self.nsqd.data_path
+        if not create and not any(entry.startswith(name + ".diskqueue.") for entry in _listdir(data_path)):
+            return None
+        opts = self.nsqd.options
+        segments = SegmentLog(name, data_path, max_bytes_per_file=opts.max_bytes_per_file,
+                              min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
+                              on_write=self.group.wrote)
+        start = (segments.start, segments.start_index())
+        if segments.meta_found:
+            num, offset = segments.meta_read
+            start = ((num << 40) | offset, segments.meta_read_index)
+        return LogReader(segments, name + ".diskqueue", self.group, start=start, tag=OWN, owns_log=True,
+                         clock=self.clock)
 
     def get_existing_channel(self, name: str) -> Channel | None:
         return self.channels.get(name)
@@ -270,8 +340,9 @@ class Topic:
         log.info("TOPIC(%s): deleting channel %s", self.name, name)
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)
-        channel.cancel()
-        channel.queue.backend.delete()  # the files are gone before the caller answers, as in nsqd
+        channel.delete_files()  # the files are gone before the caller answers, as in nsqd
+        if self.log is not None and channel.reader is not None:
+            self.log.forget(channel.reader)
         self.nsqd.notify_channel(channel, created=False)
         self._wake.set()
         if not self.channels and self.ephemeral and not self.exiting:
@@ -294,5 +365,47 @@ class Topic:
         for channel in self.channels.values():
             channel.exit()
 
-    async def empty(self) -> None:
-        await self.queue.empty()
+    def empty(self) -> None:
+        """Drop what no channel was handed yet (nsqd's topic empty)."""
+        self.memory.clear()
+        if self.log is not None:
+            self.log.empty()
+
+    async def close(self) -> None:
+        """A clean exit (nsqd's topic Close): what is in memory goes to disk (the topic's to its log,
+        each channel's to its own queue), the last sync round persists it all, the files are closed."""
+        self.exit()
+        if self.log is not None and self.memory:
+            msgs = list(self.memory)
+            self.memory.clear()
+            try:
+                self.log.append([msg.encode() for msg in msgs])
+                log.info("TOPIC(%s): flushed %d messages to its log", self.name, len(msgs))
+            except BackendError as exc:
+                log.error("TOPIC(%s): failed to flush %d of %d messages - %s",
+                          self.name, len(msgs) - exc.stored, len(msgs), exc)
+            if not self.paused and self.channels:
+                self.log.dispatch()
+        for channel in self.channels.values():
+            if not channel.ephemeral:  # a durable channel of an ephemeral topic has its own queue too
+                channel.flush_for_shutdown()
+        await self.group.close()
+        for channel in self.channels.values():
+            channel.close()
+        if self.log is not None:
+            self.log.close()
+        self.idempotency.close()  # after the messages: a key is never kept for messages lost
+
+    def delete(self) -> None:
+        """Every file of the topic, now (NSQD's delete_topic, after its channels)."""
+        if self.log is not None:
+            self.log.delete()
+        self.group.closed = True
+        self.idempotency.delete()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -1,184 +1,192 @@
-"""The disk queue's cursor (a channel's queue): records stay until finished, survive a crash with their
-deadlines, and one record never finished does not pin the files written after it."""
+"""The Cursor, a pure object: what is finished or held after what is read, against a model, and what its
+file says after any sequence of rounds (a delta per round, a snapshot now and then, a torn last block)."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-import trio
-from test_diskqueue import crash_copy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from trio_nsq.broker import diskqueue
-from trio_nsq.broker.diskqueue import DiskQueue
+from trio_nsq.broker.cursor import FINISHED_LIMIT, HEADER, Cursor, CursorFileError
 
-
-def cursor_queue(d: Path, max_bytes: int = 4096, clock=None) -> DiskQueue:
-    return DiskQueue("q", str(d), max_bytes_per_file=max_bytes, min_msg_size=1, max_msg_size=200,
-                     cursor=True, clock=clock or (lambda: 1000.0))
+EPOCH = 0x1234
 
 
-def data_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.glob("q.diskqueue.*.dat") if "meta" not in p.name)
+def positions(n: int, start: int = 0, step: int = 40) -> list[int]:
+    """Positions of n records of `step` bytes, two segments' worth per 1,000 (file << 40 | offset)."""
+    return [((i // 1000) << 40) | (i % 1000) * step for i in range(start, start + n)]
 
 
-def read_all(dq: DiskQueue) -> list[tuple[int, bytes]]:
-    positions: list[int] = []
-    records = dq.read_many(1 << 20, positions)
-    return list(zip(positions, records))
+def read(cursor: Cursor, pos: list[int], all_pos: list[int]) -> list[int]:
+    """What a reader does: hands the records on (skipping those finished before a restart)."""
+    got = [p for p in pos if not (cursor.hidden() and cursor.skip(p))]
+    last = all_pos.index(pos[-1]) + 1
+    nxt = all_pos[last] if last < len(all_pos) else pos[-1] + 40
+    cursor.handed(pos, nxt, cursor.read_index + len(pos))
+    return got
 
 
-def test_one_record_held_forever_does_not_pin_the_files_after_it(tmp_path):
-    """100k records flow through (read and finished) while one is held and one is deferred for ever:
-    the files stay bounded, the finished set stays small, and a crash still finds both."""
-    dq = cursor_queue(tmp_path, max_bytes=64 * 1024)
-    dq.put(b"held")
-    dq.hold(b"deferred", 3600.0)
-    [(held_pos, data)] = read_all(dq)
-    assert data == b"held"
-    most_files = 0
-    for round_ in range(100):
-        dq.put_many([b"r%d-%04d" % (round_, i) + b"x" * 40 for i in range(1000)])
-        for pos, _ in read_all(dq):
-            dq.finish(pos)
-        trio.run(dq.sync)
-        most_files = max(most_files, len(data_files(tmp_path)))
-        assert len(dq._finished) <= diskqueue.FINISHED_LIMIT + 1
-    # 100k records of ~50 bytes are ~80 files of 64 KiB: a pinned queue would keep every one
-    assert most_files <= 6, most_files
-    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / "after"))
-    got = read_all(after)
-    assert [data for _, data in got] == [b"held", b"deferred"]
-    assert after.delay_of(got[1][0]) == 3600.0 - 0.0  # the clock did not move: the whole hour is left
-    dq.finish(held_pos)  # finishing by its first position reaches the copy
-    trio.run(dq.close)  # a FIN is persisted by the next round (here the closing one), not by sync()
-    again = cursor_queue(crash_copy(tmp_path, tmp_path.parent / "again"))
-    assert [data for _, data in read_all(again)] == [b"deferred"]
-    trio.run(after.close)
-    trio.run(again.close)
+def persist(cursor: Cursor, file: bytearray, snapshot: bool = False) -> None:
+    if snapshot or not file:
+        file[:] = cursor.snapshot()
+    else:
+        file += cursor.take_delta()
 
 
-def test_records_written_after_the_last_round_keep_their_deadline_and_replace_once(tmp_path):
-    """A crash right after a REQ's rewrite and a deferral (no round since): the journal gives the
-    recovered records their deadline and finishes the records they replaced; a round empties it."""
-    dq = cursor_queue(tmp_path)
-    dq.put_many([b"a" * 30, b"b" * 30, b"c" * 30])
-    trio.run(dq.sync)
-    (a_pos, _), (b_pos, _), (c_pos, _) = read_all(dq)
-    dq.rewrite(b"A" * 30, a_pos)  # REQ without a delay: the message again, with its attempts
-    dq.hold(b"B" * 30, 60.0, b_pos)  # REQ with a delay
-    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"))
-    got = read_all(after)
-    assert [data for _, data in got] == [b"c" * 30, b"A" * 30, b"B" * 30]
-    assert [after.delay_of(pos) for pos, _ in got] == [0.0, 0.0, 60.0]
-    trio.run(dq.close)
-    assert (tmp_path / "q.diskqueue.journal.dat").stat().st_size == 0
-    trio.run(after.close)
+def reload(file: bytes) -> Cursor:
+    cursor, sound = Cursor.load(bytes(file), EPOCH)
+    assert sound == len(file)
+    return cursor
 
 
-def test_a_journal_still_needed_is_rewritten_smaller(tmp_path):
-    """Rounds that always leave some entries needed (REQs keep coming while they run) must not let the
-    journal grow: past 64 KiB it is rewritten with only the entries past the persisted write position."""
-    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
-    dq.put_many([b"%029d" % i for i in range(2000)])
-    trio.run(dq.sync)
-    news = [dq.rewrite(b"R%028d" % i, pos) for i, (pos, _) in enumerate(read_all(dq))]
-    journal = tmp_path / "q.diskqueue.journal.dat"
-    assert journal.stat().st_size == 2000 * 40
-    dq._trim_journal(news[1500])  # as a round whose metadata covered the first 1,500 rewrites
-    assert journal.stat().st_size == 500 * 40
-    # a crash now: the metadata does not cover the rewrites at all, the journal only the last 500, so
-    # those replace their old records and the first 1,500 rewrites come back beside theirs (duplicates)
-    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
-    got = [data for _, data in read_all(after)]
-    assert len(got) == 2000 + 2000 - 500
-    assert got[-500:] == [b"R%028d" % i for i in range(1500, 2000)]
-    trio.run(dq.close)
-    trio.run(after.close)
+def test_in_order_fins_move_the_mark_and_need_no_set():
+    all_pos = positions(5000)
+    cursor = Cursor(0, 0, EPOCH)
+    read(cursor, all_pos[:3000], all_pos)
+    assert cursor.mark_delete() == all_pos[0] and cursor.unfinished() == 3000
+    cursor.finish_many(all_pos[:1000])
+    assert cursor.mark_delete() == all_pos[1000] and cursor.mark_index() == 1000
+    assert cursor.finished_waiting() == 0  # retired by moving the front, not kept in a set
+    cursor.finish_many(all_pos[1500:2000])  # past the front: kept until the front reaches them
+    assert cursor.mark_delete() == all_pos[1000] and cursor.finished_waiting() == 500
+    cursor.finish_many(all_pos[1000:1500])
+    assert cursor.mark_delete() == all_pos[2000] and cursor.finished_waiting() == 0
+    cursor.finish_many(all_pos[2000:3000])
+    assert cursor.mark_delete() == cursor.read_pos == all_pos[3000]
+    assert cursor.unfinished() == 0
 
 
-def test_runs_of_fins_finish_exactly_the_records_named(tmp_path):
-    """finish_many (a run of FIN commands): two consumers' FINs interleaved, a position named twice, one
-    finished before, and a run while a record is held (the general path); after a round and a crash
-    exactly the unfinished records come back, in order."""
-    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
-    dq.put_many([b"m%04d" % i for i in range(40)])
-    got = read_all(dq)
-    a, b = got[:20], got[20:]  # two consumers' batches
-    dq.finish(a[0][0])
-    run = [pos for pair in zip(a[:10], b[:10]) for pos, _ in pair]  # A's first ten, B's first ten
-    dq.finish_many(run + [a[0][0], b[3][0], -1])  # finished before, named twice, none
-    assert dq.mark_delete() == a[10][0]  # A's first ten finished: the mark moved; B's wait behind A's rest
-    dq.hold(b"h0000", 60.0)
-    dq.finish_many([pos for pos, _ in a[10:15]] + [b[15][0]])
-    trio.run(dq.sync)
-    trio.run(dq.close)
-    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
-    want = [data for _, data in a[15:] + b[10:15] + b[16:]] + [b"h0000"]
-    assert [data for _, data in read_all(after)] == want
-    trio.run(after.close)
-
-
-def test_fins_in_any_order_move_the_mark_to_the_oldest_unfinished_record(tmp_path):
-    """Runs of FINs as consumers send them (mostly in order, some late, a few named twice or not at all,
-    runs split anywhere), over enough records that the handed positions are dropped in bulk several
-    times: after every run the mark-delete position is the oldest record not finished, and after a
-    round and a crash exactly the unfinished records come back."""
-    rng = random.Random(7)
-    dq = cursor_queue(tmp_path, max_bytes=1 << 20)
-    dq.put_many([b"r%05d" % i for i in range(12000)])
-    got = read_all(dq)
-    order = [pos for pos, _ in got]
-    for i in range(0, len(order) - 50, 50):  # a consumer answers its batch out of order now and then
-        if rng.random() < 0.3:
-            chunk = order[i:i + 50]
-            rng.shuffle(chunk)
-            order[i:i + 50] = chunk
-    kept = set(rng.sample(range(len(got)), 5))  # held forever
-    unfinished = {pos for pos, _ in got}
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_any_order_of_fins_and_holds_matches_a_model_across_rounds_and_reloads(data):
+    """Read in batches, FIN in any order, REQ (hold) some, persist by delta or snapshot at random moments,
+    reload from the file: the reloaded cursor skips exactly what was finished and gives the held ones
+    their attempts and deadlines."""
+    n = data.draw(st.integers(1, 300))
+    all_pos = positions(n, step=data.draw(st.sampled_from([30, 400])))
+    cursor = Cursor(all_pos[0], 0, EPOCH)
+    file = bytearray()
     finished: set[int] = set()
-    todo = [pos for pos in order if pos not in {got[i][0] for i in kept}]
-    late = todo[100:400]  # answered long after the rest
-    todo = todo[:100] + todo[400:]
-    while todo or late:
-        n = rng.randint(1, 300)
-        run, todo = todo[:n], todo[n:]
-        if not todo and late:
-            run, late = run + late, []
-        if rng.random() < 0.1 and finished:
-            run.append(rng.choice(sorted(finished)))  # named again
-        if rng.random() < 0.1:
-            run.append(-1)
-        dq.finish_many(run)
-        finished.update(pos for pos in run if pos >= 0)
-        unfinished -= finished
-        if rng.random() < 0.3:
-            assert dq.mark_delete() == min(unfinished)
-    assert dq.mark_delete() == min(unfinished)
-    assert len(unfinished) == 5
-    trio.run(dq.sync)
-    trio.run(dq.close)
-    after = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-after"), max_bytes=1 << 20)
-    assert [data for _, data in read_all(after)] == [got[i][1] for i in sorted(kept)]
-    trio.run(after.close)
+    held: dict[int, tuple[int, float]] = {}
+    taken: list[int] = []
+    at = 0
+    persisted_finished: set[int] = set()
+    persisted_held: dict[int, tuple[int, float]] = {}
+    for _ in range(data.draw(st.integers(1, 40))):
+        action = data.draw(st.sampled_from(["read", "fin", "hold", "round", "snapshot"]))
+        if action == "read" and at < n:
+            k = data.draw(st.integers(1, n - at))
+            taken += read(cursor, all_pos[at:at + k], all_pos)
+            at += k
+        elif action == "fin":
+            live = [p for p in taken if p not in finished]
+            if live:
+                batch = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=20))
+                cursor.finish_many(batch)
+                finished.update(batch)
+                for p in batch:
+                    held.pop(p, None)
+        elif action == "hold":
+            live = [p for p in taken if p not in finished]
+            if live:
+                p = data.draw(st.sampled_from(live))
+                state = (data.draw(st.integers(1, 9)), data.draw(st.sampled_from([0.0, 1e9 + 5])))
+                cursor.hold(p, *state)
+                held[p] = state
+        elif action in ("round", "snapshot"):
+            persist(cursor, file, snapshot=action == "snapshot")
+            persisted_finished = set(finished)
+            persisted_held = dict(held)
+        assert cursor.unfinished() == len([p for p in taken if p not in finished])
+        mark = cursor.mark_delete()
+        assert mark == min([p for p in taken if p not in finished], default=cursor.read_pos)
+    persist(cursor, file)
+    persisted_finished, persisted_held = set(finished), dict(held)
+    again = reload(file)
+    assert again.read_pos == cursor.mark_delete()
+    assert again.read_index == cursor.mark_index()
+    # the restart reads from the mark: finished records are skipped, the rest come with their state
+    start = all_pos.index(again.read_pos) if again.read_pos in all_pos else n
+    rest = all_pos[start:at] if start < n else []
+    assert again.hidden() == len([p for p in rest if p in persisted_finished])
+    got = read(again, rest, all_pos) if rest else []
+    assert got == [p for p in rest if p not in persisted_finished]
+    assert {p: again.held[p] for p in got if p in again.held} == {p: s for p, s in persisted_held.items() if p in got}
 
 
-def test_finished_positions_persist_and_a_version_1_metadata_still_loads(tmp_path):
-    """The finished positions past the mark-delete position go into the metadata (version 2: hex of
-    int64s); a metadata written by version 1 (decimal) reads the same."""
-    dq = cursor_queue(tmp_path)
-    dq.put_many([b"a" * 30, b"b" * 30, b"c" * 30])
-    (_, _), (b_pos, _), (_, _) = read_all(dq)
-    dq.finish(b_pos)  # behind the unfinished first record: kept in the finished set
-    trio.run(dq.close)
-    meta = tmp_path / "q.diskqueue.meta.dat"
-    lines = meta.read_text().split("\n")
-    assert lines[3] == "trio-nsq-cursor 2" and lines[5] == "finished %016x" % b_pos
-    reopened = cursor_queue(crash_copy(tmp_path, tmp_path.parent / f"{tmp_path.name}-v2"))
-    assert [data for _, data in read_all(reopened)] == [b"a" * 30, b"c" * 30]
-    trio.run(reopened.close)
-    lines[3], lines[5] = "trio-nsq-cursor 1", f"finished {b_pos}"
-    meta.write_text("\n".join(lines))
-    v1 = cursor_queue(tmp_path)
-    assert [data for _, data in read_all(v1)] == [b"a" * 30, b"c" * 30]
-    trio.run(v1.close)
+def test_a_round_writes_what_changed_not_what_is_held():
+    """1,000,000 records held (deferred), then rounds of a few FINs: each delta is a few bytes per
+    change, never the held set (the cost that made 1M DPUB quadratic)."""
+    all_pos = positions(1_000_000, step=130)
+    cursor = Cursor(0, 0, EPOCH)
+    file = bytearray()
+    persist(cursor, file)
+    read(cursor, all_pos, all_pos)
+    for p in all_pos[::10]:
+        cursor.hold(p, 1, 1e9 + 3600)
+    first = len(file)
+    file += cursor.take_delta()  # the holds are new: written once
+    assert len(file) - first < 2_500_000
+    for r in range(100):
+        before = len(file)
+        cursor.finish_many([all_pos[r * 7 + 1]])
+        file += cursor.take_delta()
+        assert len(file) - before < 100, "a round with one FIN writes one FIN"
+    assert len(cursor.take_delta()) == 0  # nothing changed: nothing written
+
+
+def test_a_torn_last_block_and_a_foreign_file():
+    all_pos = positions(100)
+    cursor = Cursor(0, 0, EPOCH)
+    file = bytearray()
+    persist(cursor, file)
+    read(cursor, all_pos[:50], all_pos)
+    cursor.finish_many(all_pos[:10])
+    persist(cursor, file)
+    good = len(file)
+    cursor.finish_many(all_pos[10:20])
+    file += cursor.take_delta()
+    torn = bytes(file[:-3])  # a kill -9 in the middle of the round's append
+    again, sound = Cursor.load(torn, EPOCH)
+    assert sound == good and again.read_pos == all_pos[10]
+    flipped = bytearray(file)
+    flipped[-1] ^= 0xFF  # a block whose checksum does not match ends the file there too
+    assert Cursor.load(bytes(flipped), EPOCH)[1] == good
+    with pytest.raises(CursorFileError):
+        Cursor.load(bytes(file), EPOCH + 1)  # another log's cursor (Go nsqd rewrote the log)
+    with pytest.raises(CursorFileError):
+        Cursor.load(b"0\n0,0\n0,0\n", EPOCH)
+    assert bytes(file).startswith(HEADER)
+
+
+def test_finished_ranges_keep_a_snapshot_small():
+    """One record held at the front while 100,000 behind it are finished: the snapshot writes them as one
+    range, and a reload skips them all."""
+    all_pos = positions(100_001)
+    cursor = Cursor(0, 0, EPOCH)
+    read(cursor, all_pos, all_pos)
+    cursor.hold(all_pos[0], 2, 0.0)
+    rest = all_pos[1:]
+    random.Random(1).shuffle(rest)
+    cursor.finish_many(rest)
+    assert cursor.finished_waiting() == 100_000 > FINISHED_LIMIT
+    snap = cursor.snapshot()
+    assert len(snap) < 200
+    again = reload(snap)
+    assert again.hidden() == 100_000
+    assert read(again, all_pos, all_pos) == [all_pos[0]]
+    assert again.held[all_pos[0]] == (2, 0.0)
+
+
+def test_reset_forgets_everything_and_persists_whole():
+    all_pos = positions(100)
+    cursor = Cursor(0, 0, EPOCH)
+    read(cursor, all_pos[:60], all_pos)
+    cursor.finish_many(all_pos[5:30])
+    cursor.hold(all_pos[2], 3, 0.0)
+    cursor.reset(all_pos[40], 40)
+    assert (cursor.mark_delete(), cursor.unfinished(), cursor.held) == (all_pos[40], 0, {})
+    again = reload(cursor.snapshot())
+    assert (again.read_pos, again.read_index, again.hidden(), again.held) == (all_pos[40], 40, 0, {})

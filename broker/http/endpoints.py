@@ -5,6 +5,7 @@ are nsqd's, so nsqadmin, nsq_stat, nsq_to_http and every client library keep wor
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import socket
@@ -19,6 +20,7 @@ from trio_nsq.broker.http.openapi import openapi_bytes
 from trio_nsq.broker.idempotency import valid_key
 from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
 from trio_nsq.broker.topic import Published, Topic
+from trio_nsq.broker.topic_log import SeekError
 from trio_nsq.shared.http_api import (
     EMPTY,
     JSON_TYPE,
@@ -332,12 +334,17 @@ class Api:
         if not is_valid_topic_name(name):
             raise HTTPError(400, "INVALID_TOPIC")
         topic = self._existing_topic(name)
-        try:
-            await topic.empty()
-        except (BackendError, OSError) as exc:
-            log.error("TOPIC(%s): failed to empty - %s", name, exc)
-            raise HTTPError(500, "INTERNAL_ERROR") from None
+        topic.empty()
+        await self._persisted(topic, f"TOPIC({name})")
         return EMPTY
+
+    async def _persisted(self, topic: Topic, what: str) -> None:
+        """An empty or a seek is on disk before it is answered, as nsqd's empty removes the files first."""
+        try:
+            await topic.group.sync_round()
+        except BackendError as exc:
+            log.error("%s: failed to persist - %s", what, exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
 
     async def topic_pause(self, req: Request) -> Reply:
         return self._set_paused(self._existing_topic(self._topic_name(req)), True)
@@ -371,12 +378,35 @@ class Api:
 
     async def channel_empty(self, req: Request) -> Reply:
         channel = self._existing_channel(req)
-        try:
-            await channel.empty()
-        except (BackendError, OSError) as exc:
-            log.error("CHANNEL(%s): failed to empty - %s", channel.name, exc)
-            raise HTTPError(500, "INTERNAL_ERROR") from None
+        channel.empty()
+        await self._persisted(channel.topic, f"CHANNEL({channel.name})")
         return EMPTY
+
+    async def channel_seek(self, req: Request) -> Reply:
+        """Not in nsqd: move the channel's cursor in its topic's log (`to`: earliest, latest, unix
+        milliseconds or an RFC 3339 time): afterwards it delivers, in publish order, every message the log
+        holds from there. What it held (queued in memory, in flight, deferred) is dropped; a FIN of a
+        message that was in flight is then "ID not in flight". Persisted before the answer, which says
+        where the channel now is and how many messages it has to deliver."""
+        channel = self._existing_channel(req)
+        texts = self._params(req).get("to")
+        if not texts or not texts[0]:
+            raise HTTPError(400, "MISSING_ARG_TO")
+        to = parse_seek_to(texts[0])
+        if to is None:
+            raise HTTPError(400, "INVALID_ARG_TO")
+        topic = channel.topic
+        if topic.log is None:
+            raise HTTPError(400, "TOPIC_HAS_NO_LOG")  # an ephemeral topic keeps nothing to go back to
+        try:
+            pos, index = topic.log.seek_position(to)
+        except SeekError:
+            raise HTTPError(400, "TIME_BEFORE_RETENTION") from None
+        topic.log.reload_deadlines(pos)
+        channel.seek(pos, index)
+        log.info("CHANNEL(%s:%s): seek to %s: position %d", topic.name, channel.name, texts[0], pos)
+        await self._persisted(topic, f"CHANNEL({channel.name})")
+        return ok_json({"position": pos, "depth": channel.depth()})
 
     async def channel_pause(self, req: Request) -> Reply:
         return self._set_paused(self._existing_channel(req), True)
@@ -465,3 +495,19 @@ def _name_arg(params: dict[str, list[str]], key: str, invalid: str, is_valid: Ca
     if not is_valid(values[0]):
         raise HTTPError(400, invalid)
     return values[0]
+
+
+def parse_seek_to(text: str) -> str | int | None:
+    """/channel/seek's `to`: "earliest", "latest", unix milliseconds, or an RFC 3339 time (as unix
+    nanoseconds, the unit of a message's timestamp); None when it is none of them."""
+    if text in ("earliest", "latest"):
+        return text
+    if text.isdigit():
+        return int(text) * 1_000_000
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("z", "Z").replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None  # RFC 3339 always has an offset
+    return int(when.timestamp() * 1_000_000) * 1000

@@ -64,6 +64,8 @@ def _schemas() -> dict:
         "clients": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Client"}},
         "paused": _BOOL,
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
+        "lag_messages": {**_INTEGER, "description": "messages not finished: queued, in flight, deferred"},
+        "oldest_unfinished_age_ms": {**_INTEGER, "description": "age of the oldest unfinished message (0: none)"},
     }}
     topic = {"type": "object", "properties": {
         "topic_name": {"type": "string"},
@@ -72,6 +74,10 @@ def _schemas() -> dict:
         "paused": _BOOL,
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
         "idempotency_keys": {**_INTEGER, "description": "Idempotency-Keys the topic holds"},
+        "log_first_position": {**_INTEGER, "description": "position (file << 40 | offset) of the first record kept"},
+        "log_end_position": {**_INTEGER, "description": "position the next record is written at"},
+        "log_messages": {**_INTEGER, "description": "records the topic's log keeps"},
+        "log_bytes": {**_INTEGER, "description": "bytes of the topic's log on disk"},
     }}
     memory = {"type": "object", "properties": {k: _INTEGER for k in (
         "heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes", "gc_pause_usec_100",
@@ -209,6 +215,16 @@ def openapi_spec() -> dict:
         if action == "empty":
             responses["500"] = _err("INTERNAL_ERROR")
         paths[f"/channel/{action}"] = {"post": op(summary, responses, [_TOPIC, _CHANNEL])}
+    seek_ok = {"description": "Where the channel now is", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"position": _INTEGER, "depth": _INTEGER}}}}}
+    to = _param("to", "earliest, latest, unix milliseconds, or an RFC 3339 time", required=True)
+    paths["/channel/seek"] = {"post": op(
+        "Not in nsqd: deliver the topic's log again from a position (drops what the channel holds)",
+        {"200": seek_ok, "400": _err("MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", "MISSING_ARG_CHANNEL",
+                                     "INVALID_ARG_CHANNEL", "MISSING_ARG_TO", "INVALID_ARG_TO",
+                                     "TOPIC_HAS_NO_LOG", "TIME_BEFORE_RETENTION", bad_query),
+         "404": _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND"), "500": _err("INTERNAL_ERROR")},
+        [_TOPIC, _CHANNEL, to])}
     return {
         "openapi": "3.0.3",
         "info": {"title": "trio-nsq nsqd HTTP API", "version": VERSION, "description":

@@ -40,6 +40,7 @@ ROUTES: dict[str, dict[str, str]] = {
         "/channel/create": "channel_create",
         "/channel/delete": "channel_delete",
         "/channel/empty": "channel_empty",
+        "/channel/seek": "channel_seek",
         "/channel/pause": "channel_pause",
         "/channel/unpause": "channel_unpause",
     },

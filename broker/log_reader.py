@@ -1,0 +1,276 @@
+"""LogReader: a channel's place in one log, and what persists it.
+
+A durable channel reads its topic's log through one LogReader, and, when it has one, its own queue (the
+go-diskqueue files `<topic>:<channel>.diskqueue.*`: what was in the channel's memory at a clean exit,
+records moved out of the way of the topic's log, a queue Go nsqd wrote) through another. A LogReader
+holds a SegmentReader (where reading is), a Cursor (what is finished or held) and the cursor's file
+`<name>.cursor.dat`, which every sync round appends the cursor's changes to and now and then replaces
+with a snapshot. An ephemeral channel's reader keeps its cursor in memory only.
+
+Who calls it: the Channel (read, finish, hold, reset, depth); the topic's SyncGroup (prepare, finished).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from trio_nsq.broker.cursor import Cursor, CursorFileError
+from trio_nsq.broker.files import remove_quietly
+from trio_nsq.broker.message import Message
+from trio_nsq.broker.segment_log import POS_SHIFT, SegmentLog
+from trio_nsq.broker.sync_group import RoundPlan, SyncGroup
+from trio_nsq.shared.protocol import MESSAGE_HEADER
+
+log = logging.getLogger("nsqd")
+
+
+class DeadlineLookup:
+    """What a reader needs of a log's deferred-publish index: the deadline of a record, if it has one."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[float, bytes]] = {}  # position -> (unix deadline, message id)
+
+    def deadline(self, pos: int, msg_id: bytes) -> float:
+        entry = self.entries.get(pos)
+        if entry is None or entry[1] != msg_id:
+            return 0.0  # none, or one written for a record a crash lost (the position was used again)
+        return entry[0]
+
+
+class LogReader:
+    def __init__(
+        self,
+        segments: SegmentLog,
+        name: str,
+        group: SyncGroup | None,
+        *,
+        start: tuple[int, int],
+        tag: int = 0,
+        deadlines: DeadlineLookup | None = None,
+        owns_log: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`name`: the cursor file's stem (`topic:channel`), None-like when `group` is None (an ephemeral
+        channel: nothing persisted). `start`: (position, index) where a reader with no cursor file starts.
+        `tag` is or-ed into the positions of the messages it returns (a channel tells its two readers
+        apart by it). `owns_log`: the segments are this reader's alone (a channel's own queue), so it also
+        persists their metadata and drops what it has finished."""
+        self.segments = segments
+        self.name = name
+        self.group = group
+        self.tag = tag
+        self.deadlines = deadlines
+        self.owns_log = owns_log
+        self.clock = clock
+        self.deleted = False
+        self.dropped = 0  # records an ephemeral reader skipped because it fell too far behind
+        self._snapshot_due = True  # no file of ours yet (or one that is not ours): write it whole
+        self._taken: list[str] = []  # segments a round fsyncs, again if it fails
+        self._removing: list[tuple[str, str]] = []
+        self._timestamp_of: tuple[int, int | None] = (-1, None)
+        self.cursor = self._load(start)
+        self.reader = segments.reader(self.cursor.read_pos, self.cursor.read_index)
+        if group is not None:
+            group.members.append(self)
+
+    def __repr__(self) -> str:
+        return f"LogReader({self.name})"
+
+    def cursor_file_name(self) -> str:
+        return os.path.join(self.segments.data_path, f"{self.name}.cursor.dat")
+
+    def _load(self, start: tuple[int, int]) -> Cursor:
+        fresh = Cursor(start[0], start[1], self.segments.epoch)
+        if self.group is None:
+            return fresh
+        path = self.cursor_file_name()
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return fresh
+        except OSError as exc:
+            log.error("CURSOR(%s) cannot read %s, starting at %d - %s", self.name, path, start[0], exc)
+            return fresh
+        try:
+            cursor, sound = Cursor.load(data, self.segments.epoch)
+        except CursorFileError as exc:
+            # the log's files were rewritten by another program (Go nsqd ran on this directory): what it
+            # delivered meanwhile is past `start`, what it did not is in the channel's own queue
+            log.warning("CURSOR(%s) %s is not for these files (%s): starting at %d", self.name, path, exc, start[0])
+            return fresh
+        if cursor.read_pos < self.segments.start:
+            log.warning("CURSOR(%s) its position %d is before the log's start %d: starting there",
+                        self.name, cursor.read_pos, self.segments.start)
+            cursor.reset(self.segments.start, self.segments.start_index())
+        if sound < len(data):
+            log.warning("CURSOR(%s) cutting %d bytes of a torn block off the end of %s", self.name, len(data) - sound, path)
+        else:
+            self._snapshot_due = False
+        return cursor
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def depth(self, end_index: int) -> int:
+        """Records not read yet up to the record with index `end_index` (the end of what it may read)."""
+        return max(0, end_index - self.cursor.read_index - self.cursor.hidden())
+
+    def read(self, limit: int, upto: int) -> list[Message]:
+        """Up to `limit` messages before position `upto`: skips what was finished before a restart, gives
+        a held record its attempts, and a record with a deadline still ahead `deferred` (seconds left)."""
+        cursor = self.cursor
+        reader = self.reader
+        out: list[Message] = []
+        decode = Message.decode
+        tag = self.tag
+        while len(out) < limit:
+            positions: list[int] = []
+            records = reader.read(limit - len(out), upto, positions)
+            if not records:
+                break
+            cursor.handed(positions, reader.position, reader.index)
+            skipping = cursor.hidden() > 0
+            held = cursor.held
+            deadlines = self.deadlines.entries if self.deadlines is not None else None
+            for data, pos in zip(records, positions):
+                if skipping and cursor.skip(pos):
+                    continue
+                try:
+                    msg = decode(data)
+                except ValueError as exc:
+                    log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
+                    self.finish_many([pos | tag])
+                    continue
+                msg.pos = pos | tag
+                if held:
+                    state = held.get(pos)
+                    if state is not None:
+                        msg.attempts = state[0]
+                        if state[1] > 0:
+                            msg.deferred = state[1] - self.clock()
+                if deadlines:
+                    entry = deadlines.get(pos)
+                    if entry is not None and entry[1] == msg.id:
+                        left = entry[0] - self.clock()
+                        if left > msg.deferred:
+                            msg.deferred = left
+                out.append(msg)
+        return out
+
+    def skip_to_lag(self, end_index: int, upto: int, max_lag: int) -> None:
+        """An ephemeral reader more than max_lag records behind drops the oldest, as nsqd's ephemeral
+        channel drops what its memory queue has no room for (counted in `dropped`)."""
+        while (over := self.depth(end_index) - max_lag) > 0:
+            msgs = self.read(min(over, 4096), upto)
+            if not msgs:
+                break
+            self.dropped += len(msgs)
+            self.finish_many([msg.pos for msg in msgs])
+
+    # --- what the channel did -----------------------------------------------------------------
+
+    def finish_many(self, positions: list[int]) -> None:
+        """Positions this reader gave (tag included) are done with."""
+        if self.tag:
+            positions = [pos & ~self.tag for pos in positions]
+        self.cursor.finish_many(positions)
+        if self.group is not None:
+            self.group.changed(len(positions))
+
+    def hold(self, pos: int, attempts: int, deadline: float) -> None:
+        """The message at `pos` was requeued (deadline 0) or deferred until `deadline` (unix seconds)."""
+        self.cursor.hold(pos & ~self.tag, attempts, deadline)
+        if self.group is not None:
+            self.group.changed()
+
+    def reset(self, pos: int, index: int) -> None:
+        """Nothing before `pos` is wanted (an empty: the end of the log; a seek: anywhere in it)."""
+        self.cursor.reset(pos, index)
+        self.reader.seek(pos, index)
+        self._snapshot_due = True
+        if self.group is not None:
+            self.group.changed()
+
+    def mark_delete(self) -> int:
+        return self.cursor.mark_delete()
+
+    def timestamp_at(self, pos: int) -> int | None:
+        """The publish time (unix ns) of the record at `pos` (cached: /stats asks for the mark's)."""
+        if self._timestamp_of[0] == pos:
+            return self._timestamp_of[1]
+        try:
+            timestamp: int | None = int(MESSAGE_HEADER.unpack_from(self.segments.read_at(pos))[0])
+        except (OSError, ValueError):
+            timestamp = None
+        self._timestamp_of = (pos, timestamp)
+        return timestamp
+
+    # --- own queue ----------------------------------------------------------------------------
+
+    def append(self, records: list[bytes], positions: list[int]) -> None:
+        """Write to the reader's own log (owns_log): read after what is there already. Raises BackendError."""
+        self.segments.append(records, positions)
+
+    # --- persistence (SyncGroup member) -------------------------------------------------------
+
+    def prepare(self, plan: RoundPlan) -> None:
+        if self.deleted:
+            return
+        cursor = self.cursor
+        if self._snapshot_due or cursor.wants_snapshot():
+            plan.replaces.append((self, self.cursor_file_name(), cursor.snapshot()))
+            self._snapshot_due = False
+        else:
+            delta = cursor.take_delta()
+            if delta:
+                plan.appends.append((self, self.cursor_file_name(), delta))
+        if self.owns_log:
+            segments = self.segments
+            self._taken = segments.take_unsynced()
+            plan.fsync.extend(self._taken)
+            mark = cursor.mark_delete()
+            self._removing.extend((path, segments.name) for path in segments.droppable(mark >> POS_SHIFT))
+            plan.removes.extend(self._removing)
+            plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(mark, cursor.mark_index())))
+
+    def finished(self, plan: RoundPlan, ok: bool) -> None:
+        if ok:
+            self._removing = []
+            self._taken = []
+            return
+        self.cursor.untake_delta()
+        self._snapshot_due = True
+        if self.owns_log:
+            self.segments.unsynced_again(self._taken)
+
+    def close(self) -> None:
+        self.reader.close()
+        if self.owns_log:
+            self.segments.close()
+        if self.group is not None and self in self.group.members:
+            self.group.members.remove(self)
+
+    def delete(self) -> None:
+        """Remove the cursor file (and the own log's files), now: a channel of the same name created next
+        starts afresh."""
+        self.reader.close()
+        lock = self.group.files_lock if self.group is not None else None
+        if lock is not None:
+            with lock:
+                self.deleted = True
+                self._remove_files()
+        else:
+            self.deleted = True
+            self._remove_files()
+        self.close()
+
+    def _remove_files(self) -> None:
+        for path in (self.cursor_file_name(),):
+            failed = remove_quietly(path)
+            if failed is not None:
+                log.error("CURSOR(%s) failed to remove %s - %s", self.name, path, failed)
+        if self.owns_log:
+            self.segments.remove_files()

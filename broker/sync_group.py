@@ -1,0 +1,270 @@
+"""SyncGroup: the fsync rounds of one topic's files (go-diskqueue's sync, shared by everything it writes).
+
+A topic's log, the deadline index of its deferred messages, and each channel's cursor (and own queue)
+are members of one group. A round asks every member what it has to persist (`prepare`: files written
+since the last round to fsync, bytes to append to a cursor file, whole files to replace), does it all in a
+worker thread in that order (data before the metadata that names it), then removes the files members no
+longer need, and tells every member how it went (`finished`).
+
+When: after sync_every changes (records written, FINs, requeues: go-diskqueue's count of reads and
+writes), at once when a file rolls, and every sync_timeout when anything happened (the io_loop, `run`).
+`sync()` is a group commit: every caller waiting at one moment shares one round, which covers every record
+written before it was called. A record a failed round covered is never reported durable afterwards, even
+if a later fsync succeeds (Linux may drop the dirty pages of a failed write-back and mark them clean), and
+the group reports its health (nsqd's SetHealth): a failed write or fsync says what failed, the next that
+succeeds says healthy again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import attrs
+import trio
+
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.files import fsync_dir, write_synced
+from trio_nsq.broker.segment_log import remove_dropped
+
+log = logging.getLogger("nsqd")
+
+
+class SyncMember(Protocol):
+    """A TopicLog or a LogReader: what it owns on disk, persisted by the group's rounds."""
+
+    deleted: bool
+
+    def prepare(self, plan: RoundPlan) -> None:
+        """Add what this round must persist."""
+
+    def finished(self, plan: RoundPlan, ok: bool) -> None:
+        """The round ended (ok: everything of it is durable; else it is to be done again)."""
+
+
+@attrs.define
+class RoundPlan:
+    """What one round persists, in this order: segments fsynced, cursor blocks appended (and fsynced),
+    files replaced (a temp file fsynced and renamed), the directory fsynced, then files removed."""
+
+    fsync: list[str] = attrs.Factory(list)
+    appends: list[tuple[SyncMember, str, bytes]] = attrs.Factory(list)
+    replaces: list[tuple[SyncMember, str, bytes]] = attrs.Factory(list)
+    removes: list[tuple[str, str]] = attrs.Factory(list)  # (path, the log's name for the log line)
+    writes: int = 0  # records written before the round began: the group commit's target
+
+    def empty(self) -> bool:
+        return not (self.fsync or self.appends or self.replaces or self.removes)
+
+
+class _Round:
+    __slots__ = ("plan", "done", "error")
+
+    def __init__(self, plan: RoundPlan) -> None:
+        self.plan = plan
+        self.done = trio.Event()
+        self.error: str | None = None
+
+
+class SyncGroup:
+    """Owned by a Topic: `run` is its io_loop (in the topic's nursery); its logs report writes and rolls
+    (`wrote`), its cursors report changes (`changed`); publishers with --sync-every=1 await `sync`."""
+
+    def __init__(self, name: str, data_path: str, *, sync_every: int = 2500, sync_timeout: float = 2.0,
+                 on_health: Callable[[str | None], None] | None = None) -> None:
+        self.name = name
+        self.data_path = data_path
+        self.sync_every = max(1, sync_every)
+        self.sync_timeout = sync_timeout
+        self._on_health = on_health
+        self.members: list[SyncMember] = []
+        self.failing = False
+        self.fsync_count = 0  # rounds started
+        self._count = 0  # changes since the last round (go-diskqueue's count)
+        self._needs_sync = False
+        # a round is due now (sync_every reached or a file changed): state, not just the wake event, so a
+        # wake that arrives while run() waits out someone else's round is not lost
+        self._sync_due = False
+        self._writes = 0  # records written so far
+        self._synced_writes = 0  # covered by a successful round
+        self._failed_writes = 0  # covered by a failed round: never durable as far as we know
+        self._round: _Round | None = None
+        self._wake = trio.Event()
+        self.closed = False
+        # a round's file writes (in a thread) and a member's removal (in the loop) exclude each other
+        self.files_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"SyncGroup({self.name})"
+
+    # --- what members report --------------------------------------------------------------------
+
+    def wrote(self, records: int, error: str | None = None) -> None:
+        """A log stored `records` records (0 and no error: a file rolled), or failed with `error`."""
+        if error is not None:
+            self._health(error)
+            return
+        if self.failing:
+            self._health(None)
+        if records:
+            self._writes += records
+            self.changed(records)
+        else:
+            self.file_changed()
+
+    def changed(self, n: int = 1) -> None:
+        self._needs_sync = True
+        self._count += n
+        if self._count >= self.sync_every:
+            self._sync_due = True
+            self._wake.set()
+
+    def file_changed(self) -> None:
+        """go-diskqueue syncs whenever a file changes."""
+        self._needs_sync = True
+        self._sync_due = True
+        self._wake.set()
+
+    def _health(self, error: str | None) -> None:
+        self.failing = error is not None
+        if self._on_health is not None:
+            self._on_health(error)
+
+    # --- rounds ---------------------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        """Return once every record written before this call is fsynced (and the metadata with it).
+        Group commit: a caller arriving while a round is in flight waits for it, and then the first of
+        those still not covered starts the next round for all of them."""
+        target = self._writes
+        while self._synced_writes < target:
+            if target <= self._failed_writes:
+                raise BackendError(f"failed to sync disk queue {self.name}")
+            current = self._round
+            if current is not None:
+                await current.done.wait()
+                if current.error is not None and current.plan.writes >= target:
+                    raise BackendError(current.error)
+                continue
+            if self.closed:
+                raise BackendError("exiting")
+            await self.sync_round()
+
+    async def sync_round(self) -> None:
+        """One round now (after the one in flight, if any); raises BackendError if it failed."""
+        while self._round is not None:
+            await self._round.done.wait()
+        plan = RoundPlan(writes=self._writes)
+        for member in list(self.members):
+            member.prepare(plan)
+        current = self._round = _Round(plan)
+        count, needs_sync = self._count, self._needs_sync
+        self._count = 0
+        self._needs_sync = False
+        self._sync_due = False
+        self.fsync_count += 1
+        ok = False
+        try:
+            await trio.to_thread.run_sync(self._persist, plan)
+            ok = True
+        except OSError as exc:
+            current.error = f"failed to sync disk queue {self.name} - {exc}"
+            log.error("DISKQUEUE(%s) failed to sync - %s", self.name, exc)
+            self._failed_writes = max(self._failed_writes, plan.writes)
+            self._health(current.error)
+            raise BackendError(current.error) from None
+        finally:
+            if not ok:
+                # not durable: the next round does it again (a failing disk is retried every
+                # sync_timeout, not in a loop)
+                self._count += count
+                self._needs_sync = True
+            else:
+                self._synced_writes = max(self._synced_writes, plan.writes)
+                if self.failing:
+                    self._health(None)
+            for member in list(self.members):
+                member.finished(plan, ok)
+            self._round = None
+            current.done.set()
+
+    def _persist(self, plan: RoundPlan) -> None:
+        """In a worker thread. fsync goes through a descriptor of our own (fsync flushes the file, not the
+        descriptor), so the event loop may close or replace its write descriptor meanwhile."""
+        for path in plan.fsync:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue  # dropped meanwhile, or its topic deleted: nothing to keep
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for member, path, data in plan.appends:
+            with self.files_lock:
+                if member.deleted:
+                    continue
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(28, f"short write of {path}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for member, path, data in plan.replaces:
+            tmp = f"{path}.{random.getrandbits(63)}.tmp"
+            try:
+                write_synced(tmp, data)
+                with self.files_lock:
+                    if member.deleted:
+                        os.remove(tmp)  # deleted meanwhile: nothing of it may come back
+                        continue
+                    os.rename(tmp, path)
+            except OSError:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
+                raise
+        if plan.replaces or plan.appends or plan.fsync:
+            fsync_dir(self.data_path)  # the renames and any new file's name
+        by_log: dict[str, list[str]] = {}
+        for path, name in plan.removes:
+            by_log.setdefault(name, []).append(path)
+        for name, paths in by_log.items():
+            remove_dropped(paths, name)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The io_loop: a round after sync_every changes, when a file changed, or every sync_timeout when
+        anything happened; ends when the group is closed."""
+        task_status.started()
+        while not self.closed:
+            if not self._wake.is_set() and not self._sync_due:
+                with trio.move_on_after(self.sync_timeout):
+                    await self._wake.wait()
+            self._wake = trio.Event()
+            if self.closed:
+                break
+            if self._round is not None:
+                # a sync() round is under way: it covers what woke us up; anything since wakes us again
+                await self._round.done.wait()
+                continue
+            if self._needs_sync:
+                try:
+                    await self.sync_round()
+                except BackendError:
+                    pass  # logged; the next round tries again
+
+    async def close(self) -> None:
+        """The last round; no more after it."""
+        with trio.CancelScope(shield=True):
+            try:
+                await self.sync_round()
+            except BackendError:
+                pass  # logged
+        self.closed = True
+        self._wake.set()

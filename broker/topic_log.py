@@ -1,0 +1,386 @@
+"""TopicLog: a topic's messages, stored once, read by every channel through a cursor of its own.
+
+What it holds, in the data directory:
+- the SegmentLog `<topic>.diskqueue.*`: go-diskqueue's files. Its metadata's read position is the oldest
+  record a durable channel has not finished (or, with no channels, the first not handed to any), so Go
+  nsqd started on this directory delivers every unfinished message of every channel (some twice);
+- the deadlines of deferred publishes (DPUB, /pub?defer=), per segment:
+  `<topic>.diskqueue.deadlines.%06d.dat`, entries (position, unix deadline, message id) appended after
+  their records. A channel reading such a record defers it; a restart reads the deadline again. They go
+  with their segment;
+- after Go's three lines of the metadata, how far the topic has handed its log to its channels
+  (`dispatched`): a channel created later starts there, as nsqd's new channel gets only what its topic
+  still holds. While the topic has channels and is not paused, everything appended is handed at once.
+
+Segments go once every channel has finished them (and, with --retention-time or --retention-bytes, once
+they are also older or beyond the limit), after the metadata and cursors that no longer need them are
+persisted: it all happens in the topic's sync rounds (`prepare`, a SyncGroup member).
+
+Who calls it: Topic (append, dispatch, empty, delete), Channel (reader_for, seek_to), the HTTP API
+(seek positions, /stats).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import re
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.files import close_quietly, remove_quietly
+from trio_nsq.broker.log_reader import DeadlineLookup, LogReader
+from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog
+from trio_nsq.broker.sync_group import RoundPlan, SyncGroup
+from trio_nsq.shared.protocol import MESSAGE_HEADER
+
+log = logging.getLogger("nsqd")
+
+_DEADLINE = struct.Struct(">qd16s")
+
+
+class SeekError(ValueError):
+    """A seek the log cannot do (a time before what it retains)."""
+
+
+class TopicLog:
+    def __init__(
+        self,
+        name: str,
+        data_path: str,
+        group: SyncGroup,
+        *,
+        max_bytes_per_file: int,
+        min_msg_size: int,
+        max_msg_size: int,
+        retention_time: float = 0.0,
+        retention_bytes: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.data_path = data_path
+        self.group = group
+        self.clock = clock
+        self.retention_time = retention_time
+        self.retention_bytes = retention_bytes
+        self.deleted = False
+        self.segments = SegmentLog(name, data_path, max_bytes_per_file=max_bytes_per_file,
+                                   min_msg_size=min_msg_size, max_msg_size=max_msg_size, on_write=group.wrote)
+        segments = self.segments
+        self.readers: list[LogReader] = []  # every channel's reader of this log (ephemeral ones too)
+        self.durable: list[LogReader] = []  # those with a cursor file
+        # how far the log is handed to the channels: (position, index)
+        self.dispatched = self._load_dispatched()
+        self.deadlines = DeadlineLookup()
+        self._deadline_fds: dict[int, int] = {}
+        self._deadline_unsynced: set[int] = set()
+        self._removing: list[tuple[str, str]] = []
+        self._taken: list[str] = []
+        self._remove_temp_files()
+        self._load_deadlines(segments.start)
+        group.members.append(self)
+
+    def __repr__(self) -> str:
+        return f"TopicLog({self.name})"
+
+    def _load_dispatched(self) -> tuple[int, int]:
+        segments = self.segments
+        value = segments.extension.get("dispatched")
+        if value is not None:
+            try:
+                pos, index = (int(x) for x in value.split(" "))
+                return pos, index
+            except ValueError:
+                log.error("TOPIC(%s) ignoring an unreadable dispatched position %r", self.name, value)
+        if segments.meta_found:
+            num, offset = segments.meta_read
+            return (num << POS_SHIFT) | offset, segments.meta_read_index
+        return segments.start, segments.start_index()
+
+    # --- files --------------------------------------------------------------------------------
+
+    def deadline_file_name(self, num: int) -> str:
+        return os.path.join(self.data_path, f"{self.name}.diskqueue.deadlines.{num:06d}.dat")
+
+    def _deadline_files(self) -> list[int]:
+        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.deadlines\.(\d{6,})\.dat\Z")
+        try:
+            names = os.listdir(self.data_path)
+        except OSError:
+            return []
+        return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
+
+    def _remove_temp_files(self) -> None:
+        temp = re.compile(re.escape(self.name) + r":[^/]*\.cursor\.dat\.\d+\.tmp\Z")
+        try:
+            names = os.listdir(self.data_path)
+        except OSError:
+            return
+        for entry in names:
+            if temp.match(entry):
+                remove_quietly(os.path.join(self.data_path, entry))
+
+    def _load_deadlines(self, start: int) -> None:
+        """The deadlines still ahead of records from `start` on (a restart, or a seek back)."""
+        now = self.clock()
+        entries = self.deadlines.entries
+        for num in self._deadline_files():
+            if num < (start >> POS_SHIFT):
+                if num < self.segments.first_file:
+                    remove_quietly(self.deadline_file_name(num))  # its segment went before it
+                continue
+            try:
+                with open(self.deadline_file_name(num), "rb") as fh:
+                    data = fh.read()
+            except OSError as exc:
+                log.error("TOPIC(%s) cannot read %s - %s", self.name, self.deadline_file_name(num), exc)
+                continue
+            usable = len(data) - len(data) % _DEADLINE.size  # a crash may cut the last entry
+            for pos, deadline, msg_id in _DEADLINE.iter_unpack(data[:usable]):
+                if pos >= start and deadline > now:
+                    entries[pos] = (deadline, msg_id)
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def append(self, records: Sequence[bytes], deadline: float = 0.0) -> None:
+        """Append records (every one deferred until `deadline`, unix seconds, when > 0). Raises
+        BackendError (`.stored` of them kept) at the first that cannot be stored."""
+        if not deadline:
+            self.segments.append(records)
+            return
+        positions: list[int] = []
+        try:
+            self.segments.append(records, positions)
+        finally:
+            # after their records: a kill -9 between the two writes costs these records their delay,
+            # never the records (and an entry whose record was lost is told apart by its id)
+            if positions:
+                self._append_deadlines(records, positions, deadline)
+
+    def _append_deadlines(self, records: Sequence[bytes], positions: list[int], deadline: float) -> None:
+        entries = self.deadlines.entries
+        by_file: dict[int, list[bytes]] = {}
+        for data, pos in zip(records, positions):
+            msg_id = data[10:26]
+            entries[pos] = (deadline, msg_id)
+            by_file.setdefault(pos >> POS_SHIFT, []).append(_DEADLINE.pack(pos, deadline, msg_id))
+        for num, packed in by_file.items():
+            try:
+                fd = self._deadline_fds.get(num)
+                if fd is None:
+                    for old in [n for n in self._deadline_fds if n != num]:
+                        close_quietly(self._deadline_fds.pop(old))
+                    fd = os.open(self.deadline_file_name(num), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                    self._deadline_fds[num] = fd
+                os.write(fd, b"".join(packed))
+                self._deadline_unsynced.add(num)
+            except OSError as exc:
+                # the records stay; a restart before they are read delivers them at once (early, not lost)
+                log.error("TOPIC(%s) failed to write deadlines to %s - %s", self.name, self.deadline_file_name(num), exc)
+
+    def dispatch(self) -> None:
+        """Everything appended so far is handed to the channels there are."""
+        self.dispatched = (self.segments.tail, self.segments.tail_index)
+
+    def undispatched(self) -> int:
+        """Records not handed to any channel yet (a paused topic's, or one without channels)."""
+        return self.segments.tail_index - self.dispatched[1]
+
+    def empty(self) -> None:
+        """Drop what is not handed to a channel yet (nsqd's topic empty)."""
+        self.dispatch()
+        self.group.changed()
+
+    # --- readers ------------------------------------------------------------------------------
+
+    def reader_for(self, name: str, *, durable: bool) -> LogReader:
+        """A channel's reader of this log: a durable channel's cursor persists in `<name>.cursor.dat` (a
+        new channel starts at what is not handed yet); an ephemeral one's starts there, in memory."""
+        reader = LogReader(self.segments, name, self.group if durable else None, start=self.dispatched,
+                           deadlines=self.deadlines, clock=self.clock)
+        self.readers.append(reader)
+        if durable:
+            self.durable.append(reader)
+        return reader
+
+    def forget(self, reader: LogReader) -> None:
+        """A channel's reader is gone (the channel deleted): it no longer holds segments."""
+        if reader in self.readers:
+            self.readers.remove(reader)
+        if reader in self.durable:
+            self.durable.remove(reader)
+        self.group.changed()
+
+    def seek_position(self, to: str | int) -> tuple[int, int]:
+        """Where a seek goes: "earliest" (the first record kept), "latest" (past the last handed to the
+        channels), or a time (unix nanoseconds): the first record published at or after it. Raises
+        SeekError for a time before the first record kept (what was there is gone)."""
+        segments = self.segments
+        if to == "earliest":
+            return segments.start, segments.start_index()
+        if to == "latest":
+            return self.dispatched
+        assert isinstance(to, int)
+        first = self._first_record(segments.first_file)
+        if first is not None and to < first[2] and segments.first_file > 0:
+            raise SeekError("time is before the first message retained")
+        # the last segment whose first record is at or before `to`, then record by record
+        nums = [n for n in segments.segments() if self._first_record(n) is not None]
+        starts = [self._first_record(n)[2] for n in nums]  # type: ignore[index]
+        at = max(0, bisect.bisect_right(starts, to) - 1)
+        for num in nums[at:]:
+            found = self._scan_for_time(num, to)
+            if found is not None:
+                return found
+        return self.dispatched
+
+    def _first_record(self, num: int) -> tuple[int, int, int] | None:
+        """(position, index, timestamp) of segment num's first record, if it has one."""
+        segments = self.segments
+        if num == segments.write_file_num and segments.write_pos == 0:
+            return None
+        try:
+            data = segments.read_at(num << POS_SHIFT)
+        except (OSError, ValueError):
+            return None
+        return num << POS_SHIFT, segments.index_of_file(num), MESSAGE_HEADER.unpack_from(data)[0]
+
+    def _scan_for_time(self, num: int, to: int) -> tuple[int, int] | None:
+        reader = self.segments.reader(num << POS_SHIFT, self.segments.index_of_file(num))
+        end = min(self.dispatched[0], (num + 1) << POS_SHIFT)
+        try:
+            while True:
+                positions: list[int] = []
+                index = reader.index
+                records = reader.read(4096, end, positions)
+                if not records:
+                    return None
+                for i, data in enumerate(records):
+                    if MESSAGE_HEADER.unpack_from(data)[0] >= to:
+                        return positions[i], index + i
+        finally:
+            reader.close()
+
+    def reload_deadlines(self, start: int) -> None:
+        """A reader went back to `start` (a seek): deadlines still ahead there count again."""
+        self._load_deadlines(start)
+
+    # --- what /stats says ---------------------------------------------------------------------
+
+    def first_position(self) -> int:
+        return self.segments.start
+
+    def end_position(self) -> int:
+        return self.segments.tail
+
+    def bytes(self) -> int:
+        return self.segments.segment_bytes()
+
+    def oldest_timestamp(self, pos: int) -> int | None:
+        """The publish time (unix ns) of the record at `pos`, if it can be read."""
+        if pos >= self.segments.tail:
+            return None
+        try:
+            return int(MESSAGE_HEADER.unpack_from(self.segments.read_at(pos))[0])
+        except (OSError, ValueError):
+            return None
+
+    # --- persistence (SyncGroup member) -------------------------------------------------------
+
+    def needed(self) -> int:
+        """The oldest position any channel, or a channel created now, may still read."""
+        pos = self.dispatched[0]
+        for reader in self.readers:
+            mark = reader.mark_delete()
+            if mark < pos:
+                pos = mark
+        return pos
+
+    def prepare(self, plan: RoundPlan) -> None:
+        if self.deleted:
+            return
+        segments = self.segments
+        self._taken = segments.take_unsynced()
+        plan.fsync.extend(self._taken)
+        for num in sorted(self._deadline_unsynced):
+            plan.fsync.append(self.deadline_file_name(num))
+        self._deadline_unsynced.clear()
+        needed = self.needed()
+        keep = self._retained(needed >> POS_SHIFT)
+        if keep > segments.first_file:
+            for num in range(segments.first_file, keep):
+                fd = self._deadline_fds.pop(num, None)
+                close_quietly(fd)
+                self._removing.append((self.deadline_file_name(num), self.name))
+            self._removing.extend((path, self.name) for path in segments.droppable(keep))
+        plan.removes.extend(self._removing)
+        if self.deadlines.entries:
+            # entries every reader has read (a restart reads them from the files again)
+            oldest = min((reader.cursor.read_pos for reader in self.readers), default=self.dispatched[0])
+            oldest = min(oldest, self.dispatched[0])
+            self.deadlines.entries = {pos: e for pos, e in self.deadlines.entries.items() if pos >= oldest}
+        # Go's read position: the oldest record a durable channel has not finished
+        go_pos, go_index = self.dispatched
+        for reader in self.durable:
+            mark = reader.mark_delete()
+            if mark < go_pos:
+                go_pos, go_index = mark, reader.cursor.mark_index()
+        extra = [f"dispatched {self.dispatched[0]} {self.dispatched[1]}"]
+        plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(go_pos, go_index, extra)))
+
+    def _retained(self, needed_file: int) -> int:
+        """The first segment to keep: every one before `needed_file` may go, unless retention keeps it."""
+        segments = self.segments
+        keep = min(needed_file, segments.write_file_num)
+        if not (self.retention_time or self.retention_bytes):
+            return max(keep, segments.first_file)
+        now = self.clock()
+        total = segments.segment_bytes()
+        first = segments.first_file
+        while first < keep:
+            size = segments._size(first)
+            old = self.retention_time > 0 and segments.segment_mtime(first) < now - self.retention_time
+            big = self.retention_bytes > 0 and total - size >= self.retention_bytes
+            if not (old or big):
+                break
+            total -= size
+            first += 1
+        return first
+
+    def finished(self, plan: RoundPlan, ok: bool) -> None:
+        if ok:
+            self._removing = []
+        else:
+            self.segments.unsynced_again(self._taken)
+        self._taken = []
+
+    # --- end ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for fd in self._deadline_fds.values():
+            close_quietly(fd)
+        self._deadline_fds.clear()
+        for reader in list(self.readers):
+            reader.close()
+        self.segments.close()
+        if self in self.group.members:
+            self.group.members.remove(self)
+
+    def delete(self) -> None:
+        """Every file of the topic's log, now (nsqd removes them before it answers)."""
+        with self.group.files_lock:
+            self.deleted = True
+            self.close()
+            self.segments.remove_files()
+            for num in self._deadline_files():
+                remove_quietly(self.deadline_file_name(num))
+
+
+def position_text(pos: int) -> str:
+    return f"{pos >> POS_SHIFT}:{pos & OFFSET_MASK}"
+
+
+__all__ = ["BackendError", "SeekError", "TopicLog", "position_text"]
