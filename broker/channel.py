@@ -323,8 +323,10 @@ class Channel:
             positions = [pos for pos in positions if not pos & OWN]
         if positions and reader is not None:
             reader.finish_many(positions)
-            if reader.cursor.finished_waiting() > max(FINISHED_LIMIT, self._reclaim_after):
-                self._reclaim(reader.cursor.middle())
+            cursor = reader.cursor
+            if cursor.waiting_at_most() > max(FINISHED_LIMIT, self._reclaim_after) and \
+                    cursor.finished_waiting() > max(FINISHED_LIMIT, self._reclaim_after):
+                self._reclaim(cursor.middle())
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)

@@ -143,9 +143,13 @@ class Cursor:
         return len(self._handed) - self._head - len(self._finished)
 
     def finished_waiting(self) -> int:
-        """Finished positions kept because an older record is not finished (reclaim watches this)."""
+        """Finished positions kept because an older record is not finished."""
         self._apply_fins()
         return len(self._finished)
+
+    def waiting_at_most(self) -> int:
+        """finished_waiting() or more, without applying the noted FINs (cheap: reclaim asks per FIN run)."""
+        return len(self._fins) + len(self._finished)
 
     def unfinished_before(self, cutoff: int) -> list[int]:
         """Positions read, not finished, before `cutoff` (the records that pin what is before it)."""

@@ -21,7 +21,7 @@ from trio_nsq.broker.cursor import Cursor, CursorFileError
 from trio_nsq.broker.files import remove_quietly
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.segment_log import POS_SHIFT, SegmentLog
-from trio_nsq.broker.sync_group import RoundPlan, SyncGroup
+from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")
@@ -70,6 +70,7 @@ class LogReader:
         self._snapshot_due = True  # no file of ours yet (or one that is not ours): write it whole
         self._taken: list[str] = []  # segments a round fsyncs, again if it fails
         self._removing: list[tuple[str, str]] = []
+        self._meta_at = -META_INTERVAL  # an own log's metadata: when last written (a round's monotonic time)
         self._timestamp_of: tuple[int, int | None] = (-1, None)
         self.cursor = self._load(start)
         self.reader = segments.reader(self.cursor.read_pos, self.cursor.read_index)
@@ -234,7 +235,11 @@ class LogReader:
             mark = cursor.mark_delete()
             self._removing.extend((path, segments.name) for path in segments.droppable(mark >> POS_SHIFT))
             plan.removes.extend(self._removing)
-            plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(mark, cursor.mark_index())))
+            changed = segments.take_files_changed()
+            plan.new_names = plan.new_names or changed
+            if changed or plan.final or plan.now - self._meta_at >= META_INTERVAL:
+                self._meta_at = plan.now
+                plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(mark, cursor.mark_index())))
 
     def finished(self, plan: RoundPlan, ok: bool) -> None:
         if ok:
@@ -245,6 +250,7 @@ class LogReader:
         self._snapshot_due = True
         if self.owns_log:
             self.segments.unsynced_again(self._taken)
+            self._meta_at = -META_INTERVAL
 
     def close(self) -> None:
         self.reader.close()

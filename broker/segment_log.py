@@ -86,6 +86,7 @@ class SegmentLog:
         self._write_fd: int | None = None
         self._last_link_check = 0.0
         self._unsynced_from: int | None = None  # the first segment written since the last round
+        self._files_changed = False  # a segment was created, dropped or cut since the last round
         self.closed = False
         self.appended = 0  # records appended by this process
 
@@ -293,6 +294,12 @@ class SegmentLog:
             return []
         return [self.file_name(n) for n in range(first, self.write_file_num + 1)]
 
+    def take_files_changed(self) -> bool:
+        """Whether a segment was created, dropped or cut since the last call (the metadata must say so,
+        and the directory be fsynced)."""
+        changed, self._files_changed = self._files_changed, False
+        return changed
+
     def unsynced_again(self, paths: list[str]) -> None:
         """A round that was to fsync these failed: the next one does them again."""
         if paths:
@@ -441,6 +448,7 @@ class SegmentLog:
         path = self.file_name(self.write_file_num)
         if self.write_pos == 0:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            self._files_changed = True
         else:
             # records before write_pos must be there: never create it, nor write past its end
             try:
@@ -514,6 +522,7 @@ class SegmentLog:
         log.error("DISKQUEUE(%s) %s at %d of %s: the rest of the file is lost, it is kept as .bad once read",
                   self.name, why, offset, self.file_name(num))
         self._cut[num] = offset
+        self._files_changed = True
         if num == self.write_file_num:
             self._next_write_file()
 
@@ -538,7 +547,9 @@ class SegmentLog:
         """The files of the segments before segment `before` (never the write file), for the owner to
         remove once the metadata no longer naming them is persisted; they are forgotten now."""
         before = min(before, self.write_file_num)
-        paths = []
+        paths: list[str] = []
+        if before > self.first_file:
+            self._files_changed = True
         for num in range(self.first_file, before):
             path = self.file_name(num)
             paths.append(path + ".bad" if num in self._cut else path)

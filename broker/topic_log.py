@@ -9,8 +9,9 @@ What it holds, in the data directory:
   their records. A channel reading such a record defers it; a restart reads the deadline again. They go
   with their segment;
 - after Go's three lines of the metadata, how far the topic has handed its log to its channels
-  (`dispatched`): a channel created later starts there, as nsqd's new channel gets only what its topic
-  still holds. While the topic has channels and is not paused, everything appended is handed at once.
+  (`dispatched`, "all" when up to the end): a channel created later starts there, as nsqd's new channel
+  gets only what its topic still holds. While the topic has channels and is not paused, everything
+  appended is handed at once.
 
 Segments go once every channel has finished them (and, with --retention-time or --retention-bytes, once
 they are also older or beyond the limit), after the metadata and cursors that no longer need them are
@@ -34,7 +35,7 @@ from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.files import close_quietly, remove_quietly
 from trio_nsq.broker.log_reader import DeadlineLookup, LogReader
 from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog
-from trio_nsq.broker.sync_group import RoundPlan, SyncGroup
+from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")
@@ -79,6 +80,9 @@ class TopicLog:
         self._deadline_unsynced: set[int] = set()
         self._removing: list[tuple[str, str]] = []
         self._taken: list[str] = []
+        self._deadline_created: set[int] = set()
+        self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
+        self._meta_dispatched = ""
         self._remove_temp_files()
         self._load_deadlines(segments.start)
         group.members.append(self)
@@ -89,6 +93,8 @@ class TopicLog:
     def _load_dispatched(self) -> tuple[int, int]:
         segments = self.segments
         value = segments.extension.get("dispatched")
+        if value == "all":
+            return segments.tail, segments.tail_index
         if value is not None:
             try:
                 pos, index = (int(x) for x in value.split(" "))
@@ -175,6 +181,7 @@ class TopicLog:
                         close_quietly(self._deadline_fds.pop(old))
                     fd = os.open(self.deadline_file_name(num), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                     self._deadline_fds[num] = fd
+                    self._deadline_created.add(num)
                 os.write(fd, b"".join(packed))
                 self._deadline_unsynced.add(num)
             except OSError as exc:
@@ -322,13 +329,22 @@ class TopicLog:
             oldest = min((reader.cursor.read_pos for reader in self.readers), default=self.dispatched[0])
             oldest = min(oldest, self.dispatched[0])
             self.deadlines.entries = {pos: e for pos, e in self.deadlines.entries.items() if pos >= oldest}
+        files_changed = segments.take_files_changed()
+        plan.new_names = plan.new_names or files_changed or bool(self._deadline_created)
+        self._deadline_created.clear()
+        dispatched = "all" if self.dispatched[0] == segments.tail else f"{self.dispatched[0]} {self.dispatched[1]}"
+        if not (files_changed or plan.final or dispatched != self._meta_dispatched
+                or plan.now - self._meta_at >= META_INTERVAL):
+            return
+        self._meta_at = plan.now
+        self._meta_dispatched = dispatched
         # Go's read position: the oldest record a durable channel has not finished
         go_pos, go_index = self.dispatched
         for reader in self.durable:
             mark = reader.mark_delete()
             if mark < go_pos:
                 go_pos, go_index = mark, reader.cursor.mark_index()
-        extra = [f"dispatched {self.dispatched[0]} {self.dispatched[1]}"]
+        extra = [f"dispatched {dispatched}"]
         plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(go_pos, go_index, extra)))
 
     def _retained(self, needed_file: int) -> int:
@@ -355,6 +371,9 @@ class TopicLog:
             self._removing = []
         else:
             self.segments.unsynced_again(self._taken)
+            self._meta_at = -META_INTERVAL  # written again next round
+            self._meta_dispatched = ""
+            self.segments._files_changed = True
         self._taken = []
 
     # --- end ----------------------------------------------------------------------------------

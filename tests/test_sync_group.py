@@ -14,7 +14,8 @@ import trio
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.message import encode_record
-from trio_nsq.broker.sync_group import SyncGroup
+from trio_nsq.broker.cursor import Cursor
+from trio_nsq.broker.sync_group import META_INTERVAL, SyncGroup
 from trio_nsq.broker.topic_log import TopicLog
 
 
@@ -49,8 +50,7 @@ async def test_group_commit_shares_fsyncs(tmp_path, with_io_loop):
         nursery.cancel_scope.cancel()
     assert len(acked) == 200
     assert 1 <= group.fsync_count <= 20, group.fsync_count
-    assert go_lines(d, "g") == f"200\n0,0\n0,{200 * 8}\n"  # the metadata was persisted with the data
-    assert (d / "g:c.cursor.dat").exists()  # and the channel's cursor with them
+    assert (d / "g.diskqueue.meta.dat").exists() and (d / "g:c.cursor.dat").exists()
     after = shutil.copytree(d, tmp_path / "after")
     again = open_log(after, SyncGroup("g", str(after)))
     positions: list[int] = []
@@ -145,6 +145,41 @@ async def wait_go_lines(d: Path, name: str, want: str) -> None:
             await trio.sleep(0.005)
 
 
+async def wait_rounds(group: SyncGroup, n: int) -> None:
+    with trio.fail_after(5):
+        while group.fsync_count < n or group._round is not None:
+            await trio.sleep(0.005)
+
+
+async def test_a_round_of_fins_appends_the_cursor_and_writes_metadata_only_now_and_then(tmp_path):
+    """Rounds that only persist FINs append a few bytes to the cursor's file; the log's metadata is
+    written when a segment rolls or goes, at the last round, and at most every META_INTERVAL otherwise."""
+    now = [100.0]
+    group = SyncGroup("m", str(tmp_path), clock=lambda: now[0])
+    log = open_log(tmp_path, group)
+    reader = log.reader_for("g:c", durable=True)
+    log.append([encode_record(0, 0, b"%016d" % i, b"x") for i in range(50)])
+    log.dispatch()
+    await group.sync_round()
+    meta = tmp_path / "g.diskqueue.meta.dat"
+    cursor_file = tmp_path / "g:c.cursor.dat"
+    first, size = meta.stat().st_ino, cursor_file.stat().st_size
+    for _ in range(5):
+        msgs = reader.read(10, log.segments.tail)
+        reader.finish_many([m.pos for m in msgs])
+        await group.sync_round()
+        assert meta.stat().st_ino == first  # not rewritten
+        assert cursor_file.stat().st_size > size  # a block appended
+        size = cursor_file.stat().st_size
+    assert go_lines(tmp_path, "g") == "50\n0,0\n0,1550\n"  # Go's view: stale, so more comes again
+    now[0] += META_INTERVAL
+    group.changed()
+    await group.sync_round()
+    assert meta.stat().st_ino != first and go_lines(tmp_path, "g") == "0\n0,1550\n0,1550\n"
+    await group.close()
+    log.close()
+
+
 async def test_io_loop_syncs_every_n_changes(tmp_path):
     group = SyncGroup("l", str(tmp_path), sync_every=10, sync_timeout=3600)
     log = open_log(tmp_path, group)
@@ -158,11 +193,12 @@ async def test_io_loop_syncs_every_n_changes(tmp_path):
         assert group.fsync_count == 0
         log.append([record])  # the 10th
         log.dispatch()
-        await wait_go_lines(tmp_path, "g", "10\n0,0\n0,310\n")
+        await wait_rounds(group, 1)
         msgs = reader.read(10, log.segments.tail)
         reader.finish_many([m.pos for m in msgs])  # a channel's FINs count too
-        await wait_go_lines(tmp_path, "g", "0\n0,310\n0,310\n")
-        assert group.fsync_count == 2
+        await wait_rounds(group, 2)
+        cursor, _ = Cursor.load((tmp_path / "g:c.cursor.dat").read_bytes(), log.segments.epoch)
+        assert cursor.read_pos == 310  # the FINs are what that round persisted
         nursery.cancel_scope.cancel()
     log.close()
 

@@ -31,6 +31,7 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.cursor",
     "trio_nsq.broker.log_reader",
     "trio_nsq.broker.topic_log",
+    "trio_nsq.broker.sync_group",
     "trio_nsq.broker.client_v2",
     "trio_nsq.broker.protocol_v2",
     "trio_nsq.shared.http_server",
