@@ -115,13 +115,20 @@ class Channel:
         return len(self.memory) + self.backend_depth()
 
     def backend_depth(self) -> int:
-        """Messages waiting in the logs (the topic's and its own), not read yet."""
+        """Messages waiting in the logs (the topic's and its own), not read yet: deferred publishes among
+        them are counted deferred (deferred_count), as nsqd counts them once handed to the channel."""
         depth = 0
         if self.reader is not None:
             depth += self.reader.depth(self.topic.dispatched_index())
+            depth -= self.reader.deferred_ahead(self.topic.dispatched_position())
         if self.own is not None:
             depth += self.own.depth(self.own.segments.tail_index)
         return depth
+
+    def deferred_count(self) -> int:
+        """Deferred messages: in the deferred queue, and deferred publishes in the log not read yet."""
+        ahead = self.reader.deferred_ahead(self.topic.dispatched_position()) if self.reader is not None else 0
+        return len(self.deferred) + ahead
 
     def oldest_unfinished_timestamp(self) -> int | None:
         """The publish time (unix ns) of the oldest message the channel has not finished, if any: the

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from array import array
+from bisect import bisect_left
 from collections.abc import Callable
 
 from trio_nsq.broker.cursor import Cursor, CursorFileError
@@ -27,18 +29,42 @@ from trio_nsq.shared.protocol import MESSAGE_HEADER
 log = logging.getLogger("nsqd")
 
 
-class DeadlineLookup:
-    """What a reader needs of a log's deferred-publish index: the deadline of a record, if it has one."""
+class DeferredIndex:
+    """The deadlines of a log's deferred publishes, for the records some reader has not read yet (TopicLog
+    keeps it, from its files): a reader defers a record it finds here; /stats counts the records ahead of
+    a reader that are deferred. Two arrays in position order (16 bytes an entry, nothing for the garbage
+    collector to walk): a reader walks them beside the records it reads."""
 
     def __init__(self) -> None:
-        self.entries: dict[int, tuple[float, bytes]] = {}  # position -> (unix deadline, message id)
+        self.positions = array("q")
+        self.deadlines = array("d")
 
-    def deadline(self, pos: int, msg_id: bytes) -> float:
-        entry = self.entries.get(pos)
-        if entry is None or entry[1] != msg_id:
-            return 0.0  # none, or one written for a record a crash lost (the position was used again)
-        return entry[0]
+    def __len__(self) -> int:
+        return len(self.positions)
 
+    def add_many(self, positions: list[int], deadline: float) -> None:
+        """Deferred publishes just appended (their positions follow every one here)."""
+        self.positions.extend(positions)
+        self.deadlines.extend([deadline] * len(positions))
+
+    def load(self, entries: list[tuple[int, float]]) -> None:
+        """Entries read from the files (a restart or a seek back), merged with those here."""
+        merged = dict(zip(self.positions, self.deadlines))
+        merged.update(entries)
+        order = sorted(merged)
+        self.positions = array("q", order)
+        self.deadlines = array("d", [merged[pos] for pos in order])
+
+    def count_between(self, lo: int, hi: int) -> int:
+        """Deferred records at positions in [lo, hi)."""
+        return bisect_left(self.positions, hi) - bisect_left(self.positions, lo)
+
+    def prune_before(self, pos: int) -> None:
+        """Every reader has read what is before `pos` (a restart reads the files again)."""
+        cut = bisect_left(self.positions, pos)
+        if cut:
+            del self.positions[:cut]
+            del self.deadlines[:cut]
 
 class LogReader:
     def __init__(
@@ -49,7 +75,7 @@ class LogReader:
         *,
         start: tuple[int, int],
         tag: int = 0,
-        deadlines: DeadlineLookup | None = None,
+        deadlines: DeferredIndex | None = None,
         owns_log: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -119,6 +145,13 @@ class LogReader:
         """Records not read yet up to the record with index `end_index` (the end of what it may read)."""
         return max(0, end_index - self.cursor.read_index - self.cursor.hidden())
 
+    def deferred_ahead(self, end: int) -> int:
+        """Records not read yet before position `end` that are deferred publishes (counted deferred, not
+        queued, as nsqd counts them once its topic handed them to the channel)."""
+        if self.deadlines is None or not len(self.deadlines):
+            return 0
+        return self.deadlines.count_between(self.cursor.read_pos, end)
+
     def read(self, limit: int, upto: int) -> list[Message]:
         """Up to `limit` messages before position `upto`: skips what was finished before a restart, gives
         a held record its attempts, and a record with a deadline still ahead `deferred` (seconds left)."""
@@ -135,7 +168,12 @@ class LogReader:
             cursor.handed(positions, reader.position, reader.index)
             skipping = cursor.hidden() > 0
             held = cursor.held
-            deadlines = self.deadlines.entries if self.deadlines is not None else None
+            # the deferred publishes among these records: walked beside them (both in position order)
+            deferred = self.deadlines
+            at = end = 0
+            if deferred is not None and len(deferred):
+                at = bisect_left(deferred.positions, positions[0])
+                end = bisect_left(deferred.positions, positions[-1] + 1)
             for data, pos in zip(records, positions):
                 if skipping and cursor.skip(pos):
                     continue
@@ -152,10 +190,12 @@ class LogReader:
                         msg.attempts = state[0]
                         if state[1] > 0:
                             msg.deferred = state[1] - self.clock()
-                if deadlines:
-                    entry = deadlines.get(pos)
-                    if entry is not None and entry[1] == msg.id:
-                        left = entry[0] - self.clock()
+                if at < end:
+                    assert deferred is not None
+                    while at < end and deferred.positions[at] < pos:
+                        at += 1
+                    if at < end and deferred.positions[at] == pos:
+                        left = deferred.deadlines[at] - self.clock()
                         if left > msg.deferred:
                             msg.deferred = left
                 out.append(msg)

@@ -102,21 +102,33 @@ class ProtocolV2:
         while True:
             responses: list[bytes] = []
             error: ClientError | None = None
+            run = _PublishRun()
             try:
-                while True:
-                    fins = parser.peek_fins()
-                    if fins:
-                        self._finish_run(client, parser, fins)
-                    command = parser.next_command()
-                    if command is None:
-                        break
-                    if command.name in _WRITES_ITSELF and responses:
-                        # IDENTIFY may upgrade the stream: earlier answers go out first, in order
-                        await self._answer(client, responses, None)
-                        responses = []
-                    response = await self.exec(client, command)
-                    if response is not None:
-                        responses.append(response)
+                try:
+                    while True:
+                        fins = parser.peek_fins()
+                        if fins:
+                            self._finish_run(client, parser, fins)
+                        command = parser.next_command()
+                        if command is None:
+                            break
+                        if command.name in _RUNS:
+                            await self._add_to_run(client, run, command, responses)
+                            continue
+                        if run.count:
+                            self._publish_run(client, run, responses)
+                        if command.name in _WRITES_ITSELF and responses:
+                            # IDENTIFY may upgrade the stream: earlier answers go out first, in order
+                            await self._answer(client, responses, None)
+                            responses = []
+                        response = await self.exec(client, command)
+                        if response is not None:
+                            responses.append(response)
+                finally:
+                    if run.count:
+                        # what came before an error is answered before it (a fatal error of the run
+                        # itself replaces the other one)
+                        self._publish_run(client, run, responses)
             except ClientError as err:
                 error = err
             if not await self._answer(client, responses, error):
@@ -136,6 +148,39 @@ class ProtocolV2:
             if not data:
                 return
             parser.feed(data)
+
+    async def _add_to_run(self, client: ClientV2, run: _PublishRun, cmd: Command, responses: list[bytes]) -> None:
+        """PUB and DPUB commands that follow each other in one read, to one topic (a DPUB with one delay),
+        are published as one batch: one write to the topic's log instead of one each, the same messages,
+        ids, order and answers as one publish each (each answered OK, in place)."""
+        topic_name = cmd.params[0].decode()
+        delay = self._dpub_timeout(cmd.params[1]) if cmd.name == b"DPUB" else 0.0
+        if run.count and (run.name != cmd.name or run.topic != topic_name or run.delay != delay):
+            self._publish_run(client, run, responses)
+        if not run.count:
+            await self.check_auth(client, cmd.name.decode(), topic_name)
+            run.name, run.topic, run.delay = cmd.name, topic_name, delay
+        run.bodies.append(cmd.body or b"")
+        run.count += 1
+
+    def _publish_run(self, client: ClientV2, run: _PublishRun, responses: list[bytes]) -> None:
+        """Publish a run; its commands are answered OK up to the first one the topic could not store,
+        which gets the command's fatal E_<cmd>_FAILED."""
+        command = run.name.decode()
+        bodies = run.bodies
+        run.count = 0
+        run.bodies = []
+        topic = self.nsqd.get_topic(run.topic)
+        try:
+            published = topic.publish(bodies, run.delay)
+        except BackendError as exc:
+            responses.extend([OK] * exc.stored)
+            client.published(run.topic, exc.stored)
+            raise FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}") from None
+        if published.sync is not None:
+            client.pending_sync.setdefault(published.sync, command)
+        client.published(run.topic, published.count)
+        responses.extend([OK] * len(bodies))
 
     async def heartbeat_loop(self, client: ClientV2) -> None:
         """Send _heartbeat_ every heartbeat_interval; IDENTIFY restarts the schedule with its interval."""
@@ -489,12 +534,6 @@ class ProtocolV2:
     async def NOP(self, client: ClientV2, cmd: Command) -> bytes | None:
         return None
 
-    async def PUB(self, client: ClientV2, cmd: Command) -> bytes | None:
-        topic_name = cmd.params[0].decode()
-        await self.check_auth(client, "PUB", topic_name)
-        self._publish(client, "PUB", topic_name, [cmd.body or b""])
-        return OK
-
     async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
         await self.check_auth(client, "MPUB", topic_name)
@@ -512,17 +551,11 @@ class ProtocolV2:
             raise FatalClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_req_ms}")
         return timeout_ms / 1000
 
-    async def DPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
-        topic_name = cmd.params[0].decode()
-        delay = self._dpub_timeout(cmd.params[1])
-        await self.check_auth(client, "DPUB", topic_name)
-        self._publish(client, "DPUB", topic_name, [cmd.body or b""], delay)
-        return OK
-
     def _publish(self, client: ClientV2, command: str, topic_name: str, bodies: list[bytes],
                  deferred: float = 0.0) -> None:
-        """Topic.publish for PUB/MPUB/DPUB (their AUTH checked): its error is the command's fatal
-        E_<cmd>_FAILED; an fsync the answer waits for is owed once for the whole read (_sync_published)."""
+        """Topic.publish for MPUB (its AUTH checked; PUB and DPUB go in runs, _add_to_run): its error is
+        the command's fatal E_<cmd>_FAILED; an fsync the answer waits for is owed once for the whole read
+        (_sync_published)."""
         topic = self.nsqd.get_topic(topic_name)
         try:
             published = topic.publish(bodies, deferred)
@@ -535,6 +568,21 @@ class ProtocolV2:
 
 # commands that write their own answer (and may upgrade the stream) instead of returning it
 _WRITES_ITSELF = frozenset({b"IDENTIFY", b"AUTH"})
+# commands published in runs (_add_to_run)
+_RUNS = frozenset({b"PUB", b"DPUB"})
+
+
+class _PublishRun:
+    """PUB or DPUB commands of one read, to one topic with one delay, not published yet."""
+
+    __slots__ = ("name", "topic", "delay", "bodies", "count")
+
+    def __init__(self) -> None:
+        self.name = b""
+        self.topic = ""
+        self.delay = 0.0
+        self.bodies: list[bytes] = []
+        self.count = 0
 
 _HANDLERS = {
     b"IDENTIFY": ProtocolV2.IDENTIFY,
@@ -546,9 +594,7 @@ _HANDLERS = {
     b"TOUCH": ProtocolV2.TOUCH,
     b"CLS": ProtocolV2.CLS,
     b"NOP": ProtocolV2.NOP,
-    b"PUB": ProtocolV2.PUB,
     b"MPUB": ProtocolV2.MPUB,
-    b"DPUB": ProtocolV2.DPUB,
 }
 
 

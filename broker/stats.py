@@ -345,7 +345,7 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
         depth=channel.depth(),
         backend_depth=channel.backend_depth(),
         in_flight_count=len(channel.in_flight),
-        deferred_count=len(channel.deferred),
+        deferred_count=channel.deferred_count(),
         message_count=channel.message_count,
         requeue_count=channel.requeue_count,
         timeout_count=channel.timeout_count,
@@ -353,7 +353,7 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
         clients=clients,
         paused=channel.paused,
         e2e_processing_latency=E2eLatency.from_result(channel.e2e.result() if channel.e2e is not None else None),
-        lag_messages=channel.depth() + len(channel.in_flight) + len(channel.deferred),
+        lag_messages=channel.depth() + len(channel.in_flight) + channel.deferred_count(),
         oldest_unfinished_age_ms=_age_ms(channel.oldest_unfinished_timestamp()),
     )
 

@@ -7,7 +7,7 @@ What it holds, in the data directory:
 - the deadlines of deferred publishes (DPUB, /pub?defer=), per segment:
   `<topic>.diskqueue.deadlines.%06d.dat`, entries (position, unix deadline, message id) appended after
   their records. A channel reading such a record defers it; a restart reads the deadline again. They go
-  with their segment;
+  with their segment; in memory only those of records some channel has not read are kept (DeferredIndex);
 - after Go's three lines of the metadata, how far the topic has handed its log to its channels
   (`dispatched`, "all" when up to the end): a channel created later starts there, as nsqd's new channel
   gets only what its topic still holds. While the topic has channels and is not paused, everything
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.files import close_quietly, remove_quietly
-from trio_nsq.broker.log_reader import DeadlineLookup, LogReader
+from trio_nsq.broker.log_reader import DeferredIndex, LogReader
 from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog
 from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
@@ -75,7 +75,7 @@ class TopicLog:
         self.durable: list[LogReader] = []  # those with a cursor file
         # how far the log is handed to the channels: (position, index)
         self.dispatched = self._load_dispatched()
-        self.deadlines = DeadlineLookup()
+        self.deadlines = DeferredIndex()
         self._deadline_fds: dict[int, int] = {}
         self._deadline_unsynced: set[int] = set()
         self._removing: list[tuple[str, str]] = []
@@ -130,24 +130,41 @@ class TopicLog:
                 remove_quietly(os.path.join(self.data_path, entry))
 
     def _load_deadlines(self, start: int) -> None:
-        """The deadlines still ahead of records from `start` on (a restart, or a seek back)."""
+        """The deadlines still ahead of records from `start` on (a restart, or a seek back). Entries past
+        the log's end (their records lost with a power failure, or a torn write) are cut off their file:
+        a record written there later is not deferred by them."""
         now = self.clock()
-        entries = self.deadlines.entries
+        tail = self.segments.tail
+        found: list[tuple[int, float]] = []
         for num in self._deadline_files():
+            path = self.deadline_file_name(num)
             if num < (start >> POS_SHIFT):
                 if num < self.segments.first_file:
-                    remove_quietly(self.deadline_file_name(num))  # its segment went before it
+                    remove_quietly(path)  # its segment went before it
                 continue
             try:
-                with open(self.deadline_file_name(num), "rb") as fh:
+                with open(path, "rb") as fh:
                     data = fh.read()
             except OSError as exc:
-                log.error("TOPIC(%s) cannot read %s - %s", self.name, self.deadline_file_name(num), exc)
+                log.error("TOPIC(%s) cannot read %s - %s", self.name, path, exc)
                 continue
             usable = len(data) - len(data) % _DEADLINE.size  # a crash may cut the last entry
-            for pos, deadline, msg_id in _DEADLINE.iter_unpack(data[:usable]):
+            kept = 0
+            for pos, deadline, _ in _DEADLINE.iter_unpack(data[:usable]):
+                if pos >= tail:
+                    break
+                kept += _DEADLINE.size
                 if pos >= start and deadline > now:
-                    entries[pos] = (deadline, msg_id)
+                    found.append((pos, deadline))
+            if kept < len(data):
+                log.warning("TOPIC(%s) cutting %d deadline entries past the end of the log off %s",
+                            self.name, (len(data) - kept) // _DEADLINE.size, path)
+                try:
+                    os.truncate(path, kept)
+                except OSError as exc:
+                    log.error("TOPIC(%s) cannot cut %s - %s", self.name, path, exc)
+        if found:
+            self.deadlines.load(found)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -162,17 +179,15 @@ class TopicLog:
             self.segments.append(records, positions)
         finally:
             # after their records: a kill -9 between the two writes costs these records their delay,
-            # never the records (and an entry whose record was lost is told apart by its id)
+            # never the records (an entry whose record was lost is cut off at the next start)
             if positions:
                 self._append_deadlines(records, positions, deadline)
 
     def _append_deadlines(self, records: Sequence[bytes], positions: list[int], deadline: float) -> None:
-        entries = self.deadlines.entries
+        self.deadlines.add_many(positions, deadline)
         by_file: dict[int, list[bytes]] = {}
         for data, pos in zip(records, positions):
-            msg_id = data[10:26]
-            entries[pos] = (deadline, msg_id)
-            by_file.setdefault(pos >> POS_SHIFT, []).append(_DEADLINE.pack(pos, deadline, msg_id))
+            by_file.setdefault(pos >> POS_SHIFT, []).append(_DEADLINE.pack(pos, deadline, data[10:26]))
         for num, packed in by_file.items():
             try:
                 fd = self._deadline_fds.get(num)
@@ -324,11 +339,10 @@ class TopicLog:
                 self._removing.append((self.deadline_file_name(num), self.name))
             self._removing.extend((path, self.name) for path in segments.droppable(keep))
         plan.removes.extend(self._removing)
-        if self.deadlines.entries:
+        if len(self.deadlines):
             # entries every reader has read (a restart reads them from the files again)
             oldest = min((reader.cursor.read_pos for reader in self.readers), default=self.dispatched[0])
-            oldest = min(oldest, self.dispatched[0])
-            self.deadlines.entries = {pos: e for pos, e in self.deadlines.entries.items() if pos >= oldest}
+            self.deadlines.prune_before(min(oldest, self.dispatched[0]))
         files_changed = segments.take_files_changed()
         plan.new_names = plan.new_names or files_changed or bool(self._deadline_created)
         self._deadline_created.clear()
