@@ -62,8 +62,12 @@ def test_topics_aggregate_over_the_nodes_with_a_row_per_node(cluster):
     assert set(nodes) == {b1.http_address, b2.http_address}
     assert (nodes[b1.http_address]["message_count"], nodes[b2.http_address]["message_count"]) == (3, 5)
     assert [c["node"] for c in topic["channels"]] == ["*"] and topic["channels"][0]["depth"] == 8
+    # nsqadmin's keys in nsqadmin's order, then trio-nsqd's log figures
     assert list(topic) == ["node", "hostname", "topic_name", "depth", "memory_depth", "backend_depth",
-                           "message_count", "nodes", "channels", "paused", "e2e_processing_latency", "message"]
+                           "message_count", "nodes", "channels", "paused", "e2e_processing_latency",
+                           "log_messages", "log_bytes", "message"]
+    assert topic["log_messages"] == 0  # at default flags the messages went through memory
+    assert topic["channels"][0]["lag_messages"] == 8
 
     channel = admin.get("/api/topics/agg/ch").json()
     assert (channel["node"], channel["depth"], channel["message_count"], channel["client_count"]) == ("*", 8, 8, 0)
@@ -115,6 +119,17 @@ def test_channel_and_topic_actions_reach_every_broker(cluster):
     bad = admin.http.post("/api/topics/act", json={"action": "explode"})
     assert (bad.status_code, bad.json()) == (400, {"message": "INVALID_ACTION"})
     assert admin.http.post("/api/topics/act", content=b"not json").status_code == 400
+
+    # trio-nsqd's seek, on every broker: the channel delivers again what the topic's log holds
+    for broker in (b1, b2):
+        assert broker.http.post("/pub?topic=act", content=b"x").text == "OK"
+    wait_for(lambda: channel_on(b1, "act", "ch")["depth"] == 1 and channel_on(b2, "act", "ch")["depth"] == 1,
+             message="one more message on each")
+    assert admin.http.post("/api/topics/act/ch", json={"action": "seek", "to": "latest"}).json() == {"message": ""}
+    assert channel_on(b1, "act", "ch")["depth"] == 0 and channel_on(b2, "act", "ch")["depth"] == 0
+    bad = admin.http.post("/api/topics/act/ch", json={"action": "seek"})
+    assert (bad.status_code, bad.json()) == (400, {"message": "INVALID_ARG_TO"})
+    assert admin.http.post("/api/topics/act", json={"action": "seek", "to": "earliest"}).status_code == 400
 
     assert admin.http.delete("/api/topics/act/ch").json() == {"message": ""}
     assert channel_on(b1, "act", "ch") is None and channel_on(b2, "act", "ch") is None

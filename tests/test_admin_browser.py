@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from nsq_raw import RawNSQ
 from processes import AdminProcess, BrokerProcess, LookupdProcess, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -30,7 +31,9 @@ from selenium.webdriver.common.by import By  # noqa: E402
 def cluster(tmp_path_factory):
     base = tmp_path_factory.mktemp("admin-web")
     lookupd = LookupdProcess(base, broadcast_address="127.0.0.1").start()
-    broker = BrokerProcess(base, lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1").start()
+    # with retention every message is kept in the topic's log, so a seek can deliver it again
+    broker = BrokerProcess(base, lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1",
+                           retention_time="1h").start()
     admin = AdminProcess(base, lookupd_http_address=lookupd.http_address).start()
     yield lookupd, broker, admin
     for daemon in (admin, broker, lookupd):
@@ -95,6 +98,36 @@ def test_the_topic_page_shows_depth_pauses_the_broker_and_draws_graphs(cluster, 
              message="the action's result on the page")
     wait_for(lambda: "paused" in text_of(browser, "h1"), timeout=10, message="the paused tag")
     assert browser.find_element(By.CSS_SELECTOR, 'button[data-act="unpause"]')
+
+
+def test_the_channel_page_seeks_and_shows_the_lag(cluster, browser):
+    """Drained, then sought back to the earliest message from the page: the broker's channel has every
+    message to deliver again, and the page's depth and lag say so."""
+    lookupd, broker, admin = cluster
+    broker.http.post("/topic/create?topic=again")
+    broker.http.post("/channel/create?topic=again&channel=r")
+    publish(broker, "again", 6)
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub("again", "r")
+        conn.rdy(6)
+        for msg in conn.expect_messages(6, timeout=10):
+            conn.fin(msg.id)
+        conn.nop()
+    wait_for(lambda: broker.http.get("/stats?format=json&topic=again").json()["topics"][0]["channels"][0]["lag_messages"] == 0,
+             timeout=10, message="the channel drained")
+    wait_for(lambda: lookupd.get("/lookup?topic=again").status_code == 200, timeout=10, message="lookupd knows again")
+    browser.get(f"{admin.http_url}/topics/again/r")
+    wait_for(lambda: text_of(browser, "[data-channel-name]") == "r", timeout=15, message="the channel page")
+    assert text_of(browser, "tr.total td.lag") == "0"
+    browser.find_element(By.CSS_SELECTOR, "button[data-act-seek]").click()  # "the earliest message kept"
+    browser.switch_to.alert.accept()
+
+    def sought() -> bool:
+        return broker.http.get("/stats?format=json&topic=again").json()["topics"][0]["channels"][0]["depth"] == 6
+    wait_for(sought, timeout=10, message="the broker's channel sought back")
+    wait_for(lambda: text_of(browser, "tr.total td.depth") == "6" and text_of(browser, "tr.total td.lag") == "6",
+             timeout=10, message="the page showing it")
+    assert "sought to earliest" in text_of(browser, "#status")
 
 
 def test_the_nodes_page_marks_each_broker(cluster, browser):

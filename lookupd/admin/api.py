@@ -13,6 +13,7 @@ import ipaddress
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -205,14 +206,23 @@ class Admin:
         return await self._pause_or_empty(params, body, "channel", f"&channel={params['channel']}")
 
     async def _pause_or_empty(self, params: dict[str, str], body: bytes, kind: str, channel_arg: str) -> Reply:
-        """{"action": "pause" | "unpause" | "empty"} on the topic or channel, on every nsqd that has it."""
+        """{"action": "pause" | "unpause" | "empty"} on the topic or channel, on every nsqd that has it;
+        on a channel also {"action": "seek", "to": "earliest" | "latest" | unix ms | RFC 3339} (trio-nsqd's
+        /channel/seek: a Go nsqd answers it 404, reported in `message`)."""
         user = self._admin()
-        action = self._body(body).get("action")
-        if action not in ("pause", "unpause", "empty"):
+        args = self._body(body)
+        action = args.get("action")
+        extra = ""
+        if action == "seek" and kind == "channel":
+            to = args.get("to")
+            if not isinstance(to, (str, int)) or isinstance(to, bool) or str(to) == "":
+                raise HTTPError(400, "INVALID_ARG_TO")
+            extra = f"&to={urllib.parse.quote(str(to))}"
+        elif action not in ("pause", "unpause", "empty"):
             raise HTTPError(400, "INVALID_ACTION")
         topic = params["topic"]
         errors = Errors()
-        if not await self._on_nodes(topic, f"/{kind}/{action}?topic={topic}{channel_arg}", errors) and not errors.failed:
+        if not await self._on_nodes(topic, f"/{kind}/{action}?topic={topic}{channel_arg}{extra}", errors) and not errors.failed:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
         self._notify(f"{action}_{kind}", user, topic, params.get("channel", ""))
         return _ok({}, errors)

@@ -21,6 +21,9 @@ log = logging.getLogger("nsqadmin")
 CHANNEL_SUMS = ("depth", "memory_depth", "backend_depth", "in_flight_count", "deferred_count", "requeue_count",
                 "timeout_count", "message_count", "client_count")
 TOPIC_SUMS = ("depth", "memory_depth", "backend_depth", "message_count")
+# trio-nsqd's figures, after nsqadmin's fields (a client of nsqadmin's shape finds those where they were)
+CHANNEL_EXTRA_SUMS = ("lag_messages",)
+TOPIC_EXTRA_SUMS = ("log_messages", "log_bytes")
 
 
 @attrs.define
@@ -145,6 +148,9 @@ def channel_row(node: str, hostname: str, topic: str, c: dict[str, Any]) -> dict
         "client_count": c["client_count"], "nodes": None,
         "clients": [dict(client, node=node) for client in c.get("clients") or []],
         "paused": c["paused"], "e2e_processing_latency": e2e(c.get("e2e_processing_latency")),
+        # trio-nsqd's (Go nsqd has none): how far behind the channel is
+        "lag_messages": c.get("lag_messages", c["depth"] + c["in_flight_count"] + c["deferred_count"]),
+        "oldest_unfinished_age_ms": c.get("oldest_unfinished_age_ms", 0),
     }
 
 
@@ -156,6 +162,9 @@ def topic_row(node: str, hostname: str, t: dict[str, Any]) -> dict[str, Any]:
         "message_count": t["message_count"], "nodes": None,
         "channels": [channel_row(node, hostname, name, c) for c in t.get("channels") or []],
         "paused": t["paused"], "e2e_processing_latency": e2e(t.get("e2e_processing_latency")),
+        # trio-nsqd's topic log (Go nsqd has none)
+        "log_messages": t.get("log_messages", 0), "log_bytes": t.get("log_bytes", 0),
+        "log_first_position": t.get("log_first_position", 0), "log_end_position": t.get("log_end_position", 0),
     }
 
 
@@ -185,6 +194,9 @@ def aggregate_channel(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["paused"] = any(r["paused"] for r in rows)
     out["e2e_processing_latency"] = e2e({"count": sum(r["e2e_processing_latency"]["count"] for r in rows)},
                                         first["topic_name"], first["channel_name"], "*")
+    for key in CHANNEL_EXTRA_SUMS:
+        out[key] = sum(r[key] for r in rows)
+    out["oldest_unfinished_age_ms"] = max(r["oldest_unfinished_age_ms"] for r in rows)
     return out
 
 
@@ -204,4 +216,6 @@ def aggregate_topic(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["paused"] = any(r["paused"] for r in rows)
     out["e2e_processing_latency"] = e2e({"count": sum(r["e2e_processing_latency"]["count"] for r in rows)},
                                         first["topic_name"], "", "*")
+    for key in TOPIC_EXTRA_SUMS:
+        out[key] = sum(r[key] for r in rows)
     return out

@@ -11,7 +11,8 @@ The machine (CPU, cores, Python) and the compiled modules are printed and writte
 The shape is NSQ's bench.sh: the topic and channel are created first,
 `bench_writer --size=200 --batch-size=200` publishes for --runfor, then `bench_reader` (RDY 2500, a FIN
 per message) reads the same broker for --runfor. Both tools open one connection per CPU.
-The `backlog` scenario reads as the Spark source does (backlog_reader below); its second figure is
+The `fanout` scenario is the same shape on a topic with 8 channels and --mem-queue-size=0 (the reader
+reads one of them). The `backlog` scenario reads as the Spark source does (backlog_reader below); its second figure is
 messages per CPU-second of the broker, the others are messages per second.
 """
 
@@ -24,6 +25,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -60,16 +62,24 @@ def _post(url: str) -> None:
 SIDES = ("go", "trio", "pure")
 
 
-def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runfor: float) -> dict[str, float]:
+def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runfor: float,
+             channels: int = 1) -> dict[str, float]:
     command = [os.path.join(reference, "nsqd")] if side == "go" else None
     env = {compiled.ENV: "0"} if side == "pure" else None
     broker = Broker(*flags, command=command, env=env)
     try:
         _post(f"{broker.http_url}/topic/create?topic=bench")
         _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        for i in range(1, channels):
+            _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch{i}")
         address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
         common = (address, "--topic=bench", "--size=200", f"--runfor={runfor}s")
+        written = _write_bytes(broker)
         figures = {"writer": _tool(os.path.join(reference, "bench_writer"), *common, "--batch-size=200")}
+        if channels > 1:
+            # until every channel holds every message (Go nsqd copies them from the topic's disk queue)
+            count = _held_by_all(broker)
+            figures["written_per_payload_byte"] = (_write_bytes(broker) - written) / (count * 200)
         if read:
             figures["reader"] = _tool(os.path.join(reference, "bench_reader"), *common, "--channel=ch")
         return figures
@@ -123,15 +133,44 @@ def backlog_reader(reference: str, side: str, runfor: float) -> dict[str, float]
         broker.close()
 
 
+def _write_bytes(broker: Broker) -> int:
+    """What the broker process has sent to storage (/proc/PID/io write_bytes, counted as pages dirty)."""
+    with open(f"/proc/{broker.proc.pid}/io") as fh:
+        return int(dict(line.split(": ") for line in fh.read().splitlines())["write_bytes"])
+
+
+def _held_by_all(broker: Broker, timeout: float = 300.0) -> int:
+    """Wait until every channel of topic `bench` holds every message published; how many that is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{broker.http_url}/stats?format=json&topic=bench", timeout=30) as resp:
+            topic = json.loads(resp.read())["topics"][0]
+        count = topic["message_count"]
+        if all(c["depth"] >= count for c in topic["channels"]) or time.monotonic() > deadline:
+            return count
+        time.sleep(0.2)
+
+
+def fan_out(reference: str, side: str, runfor: float) -> dict[str, float]:
+    """NSQ's bench shape on a topic with 8 channels created first, --mem-queue-size=0: bench_writer, then
+    bench_reader on one of them (the copy-per-channel design writes every message 8 times more)."""
+    return run_once(reference, side, ("--mem-queue-size=0",), True, runfor, channels=8)
+
+
 # scenario key -> (title, runner) for scenarios that are not one broker run of SCENARIOS' shape
 RUNNERS: dict[str, tuple[str, Callable[[str, str, float], dict[str, float]]]] = {
+    "fanout": ("8 channels, --mem-queue-size=0", fan_out),
     "sync_reader": ("--mem-queue-size=0 --sync-every=1, channel filled first", durable_reader),
     "backlog": ("1M waiting, new channel, FIN per 100k", backlog_reader),
 }
 
 # figure -> how the table names it: NSQ's tools, or ours (msg/s, or messages per broker CPU-second)
 LABELS = {"writer": "bench_writer", "reader": "bench_reader", "backlog": "backlog_reader",
-          "backlog_per_cpu_s": "backlog_reader per CPU-s"}
+          "backlog_per_cpu_s": "backlog_reader per CPU-s", "written_per_payload_byte": "bytes written per payload byte"}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -157,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else:
                     figures = run_once(args.reference, side, *SCENARIOS[key][1:], args.runfor)
                 samples[key][side].append(figures)
-                shown = "  ".join(f"{LABELS[k]}={v:,.0f}" for k, v in figures.items())
+                shown = "  ".join(f"{LABELS[k]}={_fmt(v)}" for k, v in figures.items())
                 print(f"round {round_no} {title:<36} {side:<5} {shown}", flush=True)
     results: dict[str, Any] = {}
     pure = "pure" in sides
@@ -172,10 +211,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             name = f"{key}_{figure}"
             results[name] = {"title": f"{LABELS[figure]}, {title}", "go_msg_s": go, "trio_msg_s": medians["trio"],
                              "ratio": ratios["trio"], "samples": samples[key]}
-            line = f"{LABELS[figure] + ', ' + title:<44} {go:>12,.0f} {medians['trio']:>12,.0f} {ratios['trio']:>7.2f}"
+            line = f"{LABELS[figure] + ', ' + title:<44} {_fmt(go):>12} {_fmt(medians['trio']):>12} {ratios['trio']:>7.2f}"
             if pure:
                 results[name].update(pure_msg_s=medians["pure"], pure_ratio=ratios["pure"])
-                line += f" {medians['pure']:>12,.0f} {ratios['pure']:>7.2f}"
+                line += f" {_fmt(medians['pure']):>12} {ratios['pure']:>7.2f}"
             print(line)
     merge_report(args.output, {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
                                "runfor_s": args.runfor, "machine": info, "cpus": info["cpus"],

@@ -12,6 +12,10 @@ let timer = null;
 const $ = (sel, el = document) => el.querySelector(sel);
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 const num = (n) => Number(n || 0).toLocaleString("en-US");
+const bytes = (n) => (n >= 1 << 30 ? `${(n / (1 << 30)).toFixed(1)} GiB` : n >= 1 << 20 ? `${(n / (1 << 20)).toFixed(1)} MiB`
+  : n >= 1 << 10 ? `${(n / (1 << 10)).toFixed(1)} KiB` : `${num(n)} B`);
+const age = (ms) => (!ms ? "—" : ms >= 3600000 ? `${(ms / 3600000).toFixed(1)} h` : ms >= 60000 ? `${(ms / 60000).toFixed(1)} min`
+  : `${(ms / 1000).toFixed(1)} s`);
 
 function status(text, error = false) {
   $("#status").innerHTML = text ? `<div class="msg${error ? " error" : ""}">${esc(text)}</div>` : "";
@@ -85,6 +89,30 @@ function buttons(kind, path, paused, label) {
   </div>`;
 }
 
+// a channel's seek (trio-nsqd: its cursor moves in the topic's log; what it held is dropped)
+function seekForm() {
+  return `<form class="seek" data-seek>
+    <label>Deliver again from <select name="to"><option value="earliest">the earliest message kept</option>
+      <option value="time">a time</option><option value="latest">now (skip what is waiting)</option></select></label>
+    <input name="time" type="datetime-local" step="1">
+    <button type="submit" data-act-seek>Seek</button></form>`;
+}
+
+function wireSeek(path, name) {
+  const form = $("form[data-seek]");
+  if (!form) return;
+  form.onsubmit = (e) => {
+    e.preventDefault();
+    let to = form.to.value;
+    if (to === "time") {
+      if (!form.time.value) { status("Pick a time to seek to", true); return; }
+      to = String(new Date(form.time.value).getTime());
+    }
+    if (!confirm(`Seek ${name} to ${to}? What it holds now is dropped.`)) return;
+    act("POST", path, { action: "seek", to }, `${name} sought to ${to}`);
+  };
+}
+
 function wire(path, name, back) {
   for (const b of document.querySelectorAll("[data-act]")) {
     b.onclick = () => {
@@ -116,40 +144,47 @@ async function topicView(topic) {
     const cl = record(`c:${topic}:${c.channel_name}`, c);
     return `<tr data-channel="${esc(c.channel_name)}"><td><a href="${BASE}topics/${encodeURIComponent(topic)}/${encodeURIComponent(c.channel_name)}" data-nav>${esc(c.channel_name)}</a>${pausedTag(c.paused)}${behind(cl, c) ? '<span class="tag behind">falling behind</span>' : ""}</td>
       <td class="depth">${num(c.depth)}</td><td>${num(c.memory_depth)} + ${num(c.backend_depth)}</td><td>${num(c.in_flight_count)}</td>
-      <td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td></tr>`;
+      <td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td>
+      <td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td></tr>`;
   });
-  const nodeRows = t.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.memory_depth)} + ${num(n.backend_depth)}</td><td>${num(n.message_count)}</td><td>${n.channels.length}</td></tr>`);
+  const nodeRows = t.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.memory_depth)} + ${num(n.backend_depth)}</td><td>${num(n.message_count)}</td><td>${n.channels.length}</td>
+    <td class="log">${num(n.log_messages)} / ${bytes(n.log_bytes)}</td><td class="muted">${num(n.log_first_position)} – ${num(n.log_end_position)}</td></tr>`);
   const channelGraphs = t.channels.map((c) => graph(`${c.channel_name}: delivered /s`, rates(series.get(`c:${topic}:${c.channel_name}`), "processed"), "msg/s"));
   $("#view").innerHTML = `<h1>Topic <span data-topic>${esc(topic)}</span>${pausedTag(t.paused)}</h1>
     ${buttons("topic", `/api/topics/${encodeURIComponent(topic)}`, t.paused)}
     <div class="graphs">${graph("published /s", rates(list, "message_count"), "msg/s")}${graph("depth", list.map((s) => s.depth), "msgs")}${channelGraphs.join("")}</div>
     <h2>Nodes</h2>
-    <table><thead><tr><th>Node</th><th>Depth</th><th>Memory + Disk</th><th>Messages</th><th>Channels</th></tr></thead>
-      <tbody><tr class="total"><td>Total</td><td>${num(t.depth)}</td><td>${num(t.memory_depth)} + ${num(t.backend_depth)}</td><td>${num(t.message_count)}</td><td>${t.channels.length}</td></tr>${nodeRows.join("")}</tbody></table>
+    <table><thead><tr><th>Node</th><th>Depth</th><th>Memory + Disk</th><th>Messages</th><th>Channels</th><th>Log (messages / bytes)</th><th>Log positions</th></tr></thead>
+      <tbody><tr class="total"><td>Total</td><td>${num(t.depth)}</td><td>${num(t.memory_depth)} + ${num(t.backend_depth)}</td><td>${num(t.message_count)}</td><td>${t.channels.length}</td><td class="log">${num(t.log_messages)} / ${bytes(t.log_bytes)}</td><td></td></tr>${nodeRows.join("")}</tbody></table>
     <h2>Channels</h2>
-    <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th></tr></thead>
-      <tbody>${chanRows.join("") || '<tr><td class="muted" colspan="9">no channels</td></tr>'}</tbody></table>`;
+    <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th></tr></thead>
+      <tbody>${chanRows.join("") || '<tr><td class="muted" colspan="11">no channels</td></tr>'}</tbody></table>`;
   wire(`/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`, "");
   if (t.message) status(t.message, true);
 }
 
 async function channelView(topic, channel) {
   const c = await api(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`);
+  const before = $("form[data-seek]");  // the page is drawn again every poll: keep what was chosen
+  const chosen = before ? { to: before.to.value, time: before.time.value } : null;
   const list = record(`c:${topic}:${channel}`, c);
   const clients = c.nodes.flatMap((n) => n.clients || []);
   const clientRows = clients.map((k) => `<tr><td>${esc(k.hostname)} <span class="muted">${esc(k.remote_address)}</span></td><td>${esc(k.node)}</td><td>${esc(k.user_agent)}</td>
     <td>${num(k.ready_count)}</td><td>${num(k.in_flight_count)}</td><td>${num(k.finish_count)}</td><td>${num(k.requeue_count)}</td><td>${num(k.message_count)}</td></tr>`);
-  const nodeRows = c.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.in_flight_count)}</td><td>${num(n.deferred_count)}</td><td>${num(n.requeue_count)}</td><td>${num(n.timeout_count)}</td><td>${num(n.message_count)}</td><td>${num(n.client_count)}</td></tr>`);
+  const nodeRows = c.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.in_flight_count)}</td><td>${num(n.deferred_count)}</td><td>${num(n.requeue_count)}</td><td>${num(n.timeout_count)}</td><td>${num(n.message_count)}</td><td>${num(n.client_count)}</td><td>${num(n.lag_messages)}</td><td>${age(n.oldest_unfinished_age_ms)}</td></tr>`);
   $("#view").innerHTML = `<h1><a href="${BASE}topics/${encodeURIComponent(topic)}" data-nav>${esc(topic)}</a> / <span data-channel-name>${esc(channel)}</span>${pausedTag(c.paused)}${behind(list, c) ? '<span class="tag behind">falling behind</span>' : ""}</h1>
     ${buttons("channel", `/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, c.paused)}
+    ${seekForm()}
     <div class="graphs">${graph("delivered /s", rates(list, "processed"), "msg/s")}${graph("depth", list.map((s) => s.depth), "msgs")}</div>
     <h2>Nodes</h2>
-    <table><thead><tr><th>Node</th><th>Depth</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th></tr></thead>
-      <tbody><tr class="total"><td>Total</td><td>${num(c.depth)}</td><td>${num(c.in_flight_count)}</td><td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td></tr>${nodeRows.join("")}</tbody></table>
+    <table><thead><tr><th>Node</th><th>Depth</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th></tr></thead>
+      <tbody><tr class="total"><td>Total</td><td class="depth">${num(c.depth)}</td><td>${num(c.in_flight_count)}</td><td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td><td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td></tr>${nodeRows.join("")}</tbody></table>
     <h2>Clients</h2>
     <table><thead><tr><th>Client</th><th>Node</th><th>User agent</th><th>RDY</th><th>In flight</th><th>Finished</th><th>Requeued</th><th>Messages</th></tr></thead>
       <tbody>${clientRows.join("") || '<tr><td class="muted" colspan="8">no clients</td></tr>'}</tbody></table>`;
   wire(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, `channel ${topic}/${channel}`, `topics/${encodeURIComponent(topic)}`);
+  wireSeek(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, `channel ${topic}/${channel}`);
+  if (chosen) { const form = $("form[data-seek]"); form.to.value = chosen.to; form.time.value = chosen.time; }
   if (c.message) status(c.message, true);
 }
 
