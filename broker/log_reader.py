@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from array import array
 from bisect import bisect_left
@@ -114,6 +115,7 @@ class LogReader:
         if self.group is None:
             return fresh
         path = self.cursor_file_name()
+        self._remove_temp_files(path)
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
@@ -138,6 +140,19 @@ class LogReader:
         else:
             self._snapshot_due = False
         return cursor
+
+    @staticmethod
+    def _remove_temp_files(path: str) -> None:
+        """A crash during a snapshot's write leaves `<file>.<random>.tmp`: never read, so removed."""
+        folder, name = os.path.split(path)
+        temp = re.compile(re.escape(name) + r"\.\d+\.tmp\Z")
+        try:
+            names = os.listdir(folder or ".")
+        except OSError:
+            return
+        for entry in names:
+            if temp.match(entry):
+                remove_quietly(os.path.join(folder, entry))
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -33,8 +33,8 @@ class Message:
         self.pri = 0.0
         self.lane: float | None = None  # the in-flight/deferred lane holding its deadline (pqueue)
         self.generation = 0
-        # where its record is in the disk queue that holds it (-1: none): a channel's queue keeps it until
-        # FIN; the topic pump passes the topic's to channels, which skip what they took before a crash
+        # where its record is in the log its channel read it from (-1: none, it lives in memory only; a
+        # channel's own queue's positions carry channel.OWN): FIN finishes it there, REQ holds it there
         self.pos = -1
 
     def copy(self) -> Message:

@@ -83,7 +83,6 @@ class TopicLog:
         self._deadline_created: set[int] = set()
         self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
         self._meta_dispatched = ""
-        self._remove_temp_files()
         self._load_deadlines(segments.start)
         group.members.append(self)
 
@@ -118,16 +117,6 @@ class TopicLog:
         except OSError:
             return []
         return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
-
-    def _remove_temp_files(self) -> None:
-        temp = re.compile(re.escape(self.name) + r":[^/]*\.cursor\.dat\.\d+\.tmp\Z")
-        try:
-            names = os.listdir(self.data_path)
-        except OSError:
-            return
-        for entry in names:
-            if temp.match(entry):
-                remove_quietly(os.path.join(self.data_path, entry))
 
     def _load_deadlines(self, start: int) -> None:
         """The deadlines still ahead of records from `start` on (a restart, or a seek back). Entries past
