@@ -144,7 +144,7 @@ class Channel:
         if self.memory:
             found.append(self.memory[0].timestamp)  # handed over in order: the front is the oldest
         for queue in (self.in_flight, self.deferred):
-            found.extend(msg.timestamp for msg in queue._items.values() if msg.pos < 0)
+            found.extend(msg.timestamp for msg in queue.messages() if msg.pos < 0)
         return min(found, default=None)
 
     def memory_room(self) -> int:
@@ -381,7 +381,7 @@ class Channel:
         mark = cursor.mark_delete()
         freed = ((cutoff >> POS_SHIFT) - (mark >> POS_SHIFT)) * self.topic.max_bytes_per_file
         freed += (cutoff & _OFFSET_MASK) - (mark & _OFFSET_MASK)
-        moved = [msg for msg in self.deferred._items.values() if msg.pos in pinning]
+        moved = [msg for msg in self.deferred.messages() if msg.pos in pinning]
         moved.extend(msg for msg in self.memory if msg.pos in pinning)
         size = sum(34 + len(msg.body) for msg in moved)
         if len(moved) < len(pinning) or size * RECLAIM_RATIO > freed:

@@ -96,7 +96,7 @@ class LogReader:
         self.dropped = 0  # records an ephemeral reader skipped because it fell too far behind
         self._snapshot_due = True  # no file of ours yet (or one that is not ours): write it whole
         self._taken: list[str] = []  # segments a round fsyncs, again if it fails
-        self._removing: list[tuple[str, str]] = []
+        self._removing: list[tuple[str, bool, str]] = []
         self._meta_at = -META_INTERVAL  # an own log's metadata: when last written (a round's monotonic time)
         self._timestamp_of: tuple[int, int | None] = (-1, None)
         self.cursor = self._load(start)
@@ -288,7 +288,7 @@ class LogReader:
             self._taken = segments.take_unsynced()
             plan.fsync.extend(self._taken)
             mark = cursor.mark_delete()
-            self._removing.extend((path, segments.name) for path in segments.droppable(mark >> POS_SHIFT))
+            self._removing.extend((path, bad, segments.name) for path, bad in segments.droppable(mark >> POS_SHIFT))
             plan.removes.extend(self._removing)
             changed = segments.take_files_changed()
             plan.new_names = plan.new_names or changed

@@ -49,6 +49,10 @@ class MessagePQueue:
     def get(self, msg_id: bytes) -> Message | None:
         return self._items.get(msg_id)
 
+    def messages(self) -> list[Message]:
+        """Every message held (a look inside: /stats, reclaim)."""
+        return list(self._items.values())
+
     @property
     def entry_count(self) -> int:
         """Deadline entries held, live or stale (bounded by 2 x len() + _COMPACT_MIN)."""

@@ -543,20 +543,20 @@ class SegmentLog:
 
     # --- dropping -----------------------------------------------------------------------------
 
-    def droppable(self, before: int) -> list[str]:
+    def droppable(self, before: int) -> list[tuple[str, bool]]:
         """The files of the segments before segment `before` (never the write file), for the owner to
-        remove once the metadata no longer naming them is persisted; they are forgotten now."""
+        remove once the metadata no longer naming them is persisted; they are forgotten now. Each with
+        whether it is to be kept as `.bad` instead (a bad record cut it: go-diskqueue keeps such files)."""
         before = min(before, self.write_file_num)
-        paths: list[str] = []
+        dropped: list[tuple[str, bool]] = []
         if before > self.first_file:
             self._files_changed = True
         for num in range(self.first_file, before):
-            path = self.file_name(num)
-            paths.append(path + ".bad" if num in self._cut else path)
+            dropped.append((self.file_name(num), num in self._cut))
             self._first_index.pop(num, None)
             self._cut.pop(num, None)
         self.first_file = max(self.first_file, before)
-        return paths
+        return dropped
 
     def skip_to_new_file(self) -> None:
         """Everything so far is dropped (an empty topic): writing goes on in a new file."""
@@ -583,18 +583,18 @@ class SegmentLog:
                     log.error("DISKQUEUE(%s) failed to remove %s - %s", self.name, entry, failed)
 
 
-def remove_dropped(paths: list[str], name: str) -> None:
-    """Remove dropped segments (a cut one is renamed `.bad` instead, as go-diskqueue keeps it)."""
-    for path in paths:
-        if path.endswith(".bad"):
-            try:
-                os.rename(path[:-4], path)
-            except OSError as exc:
-                log.error("DISKQUEUE(%s) failed to rename bad diskqueue file %s - %s", name, path[:-4], exc)
-            continue
-        failed = remove_quietly(path)
-        if failed is not None:
-            log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", name, path, failed)
+def remove_dropped(path: str, bad: bool, name: str) -> None:
+    """Remove a dropped file (a segment a bad record cut is renamed `.bad` instead, as go-diskqueue keeps
+    it); one that is gone already is no error."""
+    if bad:
+        try:
+            os.rename(path, path + ".bad")
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to rename bad diskqueue file %s - %s", name, path, exc)
+        return
+    failed = remove_quietly(path)
+    if failed is not None:
+        log.error("DISKQUEUE(%s) failed to Remove(%s) - %s", name, path, failed)
 
 
 class SegmentReader:

@@ -78,7 +78,7 @@ class TopicLog:
         self.deadlines = DeferredIndex()
         self._deadline_fds: dict[int, int] = {}
         self._deadline_unsynced: set[int] = set()
-        self._removing: list[tuple[str, str]] = []
+        self._removing: list[tuple[str, bool, str]] = []
         self._taken: list[str] = []
         self._deadline_created: set[int] = set()
         self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
@@ -239,10 +239,9 @@ class TopicLog:
         if first is not None and to < first[2] and segments.first_file > 0:
             raise SeekError("time is before the first message retained")
         # the last segment whose first record is at or before `to`, then record by record
-        nums = [n for n in segments.segments() if self._first_record(n) is not None]
-        starts = [self._first_record(n)[2] for n in nums]  # type: ignore[index]
-        at = max(0, bisect.bisect_right(starts, to) - 1)
-        for num in nums[at:]:
+        firsts = [(num, first[2]) for num in segments.segments() if (first := self._first_record(num)) is not None]
+        at = max(0, bisect.bisect_right([stamp for _, stamp in firsts], to) - 1)
+        for num, _ in firsts[at:]:
             found = self._scan_for_time(num, to)
             if found is not None:
                 return found
@@ -325,8 +324,8 @@ class TopicLog:
             for num in range(segments.first_file, keep):
                 fd = self._deadline_fds.pop(num, None)
                 close_quietly(fd)
-                self._removing.append((self.deadline_file_name(num), self.name))
-            self._removing.extend((path, self.name) for path in segments.droppable(keep))
+                self._removing.append((self.deadline_file_name(num), False, self.name))
+            self._removing.extend((path, bad, self.name) for path, bad in segments.droppable(keep))
         plan.removes.extend(self._removing)
         if len(self.deadlines):
             # entries every reader has read (a restart reads them from the files again)

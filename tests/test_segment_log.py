@@ -96,9 +96,11 @@ def test_files_and_metadata_are_byte_for_byte_go_diskqueue(tmp_path):
     assert go_lines(tmp_path, "t") == "4\n0,18\n3,5\n"
     # files before the oldest one needed go after the metadata naming them no more
     dropped = log.droppable(2)
-    assert [Path(p).name for p in dropped] == ["t.diskqueue.000000.dat", "t.diskqueue.000001.dat"]
+    assert [(Path(p).name, bad) for p, bad in dropped] == [("t.diskqueue.000000.dat", False),
+                                                          ("t.diskqueue.000001.dat", False)]
     write_meta(log)
-    remove_dropped(dropped, log.name)
+    for path, bad in dropped:
+        remove_dropped(path, bad, log.name)
     assert go_lines(tmp_path, "t") == "2\n2,0\n3,5\n"
     log.close()
     log = SegmentLog("t", str(tmp_path), max_bytes_per_file=30, min_msg_size=0, max_msg_size=100)
@@ -237,7 +239,8 @@ def test_impossible_length_cuts_the_file_and_reading_goes_on(tmp_path, caplog, b
     assert [m[0] for m in read_all(log)] == [*range(0, 11), *range(16, 25)]
     assert caplog.text.count("the rest of the file is lost") == 1
     # once dropped, the cut file stays as .bad (go-diskqueue's evidence), the others go
-    remove_dropped(log.droppable(3), log.name)
+    for path, bad in log.droppable(3):
+        remove_dropped(path, bad, log.name)
     assert sorted(p.name for p in tmp_path.glob("c.diskqueue.0*")) == [
         "c.diskqueue.000001.dat.bad", "c.diskqueue.000003.dat"]
     log.close()
