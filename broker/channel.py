@@ -200,20 +200,28 @@ class Channel:
         for msg in msgs[stored:]:
             self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
 
+    def _drop_own_if_drained(self) -> None:
+        """A channel's own queue that holds nothing more goes, files and all (it is made again when
+        needed): a channel does not keep a queue of its own for what was in its memory at one restart."""
+        own = self.own
+        if own is not None and own.drained():
+            own.delete()
+            self.own = None
+
     def _own(self) -> LogReader | None:
         if self.own is None and not self.ephemeral:
             self.own = self._open_own(True)
         return self.own
 
     def logs_grew(self) -> None:
-        """The topic appended to its log (and handed it over): consumers waiting may take it. An
-        ephemeral channel too far behind drops the oldest (its memory queue would have no room)."""
-        if self.ephemeral and self.reader is not None:
-            self._keep_up()
+        """The topic appended to its log (and handed it over): consumers waiting may take it."""
         if self.waiters:
             self._wake_waiters()
 
     def _keep_up(self) -> None:
+        """An ephemeral channel too far behind drops the oldest, as its memory queue would have no room
+        for them in nsqd: checked when its consumers take (their RDY room counts) and by the queue scan
+        (so one that never takes does not keep the log)."""
         reader = self.reader
         assert reader is not None
         before = reader.dropped
@@ -325,9 +333,11 @@ class Channel:
 
     def _finish(self, positions: list[int]) -> None:
         reader = self.reader
-        if self.own is not None and any(pos & OWN for pos in positions):
-            self.own.finish_many([pos for pos in positions if pos & OWN])
+        own = self.own
+        if own is not None and any(pos & OWN for pos in positions):
+            own.finish_many([pos for pos in positions if pos & OWN])
             positions = [pos for pos in positions if not pos & OWN]
+            self._drop_own_if_drained()
         if positions and reader is not None:
             reader.finish_many(positions)
             cursor = reader.cursor
@@ -415,6 +425,8 @@ class Channel:
     def process_in_flight_queue(self, now: float) -> bool:
         if self.exiting:
             return False
+        if self.ephemeral and self.reader is not None:
+            self._keep_up()
         expired = self.in_flight.pop_expired(now)
         for msg in expired:
             self.timeout_count += 1
@@ -482,6 +494,7 @@ class Channel:
             self.reader.reset(self.topic.dispatched_position(), self.topic.dispatched_index())
         if self.own is not None:
             self.own.reset(self.own.segments.tail, self.own.segments.tail_index)
+            self._drop_own_if_drained()
 
     def seek(self, pos: int, index: int) -> None:
         """Deliver the topic's log again from `pos` (a /channel/seek): what the channel held in memory, in
@@ -492,6 +505,7 @@ class Channel:
         self.reader.reset(pos, index)
         if self.own is not None:
             self.own.reset(self.own.segments.tail, self.own.segments.tail_index)
+            self._drop_own_if_drained()
         if self.waiters:
             self._wake_waiters()
 

@@ -135,6 +135,11 @@ class LogReader:
             log.warning("CURSOR(%s) its position %d is before the log's start %d: starting there",
                         self.name, cursor.read_pos, self.segments.start)
             cursor.reset(self.segments.start, self.segments.start_index())
+        elif cursor.read_pos > self.segments.tail:
+            # the log lost files under it (its directory damaged): what comes next must not be skipped
+            log.error("CURSOR(%s) its position %d is past the log's end %d (files lost?): starting there",
+                      self.name, cursor.read_pos, self.segments.tail)
+            cursor.reset(self.segments.tail, self.segments.tail_index)
         if sound < len(data):
             log.warning("CURSOR(%s) cutting %d bytes of a torn block off the end of %s", self.name, len(data) - sound, path)
         else:
@@ -252,6 +257,10 @@ class LogReader:
 
     def mark_delete(self) -> int:
         return self.cursor.mark_delete()
+
+    def drained(self) -> bool:
+        """Everything of its log is read and finished, nothing held."""
+        return self.cursor.mark_delete() >= self.segments.tail and not self.cursor.held
 
     def timestamp_at(self, pos: int) -> int | None:
         """The publish time (unix ns) of the record at `pos` (cached: /stats asks for the mark's)."""
