@@ -132,7 +132,8 @@ class Channel:
 
     def oldest_unfinished_timestamp(self) -> int | None:
         """The publish time (unix ns) of the oldest message the channel has not finished, if any: the
-        record at a log cursor's mark-delete position, or one held in memory only."""
+        record at a log cursor's mark-delete position, or one held in memory only (of those in flight or
+        deferred, the ones due first: a look, not a scan of what may be hundreds of thousands)."""
         found: list[int] = []
         for reader, end in ((self.reader, self.topic.dispatched_position()), (self.own, -1)):
             if reader is not None:
@@ -144,7 +145,7 @@ class Channel:
         if self.memory:
             found.append(self.memory[0].timestamp)  # handed over in order: the front is the oldest
         for queue in (self.in_flight, self.deferred):
-            found.extend(msg.timestamp for msg in queue.messages() if msg.pos < 0)
+            found.extend(msg.timestamp for msg in queue.fronts() if msg.pos < 0)
         return min(found, default=None)
 
     def memory_room(self) -> int:

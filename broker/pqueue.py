@@ -185,6 +185,20 @@ class MessagePQueue:
                 self._entries -= 1
         return best
 
+    def fronts(self) -> list[Message]:
+        """The message with the nearest deadline of each lane and of the heap (those delivered or
+        deferred first): a cheap look at the oldest held, for /stats."""
+        out: list[Message] = []
+        heap = self._heap
+        if heap and self._live(heap[0][2], heap[0][3]):
+            out.append(heap[0][3])
+        for fifo in self._lanes.values():
+            for pri, generation, msg in fifo:
+                if self._live(generation, msg):
+                    out.append(msg)
+                    break
+        return out
+
     def drain(self) -> list[Message]:
         """Remove and return everything (shutdown, empty)."""
         out = list(self._items.values())
