@@ -163,12 +163,14 @@ def test_nsq_tail_stops_cleanly_on_sigterm(module_broker, tmp_path):
 
 
 def test_nsq_tail_into_a_closed_pipe_ends_as_go_s(module_broker):
-    mpub(module_broker, "tail4", [b"%d" % i for i in range(50)])
+    # more than a pipe holds (64 KiB): the tool is still writing when the pipe closes, however far
+    # ahead of this test it runs on a loaded machine
+    mpub(module_broker, "tail4", [b"%05d" % i + b"x" * 95 for i in range(2000)])
     proc = subprocess.Popen(command("nsq_tail", f"--nsqd-tcp-address={module_broker.tcp_address}", "--topic=tail4",
                                     "--channel=c"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
                             env=repo_env())
     try:
-        assert proc.stdout.readline() == b"0\n"
+        assert proc.stdout.readline() == b"00000" + b"x" * 95 + b"\n"
         proc.stdout.close()  # `| head -1`: the next write fails
         assert proc.wait(30) == 141  # what a shell shows for Go's nsq_tail, killed by SIGPIPE
     finally:
