@@ -39,7 +39,8 @@ def _setting(value: int, current: float, what: str, low: float, high: float, *,
 class ClientV2:
     """One TCP client's state (nsqd's clientV2): identity and negotiated features, RDY and in-flight
     counts, the output buffer and the stream (with its TLS/snappy/deflate layers). Written by its
-    connection's tasks (ProtocolV2.io_loop, message_pump, heartbeat_loop); read by /stats; woken by
+    connection's tasks (ProtocolV2.io_loop, message_pump, heartbeat_loop) and, while it is parked,
+    by V2Poller's in-place step; read by /stats; woken by
     its Channel (`wake`) when messages or RDY room appear."""
 
     def __init__(self, client_id: int, stream: trio.abc.Stream, remote_address: str, nsqd: NSQD) -> None:
@@ -81,8 +82,19 @@ class ClientV2:
         self.out = bytearray()
         # the plain TCP (or unix) stream and its socket's fd, written to directly by write_now() while
         # no TLS, snappy or deflate layer has replaced it
-        self._plain = stream if isinstance(stream, trio.SocketStream) else None
-        self._fd = self._plain.socket.fileno() if self._plain is not None else -1
+        self.plain = stream if isinstance(stream, trio.SocketStream) else None
+        self.fd = self.plain.socket.fileno() if self.plain is not None else -1
+        # what V2Poller's in-place step executed and left for the connection's task: the
+        # responses, the error and the command that awaits (ProtocolV2.run_commands' result)
+        self.held: tuple | None = None
+        # set while ProtocolV2.run_commands executes a subscribed client's commands; pump_due: they
+        # made room the io path sends for (ProtocolV2._pump_inline)
+        self.inline_pump = False
+        self.pump_due = False
+        # the last publishing command line whose checks passed (ProtocolV2._check_body_size)
+        self.checked_line: tuple = ()
+        # set by ProtocolV2.exec_awaiting while a command runs on the authorisation just asked for
+        self.auth_refreshed = False
         # backends that hold this batch's published messages and must fsync before we answer OK, each
         # with the first command that put there (its error code answers a failed fsync)
         self.pending_sync: dict = {}
@@ -146,20 +158,28 @@ class ClientV2:
     def ready_room(self) -> int:
         return self.ready_count - self.in_flight_count
 
+    def _room_changed(self) -> None:
+        # while ProtocolV2.run_commands executes a consumer's commands, the io path sends for the
+        # pump afterwards (_pump_inline) instead of waking it
+        if self.inline_pump:
+            self.pump_due = True
+        else:
+            self.wake()
+
     def set_ready_count(self, count: int) -> None:
         self.ready_count = count
-        self.wake()
+        self._room_changed()
 
     def finished_messages(self, n: int) -> None:
         if n:
             self.finish_count += n
             self.in_flight_count -= n
-            self.wake()
+            self._room_changed()
 
     def requeued_message(self) -> None:
         self.requeue_count += 1
         self.in_flight_count -= 1
-        self.wake()
+        self._room_changed()
 
     def timed_out_message(self) -> None:
         self.in_flight_count -= 1
@@ -218,10 +238,10 @@ class ClientV2:
         """Write the buffer straight to a plain socket, without awaiting: True when it took all of it.
         For the io_loop's answers, which a read follows at once (the read is its checkpoint); what is
         left (a full socket buffer, a flush under way, an upgraded stream, an error) is flush()'s."""
-        if self.stream is not self._plain or self._send_lock.locked() or not self.out:
+        if self.stream is not self.plain or self._send_lock.locked() or not self.out:
             return not self.out
         try:
-            sent = os.write(self._fd, self.out)
+            sent = os.write(self.fd, self.out)
         except OSError:
             return False  # would block, or broken: flush() waits, or raises as the stream does
         del self.out[:sent]

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import select
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.files import write_synced
 from trio_nsq.broker.lookup import LookupManager, register_cmd
 from trio_nsq.broker.options import Options
+from trio_nsq.broker.v2_poller import V2Poller
 from trio_nsq.broker.protocol_v2 import ProtocolV2
 from trio_nsq.broker.queue_scan import queue_scan_loop
 from trio_nsq.broker.statsd import statsd_loop
@@ -40,7 +42,7 @@ class NSQD:
     """The broker (nsqd's NSQD): topics by name, connected clients, metadata, and the tasks of the
     whole process. `run` (called by trio-nsqd, or embed's run_nsqd) owns one nursery holding: each
     Topic's `run`, the HTTP server, the TCP accept loop (one ProtocolV2.serve task per connection), the
-    lookup_loop, the queue_scan_loop, the metadata persist loop and statsd. Protocol and HTTP tasks call
+    V2Poller (which serves producers' connections between their commands), the lookup_loop, the queue_scan_loop, the metadata persist loop and statsd. Protocol and HTTP tasks call
     get_topic/delete_topic and persist_metadata; Topics call back through TopicOwner. On cancellation
     `_exit` writes what memory holds to disk and closes every queue."""
 
@@ -52,6 +54,7 @@ class NSQD:
         self.clients: dict[int, ClientV2] = {}
         self._client_seq = 0
         self.protocol = ProtocolV2(self)
+        self.v2_poller: V2Poller | None = None  # made by run()
         self.tcp_address: tuple[str, int] | None = None
         self.http_address: tuple[str, int] | None = None
         self.start_time = 0  # unix seconds, set in run()
@@ -87,6 +90,10 @@ class NSQD:
                 self._nursery = nursery
                 for topic in self.topics.values():
                     nursery.start_soon(topic.run)
+                if hasattr(select, "epoll"):  # Linux: producers are served in place between commands
+                    self.v2_poller = poller = V2Poller(self.protocol)
+                    nursery.start_soon(poller.run)
+                    nursery.start_soon(poller.expire_loop)
                 # HTTP first: once TCP accepts connections, the whole broker is up (logged in nsqd's order)
                 await self._start_http(nursery)
                 log.info("TCP: listening on %s", address_text(*await self._start_tcp(nursery)))

@@ -7,8 +7,9 @@ owns the connection's tasks in one nursery, so ending any of them ends the conne
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
+import os
 import random
 import ssl
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from trio_nsq.broker.channel import ChannelError
 from trio_nsq.broker.client_state import ClientState, check_command
 from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.message import Message
+from trio_nsq.broker.v2_poller import EOF, READ, TIMEOUT
 from trio_nsq.broker.channel import Channel
 from trio_nsq.shared.streams import CompressionError
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
@@ -86,7 +88,8 @@ class ProtocolV2:
         Responses wait for the fsync of what the batch published when the broker acknowledges only
         durable messages (--sync-every=1): every command in the batch, and every other connection
         waiting at that moment, shares one fsync (group commit). A read waits at most twice the
-        heartbeat interval (nsqd's read deadline).
+        heartbeat interval (nsqd's read deadline). Between commands, a producer's connection waits in
+        the broker's V2Poller, which serves it in place (step) until it needs this task again.
         """
         client.parser = parser
         if initial:
@@ -94,46 +97,48 @@ class ProtocolV2:
         # one scope for every read of the connection, its deadline set while a read waits: a scope
         # entered per read (trio.fail_after) cost ~8 % of the broker's time under bench_writer
         with trio.CancelScope() as reads:
-            await self._io_loop(client, parser, reads)
-        if reads.cancel_called:
+            timed_out = await self._io_loop(client, parser, reads)
+        if reads.cancel_called or timed_out:
             log.error("[%s] - failed to read command - timeout after %gs", client, client.heartbeat_interval * 2)
 
-    async def _io_loop(self, client: ClientV2, parser: CommandParser, reads: trio.CancelScope) -> None:
+    async def _io_loop(self, client: ClientV2, parser: CommandParser, reads: trio.CancelScope) -> bool:
+        """The connection's loop; True when it ends because its read deadline passed while parked."""
+        poller = self.nsqd.v2_poller
         while True:
-            responses: list[bytes] = []
-            error: ClientError | None = None
-            run = _PublishRun()
-            try:
+            held = client.held
+            if held is not None:  # what the poller executed and left for this task to answer
+                client.held = None
+                responses, error, awaiting = held
+            else:
+                responses, error, awaiting = self.run_commands(client, parser)
+            while awaiting is not None and error is None:
+                # a command that awaits: the answers before it go first, in order (IDENTIFY may
+                # upgrade the stream)
+                if responses or client.pending_sync:
+                    if not await self._answer(client, responses, None):
+                        return False
+                    responses = []
                 try:
-                    while True:
-                        fins = parser.peek_fins()
-                        if fins:
-                            self._finish_run(client, parser, fins)
-                        command = parser.next_command()
-                        if command is None:
-                            break
-                        if command.name in _RUNS:
-                            await self._add_to_run(client, run, command, responses)
-                            continue
-                        if run.count:
-                            self._publish_run(client, run, responses)
-                        if command.name in _WRITES_ITSELF and responses:
-                            # IDENTIFY may upgrade the stream: earlier answers go out first, in order
-                            await self._answer(client, responses, None)
-                            responses = []
-                        response = await self.exec(client, command)
-                        if response is not None:
-                            responses.append(response)
-                finally:
-                    if run.count:
-                        # what came before an error is answered before it (a fatal error of the run
-                        # itself replaces the other one)
-                        self._publish_run(client, run, responses)
-            except ClientError as err:
-                error = err
+                    response = await self.exec_awaiting(client, awaiting)
+                except ClientError as err:
+                    error = err
+                    break
+                if response is not None:
+                    responses.append(response)
+                more, error, awaiting = self.run_commands(client, parser)
+                responses += more
             if not await self._answer(client, responses, error):
-                return
+                return False
+            if client.pump_due:
+                self._pump_inline(client)
             if error is not None:
+                continue
+            if poller is not None and self._parkable(client):
+                outcome = await poller.park(client, parser)
+                if outcome != READ:
+                    return outcome == TIMEOUT
+                if client.out:  # an answer the socket did not take at once
+                    await client.flush()
                 continue
             if client.heartbeat_interval > 0:
                 reads.deadline = trio.current_time() + client.heartbeat_interval * 2
@@ -144,24 +149,117 @@ class ProtocolV2:
                 reads.deadline = math.inf
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, CompressionError) as exc:
                 log.info("[%s] - connection error - %s", client, exc)
-                return
+                return False
             if not data:
-                return
+                return False
             parser.feed(data)
 
-    async def _add_to_run(self, client: ClientV2, run: _PublishRun, cmd: Command, responses: list[bytes]) -> None:
+    @staticmethod
+    def _parkable(client: ClientV2) -> bool:
+        """A plain connection, publishing or subscribed, with no answer left to write: the poller may
+        serve it."""
+        return (client.state in _PARKED_STATES and client.fd >= 0 and client.stream is client.plain
+                and not client.out and not client.pending_sync)
+
+    def step(self, client: ClientV2, parser: CommandParser) -> str | None:
+        """V2Poller's turn for a readable parked connection: read, execute and answer in place.
+        None: done, it stays parked; else why its task must take over (v2_poller.READ, EOF)."""
+        try:
+            data = os.read(client.fd, max(RECV_SIZE, parser.wanted()))
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            log.info("[%s] - connection error - %s", client, exc)
+            return EOF
+        if not data:
+            return EOF
+        parser.feed(data)
+        responses, error, awaiting = self.run_commands(client, parser)
+        if error is not None or awaiting is not None or client.pending_sync:
+            client.held = (responses, error, awaiting)
+            return READ
+        if responses:
+            for response in responses:
+                client.write_frame(FRAME_TYPE_RESPONSE, response)
+            if not client.write_now():
+                return READ
+        if client.pump_due:
+            self._pump_inline(client)
+        return None if client.state in _PARKED_STATES else READ
+
+    def run_commands(self, client: ClientV2, parser: CommandParser) -> tuple[list[bytes], ClientError | None, Command | None]:
+        """Execute the complete commands buffered, up to the first that must await (returned, for
+        exec_awaiting: IDENTIFY, AUTH, or an authorisation to ask for again) or the first error.
+        Returns their responses, the error and that command."""
+        responses: list[bytes] = []
+        awaiting: Command | None = None
+        run = _PublishRun()
+        # a consumer's FINs, REQs and RDYs note that the pump has room instead of waking it: the
+        # caller sends for it once the answers are written (_pump_inline)
+        client.inline_pump = client.state == ClientState.SUBSCRIBED
+        try:
+            try:
+                while True:
+                    fins = parser.peek_fins()
+                    if fins:
+                        self._finish_run(client, parser, fins)
+                    command = parser.next_command()
+                    if command is None:
+                        break
+                    name = command.name
+                    if name in _RUNS:
+                        if not self._add_to_run(client, run, command, responses):
+                            awaiting = command
+                            break
+                        continue
+                    if run.count:
+                        self._publish_run(client, run, responses)
+                    if command.body is None:  # a body command was checked by the parser before its body was read
+                        check_command(name, len(command.params), client.state, self._tls_ok(client))
+                    handler = _HANDLERS.get(name)
+                    if handler is None:  # IDENTIFY, AUTH
+                        awaiting = command
+                        break
+                    try:
+                        response = handler(self, client, command)
+                    except _AskAuthAgain:
+                        awaiting = command
+                        break
+                    if response is not None:
+                        responses.append(response)
+            finally:
+                client.inline_pump = False
+                if run.count:
+                    # what came before an error is answered before it (a fatal error of the run
+                    # itself replaces the other one)
+                    self._publish_run(client, run, responses)
+        except ClientError as err:
+            return responses, err, None
+        return responses, None, awaiting
+
+    def _add_to_run(self, client: ClientV2, run: _PublishRun, cmd: Command, responses: list[bytes]) -> bool:
         """PUB and DPUB commands that follow each other in one read, to one topic (a DPUB with one delay),
         are published as one batch: one write to the topic's log instead of one each, the same messages,
-        ids, order and answers as one publish each (each answered OK, in place)."""
+        ids, order and answers as one publish each (each answered OK, in place). False when the
+        command must wait for its authorisation to be asked for again."""
+        if run.count and cmd.params == run.params and cmd.name == run.name:  # the run goes on
+            run.bodies.append(cmd.body or b"")
+            run.count += 1
+            return True
         topic_name = cmd.params[0].decode()
         delay = self._dpub_timeout(cmd.params[1]) if cmd.name == b"DPUB" else 0.0
         if run.count and (run.name != cmd.name or run.topic != topic_name or run.delay != delay):
             self._publish_run(client, run, responses)
         if not run.count:
-            await self.check_auth(client, cmd.name.decode(), topic_name)
+            try:
+                self._authorize(client, cmd.name.decode(), topic_name)
+            except _AskAuthAgain:
+                return False
             run.name, run.topic, run.delay = cmd.name, topic_name, delay
+        run.params = cmd.params
         run.bodies.append(cmd.body or b"")
         run.count += 1
+        return True
 
     def _publish_run(self, client: ClientV2, run: _PublishRun, responses: list[bytes]) -> None:
         """Publish a run; its commands are answered OK up to the first one the topic could not store,
@@ -204,44 +302,70 @@ class ProtocolV2:
 
         Data is flushed as soon as no more can be sent right now (nothing queued, RDY used up), or when
         the buffer passes output_buffer_size; so it never waits longer than output_buffer_timeout.
+        What FINs, REQs and RDYs make room for is sent by the io path itself (_pump_inline), without
+        waking this task; it waits for new messages in the channel, SUB, and what the io path leaves it.
         """
-        frame_header = MESSAGE_FRAME_HEADER.pack
         while True:
-            channel = client.channel
-            msgs = None
-            if channel is not None and not channel.paused and client.state == ClientState.SUBSCRIBED:
-                want = client.ready_count - client.in_flight_count
-                if want > 0:
-                    msgs = channel.take(want)
-            if not msgs:
+            taken = self._pump_step(client)
+            if not taken:
                 if client.out:
-                    # flushing awaits: look again afterwards rather than sleep on a stale answer
-                    await client.flush()
+                    # straight to the socket when it takes it all; else flushing awaits: look again
+                    # afterwards rather than sleep on a stale answer
+                    if not client.write_now():
+                        await client.flush()
                     continue
-                await client.wait(channel if msgs is not None else None)
+                await client.wait(client.channel if taken == 0 else None)
                 continue
-            assert channel is not None  # msgs came from it
-            now = trio.current_time()
-            timeout = client.msg_timeout
-            sample_rate = client.sample_rate
-            out = client.out
-            if sample_rate:
-                msgs = self._sample(channel, msgs, sample_rate)
-            for msg in msgs:
-                if msg.attempts < 0xFFFF:
-                    msg.attempts += 1
-                body = msg.body
-                out += frame_header(30 + len(body), 2, msg.timestamp, msg.attempts)
-                out += msg.id
-                out += body
-            channel.start_in_flight_many(msgs, client.id, now, timeout)
-            client.in_flight_count += len(msgs)
-            client.message_count += len(msgs)
-            if len(out) >= client.output_buffer_size or client.output_buffer_timeout == 0:
+            if len(client.out) >= client.output_buffer_size or client.output_buffer_timeout == 0:
                 await client.flush()
             else:
                 # let the io_loop read FINs before the next batch; the loop flushes when it runs dry
                 await trio.lowlevel.checkpoint()
+
+    def _pump_step(self, client: ClientV2) -> int | None:
+        """Take what RDY allows from the channel and encode it into the output buffer. Returns how many
+        were taken (0: the channel had none), or None when the client can take none now (no channel,
+        paused, not subscribed, RDY used up)."""
+        channel = client.channel
+        if channel is None or channel.paused or client.state != ClientState.SUBSCRIBED:
+            return None
+        want = client.ready_count - client.in_flight_count
+        if want <= 0:
+            return None
+        msgs = channel.take(want)
+        if not msgs:
+            return 0
+        taken = len(msgs)
+        now = trio.current_time()
+        if client.sample_rate:
+            msgs = self._sample(channel, msgs, client.sample_rate)
+        frame_header = MESSAGE_FRAME_HEADER.pack
+        out = client.out
+        for msg in msgs:
+            if msg.attempts < 0xFFFF:
+                msg.attempts += 1
+            body = msg.body
+            out += frame_header(30 + len(body), 2, msg.timestamp, msg.attempts)
+            out += msg.id
+            out += body
+        channel.start_in_flight_many(msgs, client.id, now, client.msg_timeout)
+        client.in_flight_count += len(msgs)
+        client.message_count += len(msgs)
+        return taken
+
+    def _pump_inline(self, client: ClientV2) -> None:
+        """After the commands of a read made room (FIN, REQ, RDY; their wake-up of the pump held back):
+        send what the pump would send now, from here. The pump is woken only for what it must do
+        itself: wait on the channel for new messages while RDY has room, or flush what the socket
+        did not take."""
+        client.pump_due = False
+        self._pump_step(client)
+        if client.out and not client.write_now():
+            client.wake()
+            return
+        channel = client.channel
+        if channel is not None and client.ready_room() > 0 and client not in channel.waiters:
+            client.wake()
 
     @staticmethod
     def _sample(channel: Channel, msgs: list[Message], sample_rate: int) -> list[Message]:
@@ -284,43 +408,67 @@ class ProtocolV2:
 
     def _check_body_size(self, client: ClientV2, name: bytes, params: tuple[bytes, ...], size: int | None) -> None:
         """nsqd's checks of a body command, in nsqd's order: the params as soon as the line is read
-        (size None), then the declared size before the body is buffered."""
+        (size None), then the declared size before the body is buffered. A publishing line the same as
+        the last one that passed (a producer's next PUB) passes again: publishing is allowed in every
+        state, and the TLS policy only ever allows more."""
         opts = self.options
-        cmd = name.decode()
         if size is None:
+            if client.checked_line == (name, params):
+                return
             check_command(name, len(params), client.state, self._tls_ok(client))
         if name == b"PUB" or name == b"DPUB":
             if size is None:
                 if not is_valid_topic_name(params[0]):
-                    raise FatalClientError("E_BAD_TOPIC", f"{cmd} topic name {_quote(params[0])} is not valid")
+                    raise FatalClientError("E_BAD_TOPIC", f"{name.decode()} topic name {_quote(params[0])} is not valid")
                 if name == b"DPUB":
                     self._dpub_timeout(params[1])
+                client.checked_line = (name, params)
             elif size <= 0:
-                raise FatalClientError("E_BAD_MESSAGE", f"{cmd} invalid message body size {size}")
+                raise FatalClientError("E_BAD_MESSAGE", f"{name.decode()} invalid message body size {size}")
             elif size > opts.max_msg_size:
-                raise FatalClientError("E_BAD_MESSAGE", f"{cmd} message too big {size} > {opts.max_msg_size}")
+                raise FatalClientError("E_BAD_MESSAGE", f"{name.decode()} message too big {size} > {opts.max_msg_size}")
         elif name == b"MPUB":
             if size is None:
                 if not is_valid_topic_name(params[0]):
                     # sic: nsqd repeats the code inside the description
                     raise FatalClientError("E_BAD_TOPIC", f"E_BAD_TOPIC MPUB topic name {_quote(params[0])} is not valid")
+                client.checked_line = (name, params)
             elif size <= 0:
                 raise FatalClientError("E_BAD_BODY", f"MPUB invalid body size {size}")
             elif size > opts.max_body_size:
                 raise FatalClientError("E_BAD_BODY", f"MPUB body too big {size} > {opts.max_body_size}")
         elif size is not None:  # IDENTIFY, AUTH
             if size > opts.max_body_size:
-                raise FatalClientError("E_BAD_BODY", f"{cmd} body too big {size} > {opts.max_body_size}")
+                raise FatalClientError("E_BAD_BODY", f"{name.decode()} body too big {size} > {opts.max_body_size}")
             elif size <= 0:
-                raise FatalClientError("E_BAD_BODY", f"{cmd} invalid body size {size}")
+                raise FatalClientError("E_BAD_BODY", f"{name.decode()} invalid body size {size}")
 
     def _tls_ok(self, client: ClientV2) -> bool:
         return client.tls or not self.nsqd.tls_required
 
-    async def exec(self, client: ClientV2, cmd: Command) -> bytes | None:
-        if cmd.body is None:  # a body command was checked by the parser before its body was read
-            check_command(cmd.name, len(cmd.params), client.state, self._tls_ok(client))
-        return await _HANDLERS[cmd.name](self, client, cmd)
+    async def exec_awaiting(self, client: ClientV2, cmd: Command) -> bytes | None:
+        """A command run_commands could not execute in place (its checks are done): IDENTIFY and AUTH,
+        or one whose expired authorisation must be asked for again first (nsqd's CheckAuth)."""
+        handler = _AWAITING.get(cmd.name)
+        if handler is not None:
+            return await handler(self, client, cmd)
+        try:
+            await self._query_authd(client)
+        except AuthError as exc:
+            log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
+            raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
+        client.auth_refreshed = True  # what authd just said counts, even with a ttl already gone
+        try:
+            if cmd.name in _RUNS:
+                run = _PublishRun()
+                responses: list[bytes] = []
+                if not self._add_to_run(client, run, cmd, responses):
+                    raise AssertionError("an authorisation just given asked for again")
+                self._publish_run(client, run, responses)
+                return responses[0]
+            return _HANDLERS[cmd.name](self, client, cmd)
+        finally:
+            client.auth_refreshed = False
 
     async def IDENTIFY(self, client: ClientV2, cmd: Command) -> bytes | None:
         data = IdentifyData.from_json(cmd.body or b"")
@@ -418,24 +566,21 @@ class ProtocolV2:
         )
         return state
 
-    async def check_auth(self, client: ClientV2, cmd: str, topic: str, channel: str = "") -> None:
+    def _authorize(self, client: ClientV2, cmd: str, topic: str, channel: str = "") -> None:
         """nsqd's CheckAuth: with auth enabled, a client must AUTH first and be allowed this topic/channel;
-        an expired authorisation is asked for again."""
+        an expired authorisation is asked for again (_AskAuthAgain: the command goes to exec_awaiting,
+        nothing done yet)."""
         if not self.nsqd.auth_enabled:
             return
         state = client.auth_state
         if state is None or not state.authorizations:
             raise FatalClientError("E_AUTH_FIRST", f"AUTH required before {cmd}")
-        if state.is_expired():
-            try:
-                state = await self._query_authd(client)
-            except AuthError as exc:
-                log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
-                raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
+        if state.is_expired() and not client.auth_refreshed:
+            raise _AskAuthAgain()
         if not state.is_allowed(topic, channel):
             raise FatalClientError("E_UNAUTHORIZED", f"AUTH failed for {cmd} on {_quote(topic.encode())} {_quote(channel.encode())}")
 
-    async def SUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def SUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         if client.heartbeat_interval <= 0:
             raise FatalClientError("E_INVALID", "cannot SUB with heartbeats disabled")
         if len(cmd.params) < 2:
@@ -445,7 +590,7 @@ class ProtocolV2:
             raise FatalClientError("E_BAD_TOPIC", f"SUB topic name {_quote(topic_name)} is not valid")
         if not is_valid_channel_name(channel_name):
             raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {_quote(channel_name)} is not valid")
-        await self.check_auth(client, "SUB", topic_name.decode(), channel_name.decode())
+        self._authorize(client, "SUB", topic_name.decode(), channel_name.decode())
         topic = self.nsqd.get_topic(topic_name.decode())
         channel = topic.get_channel(channel_name.decode())
         try:
@@ -457,7 +602,7 @@ class ProtocolV2:
         client.wake()
         return OK
 
-    async def RDY(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def RDY(self, client: ClientV2, cmd: Command) -> bytes | None:
         if client.state == ClientState.CLOSING:
             log.info("PROTOCOL(V2): [%s] ignoring RDY after CLS in state ClientStateV2Closing", client)
             return None
@@ -479,7 +624,7 @@ class ProtocolV2:
             raise FatalClientError("E_INVALID", "invalid message ID")
         return msg_id
 
-    async def FIN(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def FIN(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(cmd)
         try:
             self._channel(client).finish_message(client.id, msg_id)
@@ -500,7 +645,7 @@ class ProtocolV2:
             raise ClientError("E_FIN_FAILED", f"FIN {ids[finished].decode(errors='replace')} failed {error}")
         parser.skip_fins(finished)
 
-    async def REQ(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def REQ(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(cmd)
         try:
             timeout_ms = _parse_signed(cmd.params[1])
@@ -519,7 +664,7 @@ class ProtocolV2:
         client.requeued_message()
         return None
 
-    async def TOUCH(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def TOUCH(self, client: ClientV2, cmd: Command) -> bytes | None:
         msg_id = self._message_id(cmd)
         try:
             self._channel(client).touch_message(client.id, msg_id, client.msg_timeout, self.options.max_msg_timeout)
@@ -527,16 +672,16 @@ class ProtocolV2:
             raise ClientError("E_TOUCH_FAILED", f"TOUCH {msg_id.decode(errors='replace')} failed {exc}") from None
         return None
 
-    async def CLS(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def CLS(self, client: ClientV2, cmd: Command) -> bytes | None:
         client.start_close()
         return CLOSE_WAIT
 
-    async def NOP(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def NOP(self, client: ClientV2, cmd: Command) -> bytes | None:
         return None
 
-    async def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
+    def MPUB(self, client: ClientV2, cmd: Command) -> bytes | None:
         topic_name = cmd.params[0].decode()
-        await self.check_auth(client, "MPUB", topic_name)
+        self._authorize(client, "MPUB", topic_name)
         bodies = parse_mpub_body(cmd.body or b"", self.options.max_msg_size, self.options.max_body_size)
         self._publish(client, "MPUB", topic_name, bodies)
         return OK
@@ -566,8 +711,6 @@ class ProtocolV2:
         client.published(topic_name, published.count)
 
 
-# commands that write their own answer (and may upgrade the stream) instead of returning it
-_WRITES_ITSELF = frozenset({b"IDENTIFY", b"AUTH"})
 # commands published in runs (_add_to_run)
 _RUNS = frozenset({b"PUB", b"DPUB"})
 
@@ -575,18 +718,20 @@ _RUNS = frozenset({b"PUB", b"DPUB"})
 class _PublishRun:
     """PUB or DPUB commands of one read, to one topic with one delay, not published yet."""
 
-    __slots__ = ("name", "topic", "delay", "bodies", "count")
+    __slots__ = ("name", "params", "topic", "delay", "bodies", "count")
 
     def __init__(self) -> None:
         self.name = b""
+        self.params: tuple[bytes, ...] = ()
         self.topic = ""
         self.delay = 0.0
         self.bodies: list[bytes] = []
         self.count = 0
 
+# a connection in these states may wait in the V2Poller between its reads
+_PARKED_STATES = frozenset({ClientState.INIT, ClientState.SUBSCRIBED})
+# commands executed in place (run_commands): none awaits
 _HANDLERS = {
-    b"IDENTIFY": ProtocolV2.IDENTIFY,
-    b"AUTH": ProtocolV2.AUTH,
     b"SUB": ProtocolV2.SUB,
     b"RDY": ProtocolV2.RDY,
     b"FIN": ProtocolV2.FIN,
@@ -596,6 +741,16 @@ _HANDLERS = {
     b"NOP": ProtocolV2.NOP,
     b"MPUB": ProtocolV2.MPUB,
 }
+# commands that await (exec_awaiting): they write their own answer and may upgrade the stream
+_AWAITING = {
+    b"IDENTIFY": ProtocolV2.IDENTIFY,
+    b"AUTH": ProtocolV2.AUTH,
+}
+
+
+class _AskAuthAgain(Exception):
+    """An expired authorisation must be asked for again before this command (an await): raised before
+    the command changed anything."""
 
 
 def _parse_signed(value: bytes) -> int:

@@ -256,6 +256,14 @@ class Topic:
                 memory.extend(map(Message, ids[:room], bodies[:room], repeat(now)))
                 self._counted(bodies[:room])
                 written = self._write(ids[room:], bodies[room:], now, 0.0)
+        if self.memory:
+            if self._receiving and not self.paused and self.channels:
+                # the pump waits with nothing before these: hand them over here, as it would, without
+                # its wake-up (a task switch per PUB when producers send one message at a time)
+                self.dispatch()
+                self._hand(PUMP_BATCH)
+            if self.memory:
+                self._wake.set()
         sync = self.group if written and self.sync_every == 1 else None
         return Published(len(bodies), sync, sync is not None and written == len(bodies))
 
@@ -290,7 +298,6 @@ class Topic:
         if bodies:
             self.message_count += len(bodies)
             self.message_bytes += sum(map(len, bodies))
-            self._wake.set()
 
     # --- channels -----------------------------------------------------------------------------
 
@@ -353,6 +360,7 @@ class Topic:
     def pause(self) -> None:
         """The caller persists the metadata (nsqd's /topic/pause does, so a crash cannot undo it)."""
         self.paused = True
+        self._receiving = False  # the pump, waiting, takes nothing more until unpaused
 
     def unpause(self) -> None:
         self.paused = False

@@ -140,6 +140,28 @@ async def test_a_new_channel_gets_what_the_topic_still_holds(tmp_path):
     kill(topic)
 
 
+async def test_a_publish_to_a_waiting_pump_is_handed_over_at_once(tmp_path):
+    """The topic's pump waits with nothing queued: a publish hands its messages to the channels itself
+    (a task switch per PUB saved when producers send one at a time); paused, the topic keeps them, as
+    nsqd does, until unpaused."""
+    topic = open_topic(tmp_path)
+    a = topic.get_channel("a")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(topic.run)
+        await trio.testing.wait_all_tasks_blocked()
+        topic.publish([b"one"])
+        assert (topic.depth(), a.depth()) == (0, 1)  # no checkpoint since the publish
+        topic.pause()
+        topic.publish([b"two"])
+        assert (topic.depth(), a.depth()) == (1, 1)
+        topic.unpause()
+        await trio.testing.wait_all_tasks_blocked()
+        assert (topic.depth(), a.depth()) == (0, 2)
+        assert [m.body for m in drain(a)] == [b"one", b"two"]
+        topic.cancel()
+    kill(topic)
+
+
 async def test_segments_go_once_every_channel_is_past_them(tmp_path):
     topic = open_topic(tmp_path, mem_queue_size=0, max_bytes_per_file=1024)
     fast, slow = topic.get_channel("fast"), topic.get_channel("slow")
