@@ -360,7 +360,6 @@ class Topic:
     def pause(self) -> None:
         """The caller persists the metadata (nsqd's /topic/pause does, so a crash cannot undo it)."""
         self.paused = True
-        self._receiving = False  # the pump, waiting, takes nothing more until unpaused
 
     def unpause(self) -> None:
         self.paused = False
