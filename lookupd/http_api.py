@@ -109,6 +109,24 @@ def lookup(lookupd: NSQLookupd, query: bytes) -> dict:
     }
 
 
+def lookup_holds_until(lookupd: NSQLookupd, query: bytes) -> float:
+    """Until when (time.monotonic()) /lookup's answer to `query` stays the same while the DB's generation
+    does: the first moment a producer of the topic goes quiet (a PING only moves that later) or its
+    tombstone's lifetime ends. A producer already quiet could come back with its next PING, which
+    changes no generation: such an answer is not kept at all."""
+    topic = _get(_query(query), "topic", "MISSING_ARG_TOPIC")
+    opts, now = lookupd.options, time.monotonic()
+    until = now + opts.inactive_producer_timeout
+    for p in lookupd.db.find_producers("topic", topic, ""):
+        quiet_at = p.peer.last_update + opts.inactive_producer_timeout
+        if quiet_at < now:
+            return 0.0
+        until = min(until, quiet_at)
+        if p.is_tombstoned(opts.tombstone_lifetime):
+            until = min(until, p.tombstoned_at + opts.tombstone_lifetime)
+    return until
+
+
 def nodes(lookupd: NSQLookupd, query: bytes) -> dict:
     db, opts = lookupd.db, lookupd.options
     out = []
@@ -175,7 +193,7 @@ def topic_tombstone(lookupd: NSQLookupd, query: bytes) -> None:
     # as Go: no producer matching `node` is not an error (nsqadmin reports PRODUCER_NOT_FOUND itself)
     for p in lookupd.db.find_producers("topic", topic, ""):
         if f"{p.peer.broadcast_address}:{p.peer.http_port}" == node:
-            p.tombstone()
+            lookupd.db.tombstone(p)
 
 
 def channel_create(lookupd: NSQLookupd, query: bytes) -> None:
@@ -200,6 +218,38 @@ def channel_delete(lookupd: NSQLookupd, query: bytes) -> None:
 class Route:
     handler: Handler
     plain: bool = False  # Go's PlainText decorator (only /ping), else V1
+    # the answer may be kept (AnswerCache) until this says, given the same DB generation
+    holds_until: Callable[[NSQLookupd, bytes], float] | None = None
+
+
+ANSWERS_KEPT = 1024  # distinct query strings whose answers AnswerCache keeps (then it starts over)
+
+
+class AnswerCache:
+    """Answers kept by query string, for the routes that say how long theirs hold (/lookup). Every
+    consumer polls /lookup (go-nsq and pynsq each 60 s, per topic and lookupd), and the answer is the same
+    bytes until a broker registers or leaves, a tombstone is set or lapses, or a producer goes quiet: kept,
+    it costs a dict lookup instead of the DB walk and the JSON. Owned by lookupd_site's call_now."""
+
+    def __init__(self, lookupd: NSQLookupd) -> None:
+        self.lookupd = lookupd
+        self.kept: dict[bytes, tuple[int, float, Reply]] = {}
+
+    def get(self, query: bytes) -> Reply | None:
+        hit = self.kept.get(query)
+        if hit is None or hit[0] != self.lookupd.db.generation or time.monotonic() >= hit[1]:
+            return None
+        return hit[2]
+
+    def keep(self, route: Route, query: bytes, reply: Reply) -> None:
+        assert route.holds_until is not None
+        until = route.holds_until(self.lookupd, query)
+        if until <= time.monotonic():
+            self.kept.pop(query, None)
+            return
+        if len(self.kept) >= ANSWERS_KEPT:
+            self.kept.clear()
+        self.kept[query] = (self.lookupd.db.generation, until, reply)
 
 
 # method -> path -> route, as httprouter's trees
@@ -208,7 +258,7 @@ ROUTES: dict[str, dict[str, Route]] = {
         "/ping": Route(ping, plain=True),
         "/info": Route(info),
         "/debug": Route(debug),
-        "/lookup": Route(lookup),
+        "/lookup": Route(lookup, holds_until=lookup_holds_until),
         "/topics": Route(topics),
         "/channels": Route(channels),
         "/nodes": Route(nodes),
@@ -226,14 +276,23 @@ ROUTES: dict[str, dict[str, Route]] = {
 ROUTER = Router(ROUTES)
 
 
-def lookupd_site(lookupd: NSQLookupd) -> Site[Route]:
-    """nsqlookupd's routes as the shared HTTP server's Site."""
+def lookupd_site(lookupd: NSQLookupd, answers: AnswerCache | None = None) -> Site[Route]:
+    """nsqlookupd's routes as the shared HTTP server's Site (`answers`: its AnswerCache, given by a test)."""
+    if answers is None:
+        answers = AnswerCache(lookupd)
 
     def call_now(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
+        if route.holds_until is not None:
+            kept = answers.get(req.query)
+            if kept is not None:
+                return kept
         status, value = call_logged(log, lambda: route.handler(lookupd, req.query))
         if route.plain:
             return plain(str(value), status)
-        return respond_v1(status, value)
+        reply = respond_v1(status, value)
+        if route.holds_until is not None and status == 200:
+            answers.keep(route, req.query, reply)
+        return reply
 
     async def call(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
         return call_now(req, route, params)

@@ -82,12 +82,18 @@ class RegistrationDB:
     """
 
     registrations: dict[Registration, dict[str, Producer]] = attrs.field(factory=dict)
+    # counts every change of registrations, producers and tombstones: an HTTP answer kept from an
+    # earlier generation is stale (lookupd/http_api.py's AnswerCache)
+    generation: int = 0
 
     def add_registration(self, key: Registration) -> None:
-        self.registrations.setdefault(key, {})
+        if key not in self.registrations:
+            self.registrations[key] = {}
+            self.generation += 1
 
     def add_producer(self, key: Registration, producer: Producer) -> bool:
         producers = self.registrations.setdefault(key, {})
+        self.generation += 1  # the registration may be new even when the producer is not
         if producer.peer.id in producers:
             return False
         producers[producer.peer.id] = producer
@@ -98,10 +104,16 @@ class RegistrationDB:
         if producers is None:
             return False, 0
         removed = producers.pop(peer_id, None) is not None
+        self.generation += removed
         return removed, len(producers)
 
     def remove_registration(self, key: Registration) -> None:
-        self.registrations.pop(key, None)
+        if self.registrations.pop(key, None) is not None:
+            self.generation += 1
+
+    def tombstone(self, producer: Producer) -> None:
+        producer.tombstone()
+        self.generation += 1
 
     def find_registrations(self, category: str, key: str, subkey: str) -> list[Registration]:
         if key != "*" and subkey != "*":

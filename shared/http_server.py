@@ -221,6 +221,8 @@ class Site(Generic[H]):
         return error_reply(500, "INTERNAL_ERROR")
 
     def _log(self, req: Request, path: str, reply: Reply, start: int) -> None:
+        if not self.log.isEnabledFor(logging.INFO):
+            return
         uri = path + ("?" + req.query.decode("latin-1") if req.query else "")
         log_request(self.log, reply.status, req.method, uri, req.remote, time.perf_counter_ns() - start)
 

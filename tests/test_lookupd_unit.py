@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_nsq.lookupd.http_api import (
-    GO_ZERO_TIME_UNIX_NANO, ROUTER, ROUTES, channel_create, channel_delete, channels, debug, info, lookup, nodes,
-    ping, topic_create, topic_delete, topic_tombstone, topics,
+    ANSWERS_KEPT, GO_ZERO_TIME_UNIX_NANO, ROUTER, ROUTES, AnswerCache, channel_create, channel_delete, channels, debug, info, lookup, nodes,
+    lookupd_site, ping, topic_create, topic_delete, topic_tombstone, topics,
 )
 from trio_nsq.lookupd.nsqlookupd import NSQLookupd
 from trio_nsq.lookupd.options import Options, parse_options
@@ -30,6 +30,7 @@ from trio_nsq.lookupd.protocol_v1 import (
 from trio_nsq.lookupd.registration_db import (
     PeerInfo, Producer, Registration, RegistrationDB, filter_active, filter_registrations, keys, subkeys,
 )
+from trio_nsq.shared.http_server import Request
 from trio_nsq.shared.http_api import HTTPError, clean_path, go_json, go_query_unescape, parse_query
 from trio_nsq.shared.protocol import Command, FatalClientError
 from trio_nsq.shared.version import VERSION
@@ -477,6 +478,60 @@ def test_tombstone_handler_and_nodes(lk):
     lk.db.find_producers("topic", "t1", "")[0].tombstoned_at -= 46
     assert len(lookup(lk, b"topic=t1")["producers"]) == 1
     assert dict(zip(node["topics"], nodes(lk, b"")["producers"][0]["tombstones"])) == {"t1": False, "t2": False}
+
+
+def _lookup_site_answer(site, query: bytes):
+    async def no_body(cap):
+        raise AssertionError("no body is read")
+
+    reply = site.now(Request("GET", "/lookup", query, {"host": "lk"}, reader=no_body))
+    return reply.status, (json.loads(reply.body) if reply.body else None)
+
+
+def test_lookup_answers_are_kept_until_the_registrations_or_time_change_them(lk, monkeypatch):
+    """/lookup's answer is kept by query string (AnswerCache): the same bytes for the next poll, and a
+    fresh answer as soon as a registration, a tombstone, its lapse or a producer's silence changes it."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    answers = AnswerCache(lk)
+    site = lookupd_site(lk, answers)
+    status, first = _lookup_site_answer(site, b"topic=t1")
+    assert status == 200 and first["channels"] == ["c1"] and len(first["producers"]) == 1
+    [(generation, until, reply)] = answers.kept.values()
+    assert generation == lk.db.generation and until == lk.client.peer.last_update + 300  # --inactive-producer-timeout
+    assert answers.get(b"topic=t1") is reply
+    assert site.now(Request("GET", "/lookup", b"topic=t1", {"host": "lk"}, reader=None)) is reply
+    proto = LookupProtocolV1(lk)
+    proto.exec(lk.client, Command(b"REGISTER", (b"t1", b"c2")))  # a new channel: a new generation
+    assert _lookup_site_answer(site, b"topic=t1")[1]["channels"] == ["c1", "c2"]
+    channel_delete(lk, b"topic=t1&channel=c2")
+    assert _lookup_site_answer(site, b"topic=t1")[1]["channels"] == ["c1"]
+    # a tombstone hides the producer at once, and its lapse (45 s, no DB change) shows it again
+    topic_tombstone(lk, b"topic=t1&node=b1:4151")
+    assert _lookup_site_answer(site, b"topic=t1")[1]["producers"] == []
+    clock[0] += 44
+    assert _lookup_site_answer(site, b"topic=t1")[1]["producers"] == []
+    clock[0] += 2
+    assert len(_lookup_site_answer(site, b"topic=t1")[1]["producers"]) == 1
+    # a producer gone quiet drops out without any DB change; a PING brings it back, also without one
+    clock[0] += 300 - 46 + 1
+    assert _lookup_site_answer(site, b"topic=t1")[1]["producers"] == []
+    assert b"topic=t1" not in answers.kept  # a quiet producer's PING changes no generation: not kept
+    proto.exec(lk.client, Command(b"PING", ()))
+    assert len(_lookup_site_answer(site, b"topic=t1")[1]["producers"]) == 1
+    # removal is seen too; errors are never kept
+    topic_delete(lk, b"topic=t1")
+    assert _lookup_site_answer(site, b"topic=t1") == (404, {"message": "TOPIC_NOT_FOUND"})
+    topic_create(lk, b"topic=t1")
+    assert _lookup_site_answer(site, b"topic=t1") == (200, {"channels": [], "producers": []})
+
+
+def test_the_kept_answers_are_bounded(lk):
+    answers = AnswerCache(lk)
+    site = lookupd_site(lk, answers)
+    for i in range(ANSWERS_KEPT + 5):  # distinct query strings for the same topic
+        assert _lookup_site_answer(site, b"topic=t2&n=%d" % i)[0] == 200
+    assert 0 < len(answers.kept) <= ANSWERS_KEPT
 
 
 def test_nodes_hides_inactive_producers(lk):

@@ -6,7 +6,8 @@ Scenarios (200-byte messages, default flags, topic and channel created first): P
 16 connections; POST /pub with `Connection: close` (a new connection per request, as curl in a shell
 loop), 8 at a time; POST /mpub of 100 messages on 8 connections, then the same with a unique
 Idempotency-Key per request (a wrk Lua script); GET /ping on one connection; GET /stats?format=json
-on one connection. Each run gets a fresh broker. With DIR (Go's `nsqd` 1.3.0) the runs interleave, Go
+on one connection; nsqlookupd's GET /lookup?topic=bench on 16 connections (a broker of the same side
+registered with it: the topic, one channel, one producer). Each run gets a fresh broker. With DIR (Go's `nsqd` 1.3.0) the runs interleave, Go
 then ours, round after round; the figure per side is the median over the rounds and the ratio ours
 over Go's. Without DIR only trio-nsqd runs. Without wrk (`apt-get install wrk`) this prints that it
 skipped and does nothing. Figures go to bench-results.json under "http_versus_go_nsqd" (merged).
@@ -24,8 +25,11 @@ import tempfile
 import urllib.request
 from typing import Any
 
+from pathlib import Path
+
 from tests.bench.broker import Broker
-from tests.bench.machine import merge_report
+from tests.bench.machine import merge_report, process_stat
+from tests.processes import LookupdProcess, wait_for
 
 WRK = shutil.which("wrk")
 MSG_SIZE = 200
@@ -52,7 +56,9 @@ SCENARIOS: dict[str, tuple[str, str, int, int, tuple[str, ...], bool]] = {
     "mpub_key": ("POST /mpub of 100 + Idempotency-Key, 8 conn.", "/mpub?topic=bench", 8, 100, (), True),
     "ping": ("GET /ping, 1 connection", "/ping", 1, 0, (), False),
     "stats": ("GET /stats?format=json, 1 connection", "/stats?format=json", 1, 0, (), False),
+    "lookup": ("nsqlookupd GET /lookup, 16 connections", "/lookup?topic=bench", 16, 0, (), False),
 }
+LOOKUPD_SCENARIOS = {"lookup"}  # loaded on an nsqlookupd a broker registers with, not on the broker
 
 _RATE = re.compile(r"Requests/sec:\s+([0-9.]+)")
 _BAD = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
@@ -78,19 +84,43 @@ def _post(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
 
+class _Lookupd(LookupdProcess):
+    """nsqlookupd for the /lookup scenario: ours, or Go's binary with the same flags."""
+
+    ready_by_log = False
+
+    def __init__(self, base_dir: str, command: list[str] | None) -> None:
+        super().__init__(Path(base_dir), "--log-level=warn")
+        self._command = command
+
+    def command(self) -> list[str]:
+        return self._command or super().command()
+
+
 def run_once(reference: str | None, side: str, key: str, seconds: float, folder: str) -> dict[str, float]:
     _, path, connections, per_request, extra, _ = SCENARIOS[key]
-    command = [os.path.join(reference, "nsqd")] if side == "go" and reference else None
-    broker = Broker(command=command)
+    go = side == "go" and reference
+    lookupd = None
+    if key in LOOKUPD_SCENARIOS:
+        lookupd = _Lookupd(folder, [os.path.join(reference, "nsqlookupd")] if go else None)  # type: ignore[arg-type]
+        lookupd.start()
+    flags = (f"--lookupd-tcp-address={lookupd.tcp_address}",) if lookupd else ()
+    broker = Broker(*flags, command=[os.path.join(reference, "nsqd")] if go else None)  # type: ignore[arg-type]
     try:
         _post(f"{broker.http_url}/topic/create?topic=bench")
         _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        target = broker
+        if lookupd:
+            target = lookupd
+            wait_for(lambda: b'"ch"' in urllib.request.urlopen(lookupd.http_url + path, timeout=5).read(),
+                     timeout=10, message="the broker's topic and channel in nsqlookupd", ignore=(OSError,))
         assert WRK is not None
         args = [WRK, f"-t{min(2, connections)}", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s",
-                "-s", _script(folder, key), *extra, broker.http_url + path]
-        cpu_before = broker.cpu_seconds()
+                "-s", _script(folder, key), *extra, target.http_url + path]
+        cpu_of = (lambda: process_stat(lookupd.proc.pid)[1]) if lookupd else broker.cpu_seconds  # type: ignore[union-attr]
+        cpu_before = cpu_of()
         out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
-        cpu = broker.cpu_seconds() - cpu_before
+        cpu = cpu_of() - cpu_before
         match = _RATE.search(out.stdout)
         requests = _REQUESTS.search(out.stdout)
         if out.returncode != 0 or not match:
@@ -106,6 +136,8 @@ def run_once(reference: str | None, side: str, key: str, seconds: float, folder:
         return figures
     finally:
         broker.close()
+        if lookupd:
+            lookupd.stop()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
