@@ -94,10 +94,11 @@ def test_deferred_publish_with_mem_queue_size_0_keeps_its_delay(broker_factory):
         conn.rdy(10)
         published = time.monotonic()
         http(broker, "/pub?topic=later&defer=1500", b"deferred")
+        http(broker, "/pub?topic=later&defer=1500", b"again")  # the same query, kept checked: deferred too
         conn.dpub("later", 1500, b"dpub")
         conn.expect_no_frame(1.0)  # a record on disk would carry no delay: delivered at once
-        got = {conn.expect_message(timeout=5).body for _ in range(2)}
-        assert got == {b"deferred", b"dpub"}
+        got = {conn.expect_message(timeout=5).body for _ in range(3)}
+        assert got == {b"deferred", b"again", b"dpub"}
         assert time.monotonic() - published >= 1.4
 
 

@@ -162,6 +162,32 @@ async def test_a_publish_to_a_waiting_pump_is_handed_over_at_once(tmp_path):
     kill(topic)
 
 
+async def test_a_publish_past_a_full_channel_goes_to_the_log_in_order(tmp_path):
+    """A durable channel's memory is full and the pump waits: a publish goes straight to the log (what
+    _hand would do with it, without the Messages), in publish order; an ephemeral channel beside it keeps
+    what its memory holds and drops the rest, as nsqd's does. (Memory and the log are two sources, as
+    nsqd's memory queue and backend are: the order between them is not kept.)"""
+    topic = open_topic(tmp_path, mem_queue_size=3)
+    a, tail = topic.get_channel("a"), topic.get_channel("tail#ephemeral")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(topic.run)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(8):
+            topic.publish([b"m%d" % i])
+        assert topic.depth() == 0 and len(topic.memory) == 0
+        assert len(a.memory) == 3 and a.depth() == 8  # 3 in memory, 5 in the log
+        assert topic.log is not None and topic.log.undispatched() == 0
+        assert topic.message_count == 8
+        got = [m.body for m in drain(a)]
+        assert sorted(got) == [b"m%d" % i for i in range(8)]
+        assert [b for b in got if b >= b"m3"] == [b"m%d" % i for i in range(3, 8)]  # the log's, in order
+        assert [m.body for m in drain(tail)] == [b"m0", b"m1", b"m2"] and tail.dropped_count == 5
+        topic.cancel()
+    kill(topic)
+    topic = open_topic(tmp_path, mem_queue_size=3)  # what went to the log is there after a kill -9
+    assert topic.get_channel("a").depth() == 0
+
+
 async def test_segments_go_once_every_channel_is_past_them(tmp_path):
     topic = open_topic(tmp_path, mem_queue_size=0, max_bytes_per_file=1024)
     fast, slow = topic.get_channel("fast"), topic.get_channel("slow")

@@ -66,6 +66,9 @@ class Api:
         self.options = nsqd.options
         self.https_address: tuple[str, int] | None = None
         self._queries: dict[bytes, dict[str, list[str]]] = {}  # raw query -> parsed, at most QUERY_CACHE
+        # a /pub query whose checks passed -> its topic name and defer (a publisher sends the same one
+        # every time: nothing to parse or check again), at most QUERY_CACHE
+        self._pub_queries: dict[bytes, tuple[str, float]] = {}
         # the endpoints answered without awaiting when a request came whole (Site.now)
         self._now: dict[str, Callable[[Request], Reply | None]] = {
             "ping": self.ping_now, "pub": self.pub_now, "mpub": self.mpub_now}
@@ -196,6 +199,9 @@ class Api:
             raise HTTPError(413, "MSG_TOO_BIG")
         if not body:
             raise HTTPError(400, "MSG_EMPTY")
+        checked = self._pub_queries.get(req.query)
+        if checked is not None:  # a query checked before: its topic name and defer, as they were found
+            return self.nsqd.get_topic(checked[0]), [body], checked[1]
         params, topic = self._topic_from_query(req)
         deferred = 0.0
         defer = params.get("defer")
@@ -207,6 +213,10 @@ class Api:
             if ms < 0 or ms > self.options.max_req_timeout * 1000:
                 raise HTTPError(400, "INVALID_DEFER")
             deferred = ms / 1000
+        if req.query in self._queries:  # kept parsed, so bounded as that table is
+            if len(self._pub_queries) >= QUERY_CACHE:
+                self._pub_queries.clear()
+            self._pub_queries[req.query] = (topic.name, deferred)
         return topic, [body], deferred
 
     async def mpub(self, req: Request) -> Reply:

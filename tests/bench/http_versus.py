@@ -21,6 +21,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from typing import Any
@@ -59,6 +60,7 @@ SCENARIOS: dict[str, tuple[str, str, int, int, tuple[str, ...], bool]] = {
     "lookup": ("nsqlookupd GET /lookup, 16 connections", "/lookup?topic=bench", 16, 0, (), False),
 }
 LOOKUPD_SCENARIOS = {"lookup"}  # loaded on an nsqlookupd a broker registers with, not on the broker
+FLOOR_SCENARIOS = {"pub", "pub_close"}  # the floor side answers these as a broker would (200 OK)
 
 _RATE = re.compile(r"Requests/sec:\s+([0-9.]+)")
 _BAD = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
@@ -100,15 +102,22 @@ class _Lookupd(LookupdProcess):
 def run_once(reference: str | None, side: str, key: str, seconds: float, folder: str) -> dict[str, float]:
     _, path, connections, per_request, extra, _ = SCENARIOS[key]
     go = side == "go" and reference
+    if side == "floor":  # tests/bench/floor.py: epoll, read, a fixed answer; the ceiling of one Python process
+        command = [sys.executable, "-m", "tests.bench.floor"]
+    elif go:
+        command = [os.path.join(reference, "nsqd")]  # type: ignore[arg-type]
+    else:
+        command = None
     lookupd = None
     if key in LOOKUPD_SCENARIOS:
         lookupd = _Lookupd(folder, [os.path.join(reference, "nsqlookupd")] if go else None)  # type: ignore[arg-type]
         lookupd.start()
     flags = (f"--lookupd-tcp-address={lookupd.tcp_address}",) if lookupd else ()
-    broker = Broker(*flags, command=[os.path.join(reference, "nsqd")] if go else None)  # type: ignore[arg-type]
+    broker = Broker(*flags, command=command)
     try:
-        _post(f"{broker.http_url}/topic/create?topic=bench")
-        _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        if side != "floor":
+            _post(f"{broker.http_url}/topic/create?topic=bench")
+            _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         target = broker
         if lookupd:
             target = lookupd
@@ -152,19 +161,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("HTTP scenarios skipped: wrk not found (apt-get install wrk)", flush=True)
         return {}
     keys = args.only or list(SCENARIOS)
-    sides = ("go", "trio") if args.reference else ("trio",)
+    sides = ("go", "trio", "floor") if args.reference else ("trio",)
     samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {s: [] for s in sides} for k in keys}
     with tempfile.TemporaryDirectory(prefix="trio-nsq-wrk-") as folder:
         for round_no in range(1, args.rounds + 1):
             for key in keys:
-                for side in sides:  # interleaved: Go, ours, Go, ours, ...
+                for side in sides:  # interleaved: Go, ours, the floor, Go, ours, ...
+                    if side == "floor" and key not in FLOOR_SCENARIOS:
+                        continue
                     figures = run_once(args.reference, side, key, args.seconds, folder)
                     samples[key][side].append(figures)
                     print(f"round {round_no} {SCENARIOS[key][0]:<46} {side:<5} {figures['req_s']:>10,.0f} req/s"
                           + (f"  ({figures['non_2xx']:.0f} non-2xx)" if figures["non_2xx"] else ""), flush=True)
     results: dict[str, Any] = {}
-    print(f"\n{'HTTP scenario (wrk)':<48} {'Go nsqd':>10} {'trio-nsqd':>10} {'ratio':>6}   req/s, medians of {args.rounds}"
-          "; broker CPU µs per request, Go / ours")
+    print(f"\n{'HTTP scenario (wrk)':<48} {'Go nsqd':>10} {'trio-nsqd':>10} {'ratio':>6} {'floor':>10}   req/s, medians"
+          f" of {args.rounds}; broker CPU µs per request, Go / ours / the floor (tests/bench/floor.py)")
     for key in keys:
         trio = statistics.median(s["req_s"] for s in samples[key]["trio"])
         entry: dict[str, Any] = {"title": SCENARIOS[key][0], "trio_req_s": trio, "samples": samples[key]}
@@ -176,7 +187,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             go_text, ratio_text = f"{go:,.0f}", f"{entry['ratio']:.2f}"
             cpu_text = _median_cpu(samples[key]["go"], entry, "go_cpu_us") + " / " + cpu_text
         results[key] = entry
-        print(f"{SCENARIOS[key][0]:<48} {go_text:>10} {trio:>10,.0f} {ratio_text:>6}   {cpu_text}")
+        floor_text = "-"
+        if samples[key].get("floor"):
+            floor = statistics.median(s["req_s"] for s in samples[key]["floor"])
+            entry.update(floor_req_s=floor, floor_ratio=floor / entry["go_req_s"] if entry.get("go_req_s") else None)
+            floor_text = f"{floor:,.0f}"
+            cpu_text += " / " + _median_cpu(samples[key]["floor"], entry, "floor_cpu_us")
+        print(f"{SCENARIOS[key][0]:<48} {go_text:>10} {trio:>10,.0f} {ratio_text:>6} {floor_text:>10}   {cpu_text}")
     merge_report(args.output, {"reference": os.path.abspath(args.reference) if args.reference else None,
                                "rounds": args.rounds, "seconds": args.seconds, "cpus": os.cpu_count(),
                                "tool": "wrk", "results": results},

@@ -15,6 +15,10 @@ directory per run, default flags, the topic and channel created first), medians 
 
 Each run also gives the CPU per round trip (µs) of the broker (its /proc times) and of the tools (their
 rusage), so a ratio can be read apart from how the two cores were shared.
+
+A third side runs in the same rounds, the floor (tests/bench/floor.py): a Python process that only
+epolls, reads and writes the answers, with no broker behind them. Its rate is the most a one-process
+Python broker can reach on this machine with these clients: the ceiling a goal is measured against.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import re
 import resource
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -82,16 +87,22 @@ def _run_tails(path: str, processes: int, args: list[str]) -> float:
     return processes * TAIL_EACH / (time.perf_counter() - started)
 
 
+SIDES = ("go", "trio", "floor")
+FLOOR = [sys.executable, "-m", "tests.bench.floor"]
+
+
 def run_once(reference: str, side: str, key: str, runfor: float) -> dict[str, float]:
     _, tool, processes, tool_args, size = SCENARIOS[key]
-    broker = Broker(command=[os.path.join(reference, "nsqd")] if side == "go" else None)
+    command = {"go": [os.path.join(reference, "nsqd")], "floor": FLOOR}.get(side)
+    broker = Broker(command=command)
     try:
-        _post(f"{broker.http_url}/topic/create?topic=bench")
-        _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        if side != "floor":
+            _post(f"{broker.http_url}/topic/create?topic=bench")
+            _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
         common = [address, "--topic=bench", f"--size={size}"]
         tail = tool == "nsq_tail"
-        if tail:  # something to read: MPUBs of 200, more than the tails take
+        if tail and side != "floor":  # something to read: MPUBs of 200, more than the tails take
             _run_tools(os.path.join(reference, "bench_writer"), 1, [*common, "--runfor=2s"])
         cpu, tools_cpu, started = broker.cpu_seconds(), _children_cpu(), time.perf_counter()
         if tail:
@@ -121,10 +132,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     keys = args.only or list(SCENARIOS)
     info = machine()
     print(f"machine: {describe(info)}")
-    samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {"go": [], "trio": []} for k in keys}
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {s: [] for s in SIDES} for k in keys}
     for round_no in range(1, args.rounds + 1):
         for key in keys:
-            for side in ("go", "trio"):  # interleaved: Go, ours, Go, ours, ...
+            for side in SIDES:  # interleaved: Go, ours, the floor, Go, ours, ...
                 figures = run_once(args.reference, side, key, args.runfor)
                 samples[key][side].append(figures)
                 unit = "MB/s" if SCENARIOS[key][4] == MIB else "msg/s"
@@ -132,18 +143,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"  broker {figures['broker_us']:.1f} µs  tools {figures['tools_us']:.1f} µs per message",
                       flush=True)
     results: dict[str, Any] = {}
-    print(f"\n{'scenario':<50} {'Go nsqd':>10} {'trio-nsqd':>10} {'ratio':>6}   broker µs/msg Go/ours"
-          f"   (medians of {args.rounds})")
+    print(f"\n{'scenario':<50} {'Go nsqd':>10} {'trio-nsqd':>10} {'ratio':>6} {'floor':>10} {'ratio':>6}"
+          f"   broker µs/msg Go/ours/floor   (medians of {args.rounds}; ratios to Go)")
     for key in keys:
         medians = {side: {f: statistics.median(s[f] for s in samples[key][side]) for f in samples[key][side][0]}
-                   for side in ("go", "trio")}
-        go, ours = medians["go"], medians["trio"]
+                   for side in SIDES}
+        go, ours, floor = medians["go"], medians["trio"], medians["floor"]
         ratio = ours["rate"] / go["rate"] if go["rate"] else float("inf")
+        floor_ratio = floor["rate"] / go["rate"] if go["rate"] else float("inf")
         unit = "MB/s" if SCENARIOS[key][4] == MIB else "msg/s"
         results[key] = {"title": SCENARIOS[key][0], "unit": unit, "go": go, "trio": ours, "ratio": ratio,
-                        "samples": samples[key]}
+                        "floor": floor, "floor_ratio": floor_ratio, "samples": samples[key]}
         print(f"{SCENARIOS[key][0]:<50} {go['rate']:>10,.0f} {ours['rate']:>10,.0f} {ratio:>6.2f}"
-              f"   {go['broker_us']:.1f} / {ours['broker_us']:.1f}")
+              f" {floor['rate']:>10,.0f} {floor_ratio:>6.2f}"
+              f"   {go['broker_us']:.1f} / {ours['broker_us']:.1f} / {floor['broker_us']:.1f}")
     merge_report(args.output, {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
                                "runfor_s": args.runfor, "machine": info, "results": results},
                  "single_message_versus_go_nsqd")
