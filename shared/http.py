@@ -1,6 +1,10 @@
 """HTTP serving shared by nsqd, nsqlookupd and trio-nsqadmin: the listeners and accept loop inside the
 caller's nursery, each connection served by shared/http_server.Connection and, for what it hands off,
-by hypercorn serving a QuartTrio app over the same Site (shared/http_quart.py)."""
+by hypercorn serving a QuartTrio app over the same Site (shared/http_quart.py).
+
+Hypercorn is imported only where it is used: at start for a TLS address (its config makes the SSL
+context), else at the first hand-off, in a thread. Importing it cost a fifth of a daemon's start-up,
+and most daemons never hand a connection off."""
 
 from __future__ import annotations
 
@@ -10,21 +14,23 @@ import logging
 import select
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+import os
+import stat
+from typing import TYPE_CHECKING, Any
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
-from hypercorn.utils import wrap_app
 
 # the address helpers live in shared/addresses.py (the client needs them without this module's stack);
 # imported here for the daemons that import them from this module
 from trio_nsq.shared.addresses import address_text, is_unix_address, join_host_port, split_host_port  # noqa: F401
 from trio_nsq.shared.http_server import Connection, ConnectionPoller, HandOff, IdleTimeouts, Site
 
+if TYPE_CHECKING:
+    from hypercorn.config import Config
+
 log = logging.getLogger(__name__)
+
+BACKLOG = 100  # hypercorn's default listen backlog, which every daemon had before
 
 
 class _OneLine(logging.Filter):
@@ -62,6 +68,8 @@ async def open_unix_listener(path: str) -> trio.SocketListener:
 
 
 def hypercorn_config(address: str, *, max_body_size: int | None = None, **extra: Any) -> Config:
+    from hypercorn.config import Config
+
     config = Config()
     if is_unix_address(address):
         config.bind = [f"unix:{address}"]
@@ -95,12 +103,13 @@ async def serve_site(
     read replayed first, serving a QuartTrio app over the same site. TLS settings (certfile, keyfile,
     ca_certs, verify_mode, alpn_protocols) are hypercorn's config keys, as before.
     """
-    config = hypercorn_config(address, **config_extra)
-    framework: list[Any] = []  # the QuartTrio app, wrapped for hypercorn, once a connection is handed off
-    context = WorkerContext(None)
-    sockets = config.create_sockets()
+    tls = "certfile" in config_extra or "keyfile" in config_extra
+    hypercorn: list[Any] = []  # (config, context, the QuartTrio app wrapped), once a connection is handed off
     tls_listeners: list[trio.SSLListener] = []
-    if sockets.secure_sockets:
+    plain: list[socket.socket] = []
+    if tls:
+        config = hypercorn_config(address, **config_extra)
+        sockets = config.create_sockets()
         ssl_context = config.create_ssl_context()
         if ssl_context is None:
             raise ValueError("a TLS address needs a certificate and key")
@@ -108,24 +117,41 @@ async def serve_site(
             sock.listen(config.backlog)
             tls_listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
                                                   ssl_context, https_compatible=True))
-    for sock in sockets.insecure_sockets:
-        sock.listen(config.backlog)
+        plain = sockets.insecure_sockets
+        bound = (sockets.secure_sockets or plain)[0].getsockname()
+    else:
+        plain = [_bind(address)]
+        bound = plain[0].getsockname()
+    for sock in plain:
+        sock.listen(BACKLOG)
         sock.setblocking(False)
         if sock.family != socket.AF_UNIX:  # accepted connections inherit it (Linux, BSD, macOS)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    bound = (sockets.secure_sockets or sockets.insecure_sockets)[0].getsockname()
     if isinstance(bound, str):  # a unix socket
         bound = (bound, 0)
     port = bound[1]
 
+    def load_hypercorn() -> tuple[Any, Any, Any]:
+        """Hypercorn and Quart, for the first hand-off (Quart's import takes about a second on a loaded
+        machine: in a thread, once, not at start-up)."""
+        from hypercorn.trio.worker_context import WorkerContext
+        from hypercorn.utils import wrap_app
+
+        module = importlib.import_module("trio_nsq.shared.http_quart")
+        config = hypercorn_config(address, **config_extra)
+        return config, WorkerContext(None), wrap_app(module.asgi_app(site), config.wsgi_max_body_size, None)
+
     async def hand_off(stream: trio.abc.Stream, data: bytes) -> None:
-        if not framework:
-            # Quart's import takes about a second on a loaded machine: in a thread, once, not at startup
-            module = await trio.to_thread.run_sync(importlib.import_module, "trio_nsq.shared.http_quart")
-            if not framework:
-                framework.append(wrap_app(module.asgi_app(site), config.wsgi_max_body_size, None))
+        if not hypercorn:
+            loaded = await trio.to_thread.run_sync(load_hypercorn)
+            if not hypercorn:
+                hypercorn.append(loaded)
+        config, context, app = hypercorn[0]
+        from hypercorn.trio.tcp_server import TCPServer
+        from hypercorn.typing import ConnectionState
+
         # hypercorn annotates SSLStream, yet its own trio worker hands it plain streams too
-        await TCPServer(framework[0], config, context, ConnectionState({}), _Replayed(stream, data))  # type: ignore[arg-type]
+        await TCPServer(app, config, context, ConnectionState({}), _Replayed(stream, data))  # type: ignore[arg-type]
 
     def accepted(sock: socket.socket, peer: Any) -> None:
         conn = Connection(site, idle, sock=sock, remote=peer if isinstance(peer, tuple) else "",
@@ -171,9 +197,33 @@ async def serve_site(
         nursery.start_soon(idle.run)
         for listener in tls_listeners:
             nursery.start_soon(_accept_loop, listener, serve_tls, nursery)
-        for sock in sockets.insecure_sockets:
+        for sock in plain:
             nursery.start_soon(_accept_plain, sock, accepted)
         task_status.started((bound[0], port))
+
+
+def _bind(address: str) -> socket.socket:
+    """A plain listening socket bound as hypercorn binds one (the daemons used its config for this):
+    a unix path replacing a stale socket there, else host:port with SO_REUSEADDR."""
+    if is_unix_address(address):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if stat.S_ISSOCK(os.stat(address).st_mode):
+                os.remove(address)
+        except FileNotFoundError:
+            pass
+        binding: Any = address
+    else:
+        host, port = split_host_port(address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        binding = (host, port)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(binding)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # accept() errors that mean "out of a resource for now": wait and accept again (as trio.serve_listeners)

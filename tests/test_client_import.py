@@ -38,7 +38,9 @@ def test_client_imports_no_server_framework(statement):
     assert servers == [], f"{statement!r} loaded {servers}"
 
 
-def test_the_daemons_still_load_their_http_stack():
-    # the other side of the split: shared/http.py keeps serving, and re-exports the moved helpers
+def test_the_daemons_load_hypercorn_only_when_they_use_it():
+    # shared/http.py serves plain HTTP with our own loop and re-exports the moved helpers; hypercorn
+    # (a fifth of a daemon's start-up) comes with a TLS address or the first hand-off (tests/test_http_server.py)
     modules = loaded_after("from trio_nsq.shared.http import serve_site, split_host_port, join_host_port")
-    assert "hypercorn" in modules and "trio_nsq.shared.addresses" in modules
+    assert "trio_nsq.shared.addresses" in modules and "trio_nsq.shared.http_server" in modules
+    assert "hypercorn" not in {m.split(".")[0] for m in modules}
