@@ -3,6 +3,7 @@
 One LookupPeer task per --lookupd-tcp-address: connect, IDENTIFY, REGISTER everything, then send
 REGISTER/UNREGISTER as topics and channels come and go and PING every 15 s; on any failure it
 reconnects with backoff and registers everything again (lookupd forgets a peer that disconnects).
+The bytes are shared/lookup_protocol.py's; this module does the I/O and decides what to send.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import struct
 from typing import TYPE_CHECKING, cast
 
 import httpx
 import trio
 
 from trio_nsq.shared.http import split_host_port
+from trio_nsq.shared.lookup_protocol import (
+    MAGIC_V1, PING_CMD, ResponseParser, identify_cmd, is_error, register_cmd, unregister_cmd,
+)
 from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
@@ -26,25 +29,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nsqd")
 
-MAGIC_V1 = b"  V1"
 PING_INTERVAL = 15.0
 CONNECT_TIMEOUT = 2.0
 RESPONSE_TIMEOUT = 5.0
 BACKOFF_MAX = 15.0
 INBOX_SIZE = 4096
-_SIZE = struct.Struct(">i")
 
 
 class LookupdError(Exception):
     """lookupd answered an error or the conversation broke; the peer reconnects."""
-
-
-def register_cmd(topic: str, channel: str = "") -> bytes:
-    return f"REGISTER {topic} {channel}\n".encode() if channel else f"REGISTER {topic}\n".encode()
-
-
-def unregister_cmd(topic: str, channel: str = "") -> bytes:
-    return f"UNREGISTER {topic} {channel}\n".encode() if channel else f"UNREGISTER {topic}\n".encode()
 
 
 class LookupPeer:
@@ -90,6 +83,9 @@ class LookupPeer:
         host, port = split_host_port(self.address, default_host="127.0.0.1")
         with trio.fail_after(CONNECT_TIMEOUT):
             stream = await trio.open_tcp_stream(host, port)
+        # lookupd answers each command before the next is sent; one parser for the connection keeps
+        # whatever a read brought beyond the answer it was waiting for
+        responses = ResponseParser(self.nsqd.options.max_body_size)
         async with stream:
             await stream.send_all(MAGIC_V1)
             identify = {
@@ -99,8 +95,7 @@ class LookupPeer:
                 "hostname": socket.gethostname(),
                 "broadcast_address": self.nsqd.options.broadcast_address,
             }
-            body = json.dumps(identify).encode()
-            response = await self._command(stream, b"IDENTIFY\n" + _SIZE.pack(len(body)) + body)
+            response = await self._command(stream, responses, identify_cmd(identify))
             try:
                 self.info = json.loads(response)
             except ValueError:
@@ -116,19 +111,21 @@ class LookupPeer:
                     break
             for command in self.nsqd.registration_commands():
                 log.info("LOOKUPD(%s): %s", self.address, command.decode().strip())
-                await self._command(stream, command)
+                await self._command(stream, responses, command)
             next_ping = trio.current_time() + PING_INTERVAL
             while True:
                 if self._resync:
                     raise LookupdError("notification backlog overflowed, re-registering")
+                if responses.buffered():
+                    raise LookupdError("unexpected data from lookupd")
                 notification = await self._next_command(stream, next_ping)
                 if notification is None:
-                    command = b"PING\n"
+                    command = PING_CMD
                     next_ping = trio.current_time() + PING_INTERVAL
                 else:
                     command = notification
                     log.info("LOOKUPD(%s): %s", self.address, command.decode().strip())
-                await self._command(stream, command)
+                await self._command(stream, responses, command)
 
     async def _next_command(self, stream: trio.abc.Stream, deadline: float) -> bytes | None:
         """The next notification, or None when it is time to PING. lookupd never speaks unasked, so
@@ -146,31 +143,21 @@ class LookupPeer:
             nursery.cancel_scope.cancel()
         return command
 
-    async def _command(self, stream: trio.abc.Stream, command: bytes) -> bytes:
+    async def _command(self, stream: trio.abc.Stream, responses: ResponseParser, command: bytes) -> bytes:
         await stream.send_all(command)
         with trio.fail_after(RESPONSE_TIMEOUT):
-            header = await _receive_exactly(stream, 4)
-            (size,) = _SIZE.unpack(header)
-            if size < 0 or size > self.nsqd.options.max_body_size:
-                raise LookupdError(f"response body size ({size}) is greater than limit")
-            data = await _receive_exactly(stream, size)
-        if data.startswith(b"E_"):
+            while (data := responses.next_response()) is None:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    raise trio.BrokenResourceError("lookupd closed the connection")
+                responses.feed(chunk)
+        if is_error(data):
             # lookupd refused this one command (e.g. E_BAD_TOPIC); log it and go on
             log.error("LOOKUPD(%s): %s - %s", self.address, command.decode(errors="replace").strip(),
                       data.decode(errors="replace"))
             if data == b"E_INVALID" and command.startswith(b"IDENTIFY"):
                 raise LookupdError("lookupd returned E_INVALID")
         return data
-
-
-async def _receive_exactly(stream: trio.abc.Stream, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.receive_some(n - len(buf))
-        if not chunk:
-            raise trio.BrokenResourceError("lookupd closed the connection")
-        buf += chunk
-    return bytes(buf)
 
 
 class LookupManager:

@@ -1,17 +1,14 @@
 """nsqlookupd's TCP protocol V1 (nsqlookupd/lookup_protocol_v1.go): IDENTIFY, REGISTER, UNREGISTER, PING.
 
-Two halves, as h11 splits a protocol from its I/O:
+The wire is shared/lookup_protocol.py's (sans-IO: `V1Parser` turns bytes into `Command`s, `frame` and
+`error_data` make the responses); this module is what nsqlookupd does with them:
 
-- `V1Parser` is pure: bytes in, `Command`s out. It reads a line the way Go's IOLoop does
-  (`strings.TrimSpace`, then `strings.Split(line, " ")`), and for IDENTIFY the 4-byte big-endian size and
-  the body. Unlike Go's unbounded `bufio.Reader`, a line and a body have limits, so a peer cannot make
-  us buffer without end.
 - `LookupProtocolV1.exec` applies one command to the RegistrationDB and returns the response bytes;
-  `serve` is the only part that touches a socket.
+  `decode_identify` reads IDENTIFY's JSON as Go's json.Unmarshal would;
+- `serve` is the only part that touches a socket.
 
-Every response, errors included, is `[size int32 BE][data]` (Go's protocol.SendResponse), an error's data
-being "E_CODE description". Every V1 error is a FatalClientErr in Go: it is sent, then the connection
-closes, and (as on any exit of Go's IOLoop) the peer's registrations go with it.
+Every V1 error is a FatalClientErr in Go: it is sent, then the connection closes, and (as on any exit
+of Go's IOLoop) the peer's registrations go with it.
 """
 
 from __future__ import annotations
@@ -19,15 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import struct
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from trio_nsq.lookupd.registration_db import PeerInfo, Producer, Registration
+from trio_nsq.shared.lookup_protocol import V1Parser, decode_param, error_data, frame
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import Command, FatalClientError
 from trio_nsq.shared.version import VERSION
@@ -37,111 +33,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nsqlookupd")
 
-_SIZE = struct.Struct(">i")
-
-# A V1 line is at most "UNREGISTER <64> <64>"; nsqd never sends more than ~150 bytes.
-MAX_LINE_LENGTH = 4096
-# nsqd's IDENTIFY body is a few hundred bytes. Go reads whatever size it is told; we refuse big ones.
-MAX_IDENTIFY_BODY = 1024 * 1024
-
-# What Go's unicode.IsSpace accepts, hence what strings.TrimSpace removes (Python's str.strip() would
-# also remove \x1c-\x1f, which Go keeps).
-GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
-           "\u2028\u2029\u202f\u205f\u3000"
-
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def frame(data: bytes) -> bytes:
-    """Go's protocol.SendResponse: `[len(data) int32 BE][data]`."""
-    return _SIZE.pack(len(data)) + data
-
-
-def error_data(err: FatalClientError) -> bytes:
-    """The bytes Go sends for an error: "E_CODE description", with a peer's raw bytes echoed as they were."""
-    return f"{err.code} {err.description}".encode("utf-8", "surrogateescape")
-
-
-def _text(raw: bytes) -> str:
-    # surrogateescape keeps invalid UTF-8 byte-for-byte, as Go's strings do
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def split_line(line: bytes) -> Command:
-    """One V1 line (without its newline) as Go's IOLoop sees it: TrimSpace, then split on single spaces."""
-    parts = _text(line).strip(GO_SPACE).split(" ")
-    encoded = [p.encode("utf-8", "surrogateescape") for p in parts]
-    return Command(encoded[0], tuple(encoded[1:]))
-
-
-# Called when an IDENTIFY line has been read, before its size is: Go refuses a second IDENTIFY there.
-IdentifyCheck = Callable[[], None]
-
-
-def _accept_identify() -> None:
-    return None
-
-
-@attrs.define
-class V1Parser:
-    """Bytes from a lookupd peer -> Commands (sans-IO). Raises FatalClientError with Go's errors."""
-
-    on_identify: IdentifyCheck = _accept_identify
-    max_line_length: int = MAX_LINE_LENGTH
-    max_body_size: int = MAX_IDENTIFY_BODY
-    _buf: bytearray = attrs.field(factory=bytearray, init=False)
-    # IDENTIFY whose line is read: (command, body size or None while the size is not read yet)
-    _pending: tuple[Command, int | None] | None = attrs.field(default=None, init=False)
-
-    def feed(self, data: bytes | bytearray) -> None:
-        self._buf += data
-
-    def buffered(self) -> int:
-        return len(self._buf)
-
-    def next_command(self) -> Command | None:
-        """The next complete command, or None until more bytes are fed."""
-        buf = self._buf
-        if self._pending is None:
-            end = buf.find(b"\n", 0, self.max_line_length + 1)
-            if end < 0:
-                if len(buf) > self.max_line_length:
-                    raise FatalClientError("E_INVALID", "failed to read command - line too long")
-                return None
-            cmd = split_line(bytes(buf[:end]))
-            del buf[: end + 1]
-            if cmd.name != b"IDENTIFY":
-                return cmd
-            self.on_identify()
-            self._pending = (cmd, None)
-        cmd, size = self._pending
-        if size is None:
-            if len(buf) < 4:
-                return None
-            (size,) = _SIZE.unpack_from(buf)
-            del buf[:4]
-            if size < 0 or size > self.max_body_size:
-                # Go would panic on a negative size and try to allocate a huge one
-                raise FatalClientError("E_BAD_BODY", f"IDENTIFY invalid body size {size}")
-            self._pending = (cmd, size)
-        if len(buf) < size:
-            return None
-        body = bytes(buf[:size])
-        del buf[:size]
-        self._pending = None
-        return Command(cmd.name, cmd.params, body)
-
-    def eof_error(self) -> FatalClientError | None:
-        """What Go answers when the peer closes in the middle of an IDENTIFY (a partial line it drops)."""
-        if self._pending is None:
-            return None
-        if self._pending[1] is None:
-            return FatalClientError("E_BAD_BODY", "IDENTIFY failed to read body size")
-        return FatalClientError("E_BAD_BODY", "IDENTIFY failed to read body")
-
 
 # --- IDENTIFY's JSON, decoded as Go's json.Unmarshal into PeerInfo would -----------------------------
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _PEER_FIELDS: dict[str, type] = {
     "remote_address": str, "hostname": str, "broadcast_address": str, "tcp_port": int, "http_port": int,
     "version": str, "topology_zone": str, "topology_region": str,
@@ -261,7 +156,7 @@ class LookupProtocolV1:
     def exec(self, client: ClientV1, cmd: Command) -> bytes:
         """One command -> its response data; raises FatalClientError with Go's code and text."""
         name = cmd.name
-        params = [_text(p) for p in cmd.params]
+        params = [decode_param(p) for p in cmd.params]
         if name == b"PING":
             return self.ping(client)
         if name == b"IDENTIFY":
@@ -270,7 +165,7 @@ class LookupProtocolV1:
             return self.register(client, params)
         if name == b"UNREGISTER":
             return self.unregister(client, params)
-        raise FatalClientError("E_INVALID", f"invalid command {_text(name)}")
+        raise FatalClientError("E_INVALID", f"invalid command {decode_param(name)}")
 
     def ping(self, client: ClientV1) -> bytes:
         if client.peer is not None:

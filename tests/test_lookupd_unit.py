@@ -1,6 +1,7 @@
-"""nsqlookupd without processes: the V1 parser and IDENTIFY decoding, the protocol's effect on the
-RegistrationDB, the DB's inactivity and tombstone filters, the HTTP pieces (Go's query parsing, httprouter's
-dispatch, encoding/json's bytes, every handler), the options, and one NSQLookupd run in the test's nursery.
+"""nsqlookupd without processes: IDENTIFY decoding, the protocol's effect on the RegistrationDB, the DB's
+inactivity and tombstone filters, the HTTP pieces (Go's query parsing, httprouter's dispatch,
+encoding/json's bytes, every handler), the options, and one NSQLookupd run in the test's nursery. The V1
+wire (line splitting, the parser, framing) is tests/test_lookup_protocol.py's.
 
 Expected texts and bytes are nsqlookupd's (nsqlookupd/*.go, internal/http_api, httprouter v1.3.0).
 """
@@ -14,8 +15,6 @@ import time
 import httpx
 import pytest
 import trio
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from trio_nsq.lookupd.http_api import (
     ANSWERS_KEPT, GO_ZERO_TIME_UNIX_NANO, ROUTER, ROUTES, AnswerCache, channel_create, channel_delete, channels, debug, info, lookup, nodes,
@@ -23,15 +22,13 @@ from trio_nsq.lookupd.http_api import (
 )
 from trio_nsq.lookupd.nsqlookupd import NSQLookupd
 from trio_nsq.lookupd.options import Options, parse_options
-from trio_nsq.lookupd.protocol_v1 import (
-    MAX_IDENTIFY_BODY, MAX_LINE_LENGTH, ClientV1, LookupProtocolV1, V1Parser, decode_identify, error_data, frame,
-    split_line,
-)
+from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1, decode_identify
 from trio_nsq.lookupd.registration_db import (
     PeerInfo, Producer, Registration, RegistrationDB, filter_active, filter_registrations, keys, subkeys,
 )
 from trio_nsq.shared.http_server import Request
 from trio_nsq.shared.http_api import HTTPError, clean_path, go_json, go_query_unescape, parse_query
+from trio_nsq.shared.lookup_protocol import error_data
 from trio_nsq.shared.protocol import Command, FatalClientError
 from trio_nsq.shared.version import VERSION
 
@@ -46,107 +43,6 @@ def fatal(fn, *args) -> bytes:
     with pytest.raises(FatalClientError) as info_:
         fn(*args)
     return error_data(info_.value)
-
-
-# --- V1 line splitting and the parser ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("line, name, params", [
-    (b"PING", b"PING", ()),
-    (b"PING\r", b"PING", ()),
-    (b"  PING \t", b"PING", ()),                          # TrimSpace on both ends
-    (b"REGISTER t c", b"REGISTER", (b"t", b"c")),
-    (b"REGISTER t\t", b"REGISTER", (b"t",)),              # a trailing tab is trimmed, not a param
-    (b"REGISTER  t", b"REGISTER", (b"", b"t")),           # strings.Split keeps the empty element
-    (b"REGISTER t\tc", b"REGISTER", (b"t\tc",)),          # only spaces split
-    (b"", b"", ()),
-    (b"\xc2\xa0PING\xc2\x85", b"PING", ()),               # U+00A0 and U+0085 are Go spaces
-    (b"\x1fPING", b"\x1fPING", ()),                       # \x1f is not (Python's strip would take it)
-    (b"REGISTER \xff", b"REGISTER", (b"\xff",)),          # invalid UTF-8 is kept byte for byte
-])
-def test_split_line_is_go_trimspace_then_split(line, name, params):
-    assert split_line(line) == Command(name, params)
-
-
-def _stream() -> tuple[bytes, list[Command]]:
-    body = identify_body()
-    data = (b"PING\nIDENTIFY\n" + struct.pack(">i", len(body)) + body
-            + b"REGISTER t c\r\nUNREGISTER t\n \n")
-    expected = [Command(b"PING", ()), Command(b"IDENTIFY", (), body), Command(b"REGISTER", (b"t", b"c")),
-                Command(b"UNREGISTER", (b"t",)), Command(b"", ())]
-    return data, expected
-
-
-def _drain(parser: V1Parser) -> list[Command]:
-    out = []
-    while (cmd := parser.next_command()) is not None:
-        out.append(cmd)
-    return out
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=200), max_size=30))
-def test_parser_gives_the_same_commands_however_the_bytes_arrive(cuts):
-    data, expected = _stream()
-    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    parser = V1Parser()
-    got = []
-    for start, end in zip(points, points[1:]):
-        parser.feed(data[start:end])
-        got += _drain(parser)
-    assert got == expected
-    assert parser.buffered() == 0 and parser.eof_error() is None
-
-
-def test_parser_bounds_lines_and_bodies():
-    parser = V1Parser()
-    parser.feed(b"P" * MAX_LINE_LENGTH)
-    assert parser.next_command() is None  # at the limit: still waiting for the newline
-    parser.feed(b"P")
-    assert fatal(parser.next_command) == b"E_INVALID failed to read command - line too long"
-    # a long line with its newline in the same chunk is refused too, without scanning past the limit
-    parser = V1Parser()
-    parser.feed(b"A" * (MAX_LINE_LENGTH + 10) + b"\n")
-    assert fatal(parser.next_command) == b"E_INVALID failed to read command - line too long"
-    for size in (MAX_IDENTIFY_BODY + 1, 2**31 - 1, -1):
-        parser = V1Parser()
-        parser.feed(b"IDENTIFY\n" + struct.pack(">i", size))
-        assert fatal(parser.next_command) == f"E_BAD_BODY IDENTIFY invalid body size {size}".encode()
-    # a zero-length body is read (and then fails to decode, as in Go)
-    parser = V1Parser()
-    parser.feed(b"IDENTIFY\n\x00\x00\x00\x00PING\n")
-    assert _drain(parser) == [Command(b"IDENTIFY", (), b""), Command(b"PING", ())]
-
-
-def test_parser_asks_before_reading_an_identify_body():
-    calls = []
-
-    def refuse():
-        calls.append(1)
-        raise FatalClientError("E_INVALID", "cannot IDENTIFY again")
-
-    parser = V1Parser(on_identify=refuse)
-    parser.feed(b"IDENTIFY\n")  # no size yet: Go answers a second IDENTIFY before reading one
-    assert fatal(parser.next_command) == b"E_INVALID cannot IDENTIFY again"
-    assert calls == [1]
-
-
-def test_parser_eof_inside_identify_is_gos_read_errors():
-    parser = V1Parser()
-    parser.feed(b"PING")  # a partial line is dropped silently (ReadString fails)
-    assert parser.next_command() is None and parser.eof_error() is None
-    parser = V1Parser()
-    parser.feed(b"IDENTIFY\n\x00\x00")
-    assert parser.next_command() is None
-    assert error_data(parser.eof_error()) == b"E_BAD_BODY IDENTIFY failed to read body size"
-    parser.feed(b"\x00\x10{")
-    assert parser.next_command() is None
-    assert error_data(parser.eof_error()) == b"E_BAD_BODY IDENTIFY failed to read body"
-
-
-def test_frame_is_size_prefixed():
-    assert frame(b"OK") == b"\x00\x00\x00\x02OK"
-    assert frame(b"") == b"\x00\x00\x00\x00"
 
 
 # --- IDENTIFY's JSON ---------------------------------------------------------------------------
