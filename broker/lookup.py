@@ -13,7 +13,6 @@ import logging
 import socket
 from typing import TYPE_CHECKING, cast
 
-import httpx
 import trio
 
 from trio_nsq.shared.http import split_host_port
@@ -208,6 +207,8 @@ class LookupManager:
                 log.error("no available nsqlookupd to query for channels to pre-create for topic %s", topic)
             return []
         opts = self.nsqd.options
+        import httpx  # here: a third of the broker's start-up, for a query made when a topic is created
+
         timeout = httpx.Timeout(opts.http_client_request_timeout, connect=opts.http_client_connect_timeout)
         names: dict[str, None] = {}
         async with httpx.AsyncClient(timeout=timeout) as client:

@@ -18,7 +18,7 @@ import trio
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.files import write_synced
-from trio_nsq.broker.lookup import LookupManager, register_cmd
+from trio_nsq.broker.lookup import LookupManager
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.v2_poller import V2Poller
 from trio_nsq.broker.protocol_v2 import ProtocolV2
@@ -27,6 +27,7 @@ from trio_nsq.broker.statsd import statsd_loop
 from trio_nsq.broker.tls import build_server_context, tls_required, tls_required_http
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
+from trio_nsq.shared.lookup_protocol import register_cmd
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, encode_frame
 from trio_nsq.shared.service import error_text

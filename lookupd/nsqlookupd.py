@@ -11,15 +11,14 @@ import trio
 
 from trio_nsq.lookupd.http_api import lookupd_site
 from trio_nsq.lookupd.options import Options
-from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1, frame
+from trio_nsq.lookupd.protocol_v1 import ClientV1, LookupProtocolV1
 from trio_nsq.lookupd.registration_db import RegistrationDB
 from trio_nsq.shared.http import join_host_port, serve_site, split_host_port
+from trio_nsq.shared.lookup_protocol import MAGIC_V1, frame
 from trio_nsq.shared.service import error_text
 from trio_nsq.shared.tcp import serve_connection
 
 log = logging.getLogger("nsqlookupd")
-
-MAGIC_V1 = b"  V1"
 
 
 @attrs.define(eq=False)
