@@ -14,7 +14,8 @@ import time
 import urllib.parse
 
 import attrs
-import httpx
+
+from trio_nsq.shared.http import httpx_module
 
 ACCEPT = "application/vnd.nsq; version=1.0"
 
@@ -89,6 +90,7 @@ async def query_any_authd(
     values = {"remote_ip": remote_ip, "tls": "true" if tls else "false", "secret": secret, "common_name": common_name}
     errors = []
     start = random.randrange(len(addresses))
+    httpx = await httpx_module()
     timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
     async with httpx.AsyncClient(timeout=timeout) as client:
         for i in range(len(addresses)):

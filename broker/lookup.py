@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 
 import trio
 
-from trio_nsq.shared.http import split_host_port
+from trio_nsq.shared.http import httpx_module, split_host_port
 from trio_nsq.shared.lookup_protocol import (
     MAGIC_V1, PING_CMD, ResponseParser, identify_cmd, is_error, register_cmd, unregister_cmd,
 )
@@ -166,6 +166,7 @@ class LookupManager:
         self.nsqd = nsqd
         self.peers: dict[str, LookupPeer] = {}
         self._nursery: trio.Nursery | None = None
+        self._httpx_loading = False
         nsqd.notify_hooks.append(self._on_change)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -182,6 +183,11 @@ class LookupManager:
             if address not in wanted:
                 log.info("LOOKUP(%s): removing peer", address)
                 self.peers.pop(address).scope.cancel()
+        if wanted and not self._httpx_loading:
+            # loaded now, in a thread, for topic_channels: a topic created soon after start-up would
+            # otherwise wait for the import before asking, and what it asks would be that much older
+            self._httpx_loading = True
+            self._nursery.start_soon(httpx_module)
         for address in wanted:
             if address not in self.peers:
                 log.info("LOOKUP(%s): adding peer", address)
@@ -207,8 +213,7 @@ class LookupManager:
                 log.error("no available nsqlookupd to query for channels to pre-create for topic %s", topic)
             return []
         opts = self.nsqd.options
-        import httpx  # here: a third of the broker's start-up, for a query made when a topic is created
-
+        httpx = await httpx_module()
         timeout = httpx.Timeout(opts.http_client_request_timeout, connect=opts.http_client_connect_timeout)
         names: dict[str, None] = {}
         async with httpx.AsyncClient(timeout=timeout) as client:
