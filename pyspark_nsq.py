@@ -3,6 +3,6 @@ name starts with `pyspark_` and registers its `DefaultSource`. Needs a regular i
 (`pip install 'trio-nsq[spark]'`); an editable install hides top-level modules from that scan, so there
 call `spark.dataSource.register(NSQDataSource)` instead."""
 
-from trio_nsq.shared.spark.datasource import NSQDataSource as DefaultSource
+from trio_nsq.spark.datasource import NSQDataSource as DefaultSource
 
 __all__ = ["DefaultSource"]

@@ -1,4 +1,4 @@
-"""Publish a Spark DataFrame to NSQ with the connector in shared/spark, then read the topic's count in /stats.
+"""Publish a Spark DataFrame to NSQ with the connector in trio_nsq/spark, then read the topic's count in /stats.
 
     make run                              # in another shell: nsqd on 127.0.0.1:4151
     python examples/spark_publish.py      # needs the spark extra: pip install -e '.[spark]', and Java 17

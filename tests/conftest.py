@@ -104,7 +104,7 @@ def spark(tmp_path_factory):
     """One local[2,2] SparkSession for the run (2 cores; a failed task is run again once, as
     spark.task.maxFailures=2 would on a cluster: local mode reads it from the master URL), on loopback,
     UI off, its JVM (and so its Python workers)
-    started outside the repo and without the repo on PYTHONPATH: the workers import `trio_nsq.shared.spark` from
+    started outside the repo and without the repo on PYTHONPATH: the workers import `trio_nsq.spark` from
     the installed package.
 
     The format "nsq" is not registered here: Spark finds it by itself, as it finds any top-level
@@ -122,7 +122,7 @@ def spark(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(discovery), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYSPARK_DRIVER_PYTHON=sys.executable)
-    check = subprocess.run([sys.executable, "-c", "import trio_nsq.shared.spark.datasource, pyspark_nsq"], cwd=workdir,
+    check = subprocess.run([sys.executable, "-c", "import trio_nsq.spark.datasource, pyspark_nsq"], cwd=workdir,
                            env=env, capture_output=True, text=True)
     if check.returncode:
         pytest.fail(f"Spark's workers could not import the connector outside the repo; install the package "

@@ -1,4 +1,4 @@
-"""NSQ's utilities (shared/apps/) as processes against real brokers: nsq_tail, nsq_stat, to_nsq,
+"""NSQ's utilities (trio_nsq/apps/) as processes against real brokers: nsq_tail, nsq_stat, to_nsq,
 nsq_to_file, nsq_to_nsq, nsq_to_http; their command lines; and to_nsq's throttle under a MockClock."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import trio
 import trio.testing
 from processes import REPO_ROOT, free_port, repo_env, wait_for
 
-from trio_nsq.shared.apps import app, nsq_stat, nsq_to_nsq, relay, to_nsq
-from trio_nsq.shared.client import Consumer
+from trio_nsq.apps import app, nsq_stat, nsq_to_nsq, relay, to_nsq
+from trio_nsq.client import Consumer
 
 APPS = ["nsq_tail", "nsq_stat", "to_nsq", "nsq_to_file", "nsq_to_nsq", "nsq_to_http"]
 FAST_RETRY = ["--consumer-opt=default_requeue_delay,100ms", "--consumer-opt=max_backoff_duration,200ms",
@@ -26,7 +26,7 @@ FAST_RETRY = ["--consumer-opt=default_requeue_delay,100ms", "--consumer-opt=max_
 
 
 def command(name: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", f"trio_nsq.shared.apps.{name}", *args]
+    return [sys.executable, "-m", f"trio_nsq.apps.{name}", *args]
 
 
 def run(name: str, *args: str, stdin: bytes = b"", timeout: float = 60) -> subprocess.CompletedProcess:
@@ -270,7 +270,7 @@ def test_nsq_to_file_rotates_gzips_and_loses_nothing_across_sigterm(module_broke
 
 
 def test_nsq_to_file_filename_format():
-    from trio_nsq.shared.apps.nsq_to_file import Options, filename_format, strftime
+    from trio_nsq.apps.nsq_to_file import Options, filename_format, strftime
 
     opts = Options(output_dir="/o", work_dir="/o", host_identifier="h", gzip=True)
     assert filename_format(opts, "t") == "t.h<REV>.<DATETIME>.log.gz"
@@ -409,5 +409,5 @@ def test_scripts_are_declared():
 
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     for name in APPS:
-        assert scripts[name] == f"trio_nsq.shared.apps.{name}:main"
+        assert scripts[name] == f"trio_nsq.apps.{name}:main"
         assert os.path.exists(REPO_ROOT / "shared" / "apps" / f"{name}.py")

@@ -1,4 +1,4 @@
-"""The Trio client (trio_nsq.shared.client) against real `python -m trio_nsq.broker` / `python -m trio_nsq.lookupd` processes.
+"""The Trio client (trio_nsq.client) against real `python -m trio_nsq.broker` / `python -m trio_nsq.lookupd` processes.
 
 The processes are started by a small fixture of this file (`cluster`) on free loopback ports; every
 process is killed when the test ends. What the client does is checked from the broker's side where
@@ -22,7 +22,7 @@ from processes import (
     free_port,
 )
 
-from trio_nsq.shared.client import (
+from trio_nsq.client import (
     Connection,
     Consumer,
     HTTPProducer,

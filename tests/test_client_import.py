@@ -29,11 +29,11 @@ def loaded_after(statement: str) -> list[str]:
     "import trio_nsq.client",
     "from trio_nsq import Producer, Consumer, HTTPProducer",
     # what a Spark worker imports: the format's hook, the reader's side and the client it runs
-    "import pyspark_nsq, trio_nsq.shared.spark.source, trio_nsq.shared.client.consumer",
+    "import pyspark_nsq, trio_nsq.spark.source, trio_nsq.client.consumer",
 ])
 def test_client_imports_no_server_framework(statement):
     modules = loaded_after(statement)
-    assert "trio_nsq.shared.client" in modules or "pyspark_nsq" in modules
+    assert "trio_nsq.client" in modules or "pyspark_nsq" in modules
     servers = sorted({m.split(".")[0] for m in modules} & set(FORBIDDEN))
     assert servers == [], f"{statement!r} loaded {servers}"
 

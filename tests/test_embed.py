@@ -1,4 +1,4 @@
-"""trio_nsq.shared.embed: nsqd/nsqlookupd inside a Trio program and on a thread; the two embedding examples."""
+"""trio_nsq.testing.embed: nsqd/nsqlookupd inside a Trio program and on a thread; the two embedding examples."""
 
 import subprocess
 import sys

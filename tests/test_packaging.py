@@ -53,9 +53,9 @@ def test_the_wheel_installs_only_trio_nsq_and_pyspark_nsq(wheel):
     # compiled, mypyc's runtime library is trio_nsq/hot_path__mypyc.*.so, not a top-level module
     assert tops == {"trio_nsq", "pyspark_nsq.py"}, tops
     assert sorted(top_level) == ["pyspark_nsq", "trio_nsq"]
-    for part in ("broker/nsqd.py", "lookupd/nsqlookupd.py", "shared/protocol.py", "shared/client/consumer.py",
-                 "shared/spark/datasource.py", "lookupd/admin/api.py", "lookupd/admin/static/app.js", "client.py",
-                 "spark.py"):
+    for part in ("broker/nsqd.py", "lookupd/nsqlookupd.py", "shared/protocol.py", "client/consumer.py",
+                 "spark/datasource.py", "lookupd/admin/api.py", "lookupd/admin/static/app.js", "client/__init__.py",
+                 "spark/__init__.py", "apps/nsq_tail.py", "testing/pytest_plugin.py", "testing/embed.py"):
         assert f"trio_nsq/{part}" in names, part
 
 

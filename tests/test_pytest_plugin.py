@@ -1,4 +1,4 @@
-"""The pytest11 plugin (shared/pytest_plugin.py) as a user meets it: a test file of theirs, run by pytest."""
+"""The pytest11 plugin (trio_nsq/testing/pytest_plugin.py) as a user meets it: a test file of theirs, run by pytest."""
 
 import os
 import subprocess

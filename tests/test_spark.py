@@ -1,4 +1,4 @@
-"""The PySpark connector (shared/spark): its pieces on their own, then a real local SparkSession (local[2],
+"""The PySpark connector (trio_nsq/spark): its pieces on their own, then a real local SparkSession (local[2],
 loopback only, UI off, one for the whole run) writing to real broker processes.
 
 Spark's JVM is started from a temporary working directory and without the repo on PYTHONPATH, so its
@@ -34,7 +34,7 @@ from trio_nsq.shared.protocol import (
     encode_rdy,
     encode_sub,
 )
-from trio_nsq.shared.spark.publisher import (
+from trio_nsq.spark.publisher import (
     Batcher,
     MPubClient,
     NSQRefusedError,
@@ -99,7 +99,7 @@ def test_split_to_fit():
 
 
 def _convert(rb, **kw):
-    from trio_nsq.shared.spark.rows import RowConverter
+    from trio_nsq.spark.rows import RowConverter
 
     return list(RowConverter(**kw).messages([rb]))
 
@@ -116,7 +116,7 @@ def test_value_column_string_or_binary_is_the_body_and_the_topic_option_wins():
 
 
 def test_rows_without_a_value_column_are_json_like_to_json():
-    from trio_nsq.shared.spark.rows import NSQRowError
+    from trio_nsq.spark.rows import NSQRowError
 
     rb = pa.record_batch({
         "id": pa.array([1, 2], pa.int64()),
@@ -140,7 +140,7 @@ def test_rows_without_a_value_column_are_json_like_to_json():
     assert b"\n" not in b1 and b1.startswith(b'{"id":1,')
 
     # the row index runs on across the record batches of one partition
-    from trio_nsq.shared.spark.rows import RowConverter
+    from trio_nsq.spark.rows import RowConverter
 
     conv = RowConverter(topic="t", has_value=False, key_field="k", key_prefix="q/7/0")
     keys = [json.loads(b)["k"] for _, b in conv.messages([pa.record_batch({"x": [1, 2]}), pa.record_batch({"x": [3]})])]
@@ -169,7 +169,7 @@ def test_options_are_checked_against_the_schema():
         StructType,
     )
 
-    from trio_nsq.shared.spark.options import write_settings
+    from trio_nsq.spark.options import write_settings
 
     def schema(**cols):
         return StructType([StructField(n, t) for n, t in cols.items()])
@@ -317,7 +317,7 @@ def test_nodes_from_lookupd(scripted):
 
 
 def test_commit_logs_the_total(caplog):
-    from trio_nsq.shared.spark.datasource import NSQCommitMessage, NSQWriter
+    from trio_nsq.spark.datasource import NSQCommitMessage, NSQWriter
 
     caplog.set_level(logging.INFO, logger="trio_nsq.spark")
     NSQWriter.commit(None, [NSQCommitMessage(0, 3, 30, 1, 0, {"a": 3}),
@@ -376,7 +376,7 @@ def nsq_write(df, broker: BrokerProcess | str, **options):
 
 def test_workers_import_the_installed_connector_outside_the_repo(spark):
     def where(_):
-        import trio_nsq.shared.spark.datasource as mod
+        import trio_nsq.spark.datasource as mod
 
         return os.getcwd(), sys.path, mod.__file__
 
@@ -535,7 +535,7 @@ def test_the_example_publishes_a_dataframe(spark, module_broker):
 
 def test_registering_is_one_call(spark, module_broker):
     # last in the file: every test above used the format Spark discovered by itself
-    from trio_nsq.shared.spark import NSQDataSource
+    from trio_nsq.spark import NSQDataSource
 
     spark.dataSource.register(NSQDataSource)  # what a user does without the auto-discovered module
     nsq_write(spark.createDataFrame([("registered",)], "value string"), module_broker, topic="registered").save()

@@ -15,7 +15,7 @@ import pytest
 from processes import BrokerProcess
 from test_spark import Scripted, consume, nsq_write, scripted  # noqa: F401 - scripted is a fixture
 
-from trio_nsq.shared.spark.publisher import MPubClient
+from trio_nsq.spark.publisher import MPubClient
 
 
 class KeyedHandler(Scripted.Handler):
@@ -57,7 +57,7 @@ def test_a_retried_request_reuses_its_key_and_pieces_get_stable_keys(scripted):
 
 
 def test_a_broker_without_the_flag_gets_no_key_and_it_is_logged_once(scripted, caplog):
-    import trio_nsq.shared.spark.publisher as publisher
+    import trio_nsq.spark.publisher as publisher
 
     publisher._said_at_least_once.clear()
     caplog.set_level(logging.WARNING, logger="trio_nsq.spark")

@@ -1,4 +1,4 @@
-"""The streaming source `spark.readStream.format("nsq")` (shared/spark/source.py) on the shared local
+"""The streaming source `spark.readStream.format("nsq")` (trio_nsq/spark/source.py) on the shared local
 SparkSession (tests/conftest.py `spark`), reading from a real broker process: every message arrives
 with its columns, is FIN'd only once its micro-batch committed, and a query that fails before the commit
 leaves its messages to nsqd.
@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from processes import BrokerProcess, LookupdProcess
 
-from trio_nsq.shared.spark.publisher import MPubClient
+from trio_nsq.spark.publisher import MPubClient
 
 
 def publish(broker: BrokerProcess, topic: str, bodies: list[bytes]) -> None:
@@ -380,8 +380,8 @@ def frames_for(bodies: list[bytes], attempts: int = 1) -> list[bytes]:
 
 
 def test_the_record_batch_is_cut_column_wise_out_of_the_frames():
-    from trio_nsq.shared.spark.fetcher import Chunk
-    from trio_nsq.shared.spark.source import SCHEMA, ReadSettings, to_record_batch
+    from trio_nsq.spark.fetcher import Chunk
+    from trio_nsq.spark.source import SCHEMA, ReadSettings, to_record_batch
 
     settings = ReadSettings("t", "c", ("a:1",), (), 10, 1 << 20, 10, None)
     bodies = [b"", b"x", b"\x00\xff\n" * 100] + [b"b-%d" % i for i in range(997)]
@@ -402,8 +402,8 @@ def test_the_record_batch_is_cut_column_wise_out_of_the_frames():
 def test_a_micro_batch_is_cut_into_partitions_of_frames_that_keep_order_and_brokers():
     import pickle
 
-    from trio_nsq.shared.spark.fetcher import Chunk
-    from trio_nsq.shared.spark.source import Frames, ReadSettings
+    from trio_nsq.spark.fetcher import Chunk
+    from trio_nsq.spark.source import Frames, ReadSettings
 
     settings = ReadSettings("t", "c", (), (), 10, 1 << 20, 10, None)
     bodies = [b"m-%d" % i for i in range(11)]
@@ -425,8 +425,8 @@ def test_a_micro_batch_is_cut_into_partitions_of_frames_that_keep_order_and_brok
 def test_wait_settled_ends_at_the_count_or_once_no_message_came_for_the_quiet_time():
     import threading
 
-    from trio_nsq.shared.spark.fetcher import Fetcher
-    from trio_nsq.shared.spark.source import ReadSettings
+    from trio_nsq.spark.fetcher import Fetcher
+    from trio_nsq.spark.source import ReadSettings
 
     # no broker: fed by hand; msg_timeout 60 s: nothing held long enough to be TOUCHed
     fetcher = Fetcher(ReadSettings("t", "c", (), (), 250, 1000, 1000, 60_000))
@@ -455,8 +455,8 @@ def test_wait_settled_ends_at_the_count_or_once_no_message_came_for_the_quiet_ti
 
 
 def test_a_micro_batch_is_cut_at_max_messages_and_max_bytes_and_holds_at_least_one_message():
-    from trio_nsq.shared.spark.fetcher import Fetcher
-    from trio_nsq.shared.spark.source import ReadSettings
+    from trio_nsq.spark.fetcher import Fetcher
+    from trio_nsq.spark.source import ReadSettings
 
     fetcher = Fetcher(ReadSettings("t", "c", (), (), 250, 1000, 1000, None))  # no broker: fed by hand
     try:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from trio_nsq.shared.protocol import MAGIC_V2, encode_sub
-from trio_nsq.shared.spark.publisher import MPubClient
+from trio_nsq.spark.publisher import MPubClient
 from tests.bench.machine import process_stat
 from tests.processes import BrokerProcess
 

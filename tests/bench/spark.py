@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.request
 
-from trio_nsq.shared.spark.publisher import MPubClient
+from trio_nsq.spark.publisher import MPubClient
 from tests.bench.broker import Broker, publish
 from tests.bench.machine import describe, machine, merge_report, process_stat
 
@@ -156,7 +156,7 @@ def ceiling_source():
     imported by main(), and Spark pickles the classes by value.)"""
     from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-    from trio_nsq.shared.spark.source import SCHEMA, arrow_schema
+    from trio_nsq.spark.source import SCHEMA, arrow_schema
 
     class Rows(InputPartition):
         def __init__(self, count: int) -> None:
@@ -283,7 +283,7 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
-    from trio_nsq.shared.spark import NSQDataSource
+    from trio_nsq.spark import NSQDataSource
 
     broker = Broker(*args.broker_flag)
     scratch = tempfile.mkdtemp(prefix="trio-nsq-spark-bench-")
@@ -294,7 +294,7 @@ def main() -> None:
     spark.dataSource.register(NSQDataSource)
     spark.dataSource.register(ceiling_source())
     # Spark's ceiling runs in the reads' micro-batch size
-    from trio_nsq.shared.spark.options import READ_OPTIONS
+    from trio_nsq.spark.options import READ_OPTIONS
     batch_size = int(options.get("max_messages_per_batch", READ_OPTIONS["max_messages_per_batch"][0]))
     http = broker.http_address
     results: dict[str, float] = {}

@@ -9,8 +9,8 @@ from typing import Any
 import attrs
 import trio
 
-from trio_nsq.shared.client.backoff import backoff_delay
-from trio_nsq.shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.client.backoff import backoff_delay
+from trio_nsq.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
 from trio_nsq.shared.protocol import encode_dpub, encode_mpub, encode_pub
 
 log = logging.getLogger("trio_nsq.client")

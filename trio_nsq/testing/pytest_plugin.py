@@ -115,7 +115,7 @@ def _subprocess(module: str, base: Path, data: bool) -> Iterator[NSQServer]:
 @contextlib.contextmanager
 def _server(config: pytest.Config, module: str, base: Path) -> Iterator[NSQServer]:
     if config.getoption("--nsq-mode") == "inprocess":
-        from trio_nsq.shared.embed import nsqd_in_thread, nsqlookupd_in_thread
+        from trio_nsq.testing.embed import nsqd_in_thread, nsqlookupd_in_thread
 
         if module == "broker":
             with nsqd_in_thread(data_path=str(base)) as r:

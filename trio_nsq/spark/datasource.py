@@ -30,8 +30,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from trio_nsq.shared.spark.options import WriteSettings, write_settings
-from trio_nsq.shared.spark.publisher import Batcher, MPubClient, at_least_once_once
+from trio_nsq.spark.options import WriteSettings, write_settings
+from trio_nsq.spark.publisher import Batcher, MPubClient, at_least_once_once
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -53,7 +53,7 @@ def publish_partition(settings: WriteSettings, record_batches: Iterator, key_pre
     row cannot be a message, a broker refuses a batch, or no broker answers."""
     from pyspark import TaskContext
 
-    from trio_nsq.shared.spark.rows import RowConverter
+    from trio_nsq.spark.rows import RowConverter
 
     context = TaskContext.get()
     partition = context.partitionId() if context is not None else 0
@@ -163,28 +163,28 @@ class NSQStreamWriter(DataSourceStreamArrowWriter):
 
 class NSQDataSource(DataSource):
     """`df.write.format("nsq").option("topic", "t").option("nsqd_http_address", "127.0.0.1:4151")
-    .mode("append").save()`; see shared/spark/README.md for the options."""
+    .mode("append").save()`; see trio_nsq/spark/README.md for the options."""
 
     @classmethod
     def name(cls) -> str:
         return "nsq"
 
     def schema(self) -> StructType:
-        from trio_nsq.shared.spark.source import SCHEMA
+        from trio_nsq.spark.source import SCHEMA
 
         return SCHEMA
 
     def streamReader(self, schema: StructType):
-        """`spark.readStream.format("nsq")`: see shared/spark/source.py."""
-        from trio_nsq.shared.spark.options import read_settings
-        from trio_nsq.shared.spark.source import NSQStreamReader
+        """`spark.readStream.format("nsq")`: see trio_nsq/spark/source.py."""
+        from trio_nsq.spark.options import read_settings
+        from trio_nsq.spark.source import NSQStreamReader
 
         return NSQStreamReader(read_settings(dict(self.options)))
 
     def reader(self, schema: StructType):
-        """`spark.read.format("nsq")`: see shared/spark/batch.py."""
-        from trio_nsq.shared.spark.batch import NSQBatchReader
-        from trio_nsq.shared.spark.options import read_settings
+        """`spark.read.format("nsq")`: see trio_nsq/spark/batch.py."""
+        from trio_nsq.spark.batch import NSQBatchReader
+        from trio_nsq.spark.options import read_settings
 
         settings, (partitions_per_broker, idle_timeout) = read_settings(dict(self.options), batch=True)
         return NSQBatchReader(settings, settings.max_messages_per_batch, settings.max_bytes_per_batch,

@@ -33,7 +33,7 @@ from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType, TimestampType
 
 if TYPE_CHECKING:
-    from trio_nsq.shared.spark.fetcher import Chunk, Fetcher
+    from trio_nsq.spark.fetcher import Chunk, Fetcher
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -132,7 +132,7 @@ class Frames(InputPartition):
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from trio_nsq.shared.client.connection import MAX_FRAME_SIZE  # (here: the tasks need no trio)
+        from trio_nsq.client.connection import MAX_FRAME_SIZE  # (here: the tasks need no trio)
 
         n = len(self)
         frames = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(self.offsets), pa.py_buffer(self.data)])
@@ -180,7 +180,7 @@ class NSQStreamReader(DataSourceStreamReader):
     @property
     def fetcher(self) -> Fetcher:
         if self._fetcher is None:  # started on first use, in the process that keeps the reader
-            from trio_nsq.shared.spark.fetcher import Fetcher
+            from trio_nsq.spark.fetcher import Fetcher
 
             self._fetcher = Fetcher(self.settings)
             log.info("nsq source: consuming %s/%s", self.settings.topic, self.settings.channel)

@@ -22,8 +22,8 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
-from trio_nsq.shared.apps.relay import HostPool, StatusTimer
+from trio_nsq.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.relay import HostPool, StatusTimer
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.options import option
 
@@ -121,7 +121,7 @@ def json_filter(opts: Options, body: bytes) -> bytes | None:
 
 
 async def relay(opts: Options, consumer_settings: dict, producer_settings: dict, stop: trio.Event) -> int:
-    from trio_nsq.shared.client import Consumer, NSQConnectionError, NSQError, Producer
+    from trio_nsq.client import Consumer, NSQConnectionError, NSQError, Producer
 
     pool = HostPool(opts.destination_nsqd_tcp_address, opts.mode)
     aggregate = StatusTimer(opts.status_every, "[aggregate]:")

@@ -14,7 +14,7 @@ from typing import TypeVar
 from pyspark.sql.types import BinaryType, StringType, StructType
 
 from trio_nsq.shared.names import is_valid_topic_name
-from trio_nsq.shared.spark.publisher import DEFAULT_MAX_BODY_SIZE, host_port, nodes_from_lookupd
+from trio_nsq.spark.publisher import DEFAULT_MAX_BODY_SIZE, host_port, nodes_from_lookupd
 
 # option name -> (default, meaning); the README's options table says the same
 OPTIONS = {
@@ -191,7 +191,7 @@ def read_settings(options: dict[str, str], batch: bool = False):
     """Check the options of the streaming source (or, with `batch`, of the batch read); raise ValueError
     telling what to change."""
     from trio_nsq.shared.names import is_valid_channel_name
-    from trio_nsq.shared.spark.source import ReadSettings
+    from trio_nsq.spark.source import ReadSettings
 
     known = BATCH_READ_OPTIONS if batch else READ_OPTIONS
     options = {k.lower(): v for k, v in options.items()}

@@ -3,7 +3,7 @@
 In a Trio program, start a broker in a nursery you own; it serves until that nursery is cancelled::
 
     import trio
-    from trio_nsq.shared.embed import run_nsqd
+    from trio_nsq.testing.embed import run_nsqd
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -14,7 +14,7 @@ In a Trio program, start a broker in a nursery you own; it serves until that nur
 
 In an asyncio or plain-thread program, run it on a thread of its own::
 
-    from trio_nsq.shared.embed import nsqd_in_thread
+    from trio_nsq.testing.embed import nsqd_in_thread
 
     with nsqd_in_thread(data_path="/var/lib/myapp/nsq") as nsqd:
         ...  # nsqd.tcp_address is ready here; leaving the block stops the broker cleanly

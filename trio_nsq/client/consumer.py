@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from trio_nsq.shared.client.backoff import backoff_delay, requeue_delay_ms
-from trio_nsq.shared.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
-from trio_nsq.shared.client.lookupd import lookup_producers
+from trio_nsq.client.backoff import backoff_delay, requeue_delay_ms
+from trio_nsq.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.client.lookupd import lookup_producers
 from trio_nsq.shared.protocol import DecodedMessage, encode_sub
 
 if TYPE_CHECKING:

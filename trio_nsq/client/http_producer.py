@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from trio_nsq.shared.client.backoff import backoff_delay
-from trio_nsq.shared.client.connection import NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.client.backoff import backoff_delay
+from trio_nsq.client.connection import NSQConnectionError, NSQError, OwnedNursery
 from trio_nsq.shared.protocol import encode_mpub_body
 
 if TYPE_CHECKING:

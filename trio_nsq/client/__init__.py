@@ -8,9 +8,9 @@
 Logs go to the "trio_nsq.client" logger.
 """
 
-from trio_nsq.shared.client.connection import Connection, NSQConnectionError, NSQError, tls_context
-from trio_nsq.shared.client.consumer import Consumer, Message
-from trio_nsq.shared.client.http_producer import HTTPProducer
-from trio_nsq.shared.client.producer import Producer
+from trio_nsq.client.connection import Connection, NSQConnectionError, NSQError, tls_context
+from trio_nsq.client.consumer import Consumer, Message
+from trio_nsq.client.http_producer import HTTPProducer
+from trio_nsq.client.producer import Producer
 
 __all__ = ["Connection", "Consumer", "HTTPProducer", "Message", "NSQConnectionError", "NSQError", "Producer", "tls_context"]

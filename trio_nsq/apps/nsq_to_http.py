@@ -4,7 +4,7 @@
     nsq_to_http --topic=T --lookupd-http-address=127.0.0.1:4161 --get='http://host/path?data=%s'
 
 --post sends the body (Content-Type --content-type); --get puts it, query-escaped, in place of the one
-`%s`. --mode picks the endpoint (see shared/apps/relay.py); -n requests run at once. A message is
+`%s`. --mode picks the endpoint (see trio_nsq/apps/relay.py); -n requests run at once. A message is
 FIN'd only once its endpoint answered 2xx (GET: 200); a failure (refused, timed out, another status)
 REQs it with a growing delay and backs the consumer off, so nothing is lost while an endpoint is away.
 --consumer-opt max_attempts defaults to 0 (unlimited) here, where go-nsq's default 5 would drop a
@@ -24,8 +24,8 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
-from trio_nsq.shared.apps.relay import HostPool, StatusTimer
+from trio_nsq.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.relay import HostPool, StatusTimer
 from trio_nsq.shared.options import option
 from trio_nsq.shared.version import VERSION
 
@@ -106,7 +106,7 @@ class DeliveryError(Exception):
 async def deliver(opts: Options, consumer_settings: dict, headers: dict[str, str], stop: trio.Event) -> int:
     import httpx
 
-    from trio_nsq.shared.client import Consumer
+    from trio_nsq.client import Consumer
 
     addresses = opts.post or opts.get
     mode = opts.mode if opts.mode in ("round-robin", "hostpool", "epsilon-greedy") else "all"

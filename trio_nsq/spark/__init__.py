@@ -2,11 +2,11 @@
 through nsqd's `POST /mpub?binary=true`; `spark.readStream.format("nsq")` and `spark.read.format("nsq")`
 read a channel.
 
-    from trio_nsq.shared.spark import NSQDataSource
+    from trio_nsq.spark import NSQDataSource
     spark.dataSource.register(NSQDataSource)
 
 With the package installed normally (not editable), no call is needed: Spark finds the top-level module
-`pyspark_nsq`, which exports this class as DefaultSource. See shared/spark/README.md.
+`pyspark_nsq`, which exports this class as DefaultSource. See trio_nsq/spark/README.md.
 
 Modules: options (checked at planning time), rows (Arrow rows to message bodies), publisher (batches and
 HTTP, plain Python), datasource (the Spark classes), source (the streaming reader), fetcher (its
@@ -19,7 +19,7 @@ __all__ = ["NSQDataSource"]
 def __getattr__(name: str):
     # pyspark is an optional extra: import it only when the data source is asked for
     if name == "NSQDataSource":
-        from trio_nsq.shared.spark.datasource import NSQDataSource
+        from trio_nsq.spark.datasource import NSQDataSource
 
         return NSQDataSource
     raise AttributeError(name)

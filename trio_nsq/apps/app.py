@@ -231,7 +231,7 @@ def parse_config_opts(opts: list[str], *, consumer: bool) -> dict[str, Any]:
     if identify:
         kwargs["identify"] = identify
     if tls.get("tls_v1") or any(k != "tls_v1" for k in tls):
-        from trio_nsq.shared.client.connection import tls_context
+        from trio_nsq.client.connection import tls_context
 
         try:
             kwargs["tls"] = tls_context(ca_file=tls.get("tls_root_ca_file"), cert_file=tls.get("tls_cert"),

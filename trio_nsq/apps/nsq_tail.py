@@ -19,7 +19,7 @@ import sys
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "nsq_tail"
@@ -57,7 +57,7 @@ def setup(opts: Options) -> Main:
 
 
 async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Event) -> int:
-    from trio_nsq.shared.client import Consumer
+    from trio_nsq.client import Consumer
 
     out = sys.stdout.buffer
     broken = trio.Event()

@@ -19,7 +19,7 @@ import sys
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, command, fatal
+from trio_nsq.apps.app import Main, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "nsq_stat"

@@ -18,7 +18,7 @@ import os
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "to_nsq"
@@ -86,7 +86,7 @@ async def lines(delimiter: bytes, fd: int = 0):
 async def publish_stdin(opts: Options, delimiter: bytes, settings: dict, stop: trio.Event) -> int:
     from contextlib import AsyncExitStack
 
-    from trio_nsq.shared.client import NSQConnectionError, NSQError, Producer
+    from trio_nsq.client import NSQConnectionError, NSQError, Producer
 
     throttle = Throttle(opts.rate) if opts.rate >= 1 else None
     if throttle:

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from trio_nsq.shared.client.backoff import backoff_delay
-from trio_nsq.shared.client.connection import Connection, NSQConnectionError, NSQError
+from trio_nsq.client.backoff import backoff_delay
+from trio_nsq.client.connection import Connection, NSQConnectionError, NSQError
 from trio_nsq.shared.protocol import MIN_VALID_MSG_LENGTH, encode_cls, encode_sub
 
 if TYPE_CHECKING:
-    from trio_nsq.shared.spark.source import ReadSettings
+    from trio_nsq.spark.source import ReadSettings
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -215,7 +215,7 @@ class Fetcher:
     async def _poll_lookupd(self) -> None:
         import httpx
 
-        from trio_nsq.shared.client.lookupd import lookup_producers
+        from trio_nsq.client.lookupd import lookup_producers
 
         async with httpx.AsyncClient(timeout=5.0) as client:
             while True:

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from trio_nsq.shared.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import Main, client_settings, command, fatal
 from trio_nsq.shared.logs import NSQFormatter, parse_level
 from trio_nsq.shared.options import option
 
 if TYPE_CHECKING:
-    from trio_nsq.shared.client import Message
+    from trio_nsq.client import Message
 
 APP = "nsq_to_file"
 log = logging.getLogger("trio_nsq.apps")
@@ -281,7 +281,7 @@ class FileLogger:
 async def log_topic(opts: Options, settings: dict, topic: str, stop: trio.Event, hup: Callable[[], int]) -> None:
     """One topic: a consumer whose handlers hand each message to the writer and wait until a sync
     has made it durable; then the consumer FINs it."""
-    from trio_nsq.shared.client import Consumer
+    from trio_nsq.client import Consumer
 
     try:
         fmt = filename_format(opts, topic)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 from pyspark.sql.datasource import DataSourceReader, InputPartition
 
-from trio_nsq.shared.http import join_host_port
-from trio_nsq.shared.spark.source import ReadSettings, to_record_batch
+from trio_nsq.shared.addresses import join_host_port
+from trio_nsq.spark.source import ReadSettings, to_record_batch
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -87,7 +87,7 @@ class NSQBatchReader(DataSourceReader):
         assert isinstance(partition, BrokerShare)
         if not partition.max_messages:
             return
-        from trio_nsq.shared.spark.fetcher import Fetcher
+        from trio_nsq.spark.fetcher import Fetcher
 
         # RDY over this task's connections is its share: nsqd sends no more than that
         settings = replace(self.settings, nsqd_tcp_addresses=(partition.address,), lookupd_http_addresses=(),
