@@ -80,6 +80,29 @@ def test_tls_compression_auth_example(tmp_path, broker_factory):
         authd.httpd.server_close()
 
 
+def test_tls_example(tmp_path, broker_factory):
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    broker = broker_factory(tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.pem", tls_required="true")
+    proc = run([sys.executable, "examples/tls.py"],
+               {"NSQD_TCP": broker.tcp_address, "TLS_CA": str(tmp_path / "ca.pem")})
+    assert proc.returncode == 0, proc.stderr
+    assert "received 'order 17 paid' over TLS: True" in proc.stdout
+    # the certificate is checked: without our CA the system's refuse it
+    proc = run([sys.executable, "examples/tls.py"], {"NSQD_TCP": broker.tcp_address}, timeout=90)
+    assert proc.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_compression_example(broker):
+    proc = run([sys.executable, "examples/compression.py"], {"NSQD_TCP": broker.tcp_address})
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["received 1000 bytes, snappy=False, deflate=True",
+                                                "received 850 bytes, snappy=False, deflate=True"]
+    log = broker.log_text()  # the Producer's connection too
+    assert "upgrading connection to snappy" in log and "upgrading connection to deflate" in log
+
+
 def test_backoff_max_attempts_example(broker):
     proc = run([sys.executable, "examples/backoff_max_attempts.py"], {"NSQD_TCP": broker.tcp_address})
     assert proc.returncode == 0, proc.stderr

@@ -8,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+from processes import BrokerProcess
 
 from trio_nsq import compiled
 
@@ -118,3 +121,122 @@ def test_the_daemon_from_the_wheels_files_listens(site, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+STALE_WARNING = "compiled modules older than their .py files"
+
+
+def test_file_times_are_a_checkouts_question_never_an_installed_wheels(site, tmp_path):
+    """Every .py newer than its compiled module: the wheel's files with their RECORD (installed) stay
+    quiet; the same files without it (a checkout: an editable install, the repository on PYTHONPATH)
+    warn, naming each module, so an edit that did not reach the compiled code is still said."""
+    copy = tmp_path / "site"
+    shutil.copytree(site, copy)
+    now = time.time()
+    for path in (copy / "trio_nsq").rglob("*"):
+        os.utime(path, (now, now - 60 if path.suffix == ".so" else now))
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    env.pop(compiled.ENV, None)
+    check = [sys.executable, "-c", "import trio_nsq.compiled as c; print(len(c.compiled_modules()))"]
+
+    installed = subprocess.run(check, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    expected = len(compiled.MODULES) if compiled.why_not_compiled() is None else 0
+    assert (installed.returncode, installed.stdout, installed.stderr) == (0, f"{expected}\n", ""), installed.stderr
+
+    (record,) = copy.glob("trio_nsq-*.dist-info/RECORD")
+    record.unlink()
+    checkout = subprocess.run(check, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert checkout.returncode == 0, checkout.stderr
+    if expected:
+        assert STALE_WARNING in checkout.stderr and all(m in checkout.stderr for m in compiled.MODULES), checkout.stderr
+    else:
+        assert checkout.stderr == ""  # pure Python: nothing compiled to be stale
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    """The wheel, `spark` extra and all, installed by pip into a fresh venv, as a user installs it: pip
+    writes the files with its own times and the RECORD. Nothing is downloaded (--no-index): the
+    dependencies (trio, pyspark...) come from this test's own environment through a .pth line, so pip
+    finds them installed. That environment holds no pyspark_nsq (an editable install has none), so Spark
+    can only find the venv's."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    Path(purelib, "_test_dependencies.pth").write_text("".join(f"{path}\n" for path in ours))
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-index",
+                           "--no-warn-conflicts", f"{wheel}[spark]"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return venv
+
+
+def venv_env(venv: Path) -> dict[str, str]:
+    """As in an activated venv, away from the checkout: its bin first on PATH, no PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", compiled.ENV)}
+    return {**env, "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
+
+
+def test_every_command_of_the_installed_wheel_answers_its_version_without_a_warning(venv, tmp_path):
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"trio-nsqd", "nsqd", "nsq_tail"} <= scripts.keys()
+    for script in scripts:
+        done = subprocess.run([venv / "bin" / script, "--version"], cwd=tmp_path, env=venv_env(venv),
+                              capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stderr) == (0, ""), (script, done.stderr)
+        assert done.stdout.startswith(f"{script.removeprefix('trio-')} v1.3.0"), (script, done.stdout)
+    check = "import trio_nsq, pyspark_nsq, trio_nsq.compiled as c; print(trio_nsq.__file__, pyspark_nsq.__file__, " \
+            "len(c.compiled_modules()))"
+    done = subprocess.run([venv / "bin" / "python", "-c", check], cwd=tmp_path, env=venv_env(venv),
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    package, hook, count = done.stdout.split()
+    assert package.startswith(str(venv)) and hook.startswith(str(venv)), done.stdout
+    assert int(count) == (len(compiled.MODULES) if compiled.why_not_compiled() is None else 0)
+
+
+SPARK_JOB = """
+import sys
+from pyspark.sql import SparkSession
+
+http_address, tcp_address = sys.argv[1:]
+spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+         .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1").getOrCreate())
+# no spark.dataSource.register(): "nsq" must be found as Spark finds any installed pyspark_* module
+rows = spark.createDataFrame([("one",), ("two",), ("three",)], "value string")
+rows.write.format("nsq").option("topic", "installed").option("nsqd_http_address", http_address).mode("append").save()
+read = (spark.read.format("nsq").option("topic", "installed").option("channel", "c")
+        .option("nsqd_tcp_address", tcp_address).option("partitions_per_broker", 1).option("max_messages", 3)
+        .option("idle_timeout", 5000).load())  # one task, done once it has the three
+print("read:", ",".join(sorted(bytes(row.value).decode() for row in read.collect())))
+spark.stop()
+"""
+
+
+class InstalledBroker(BrokerProcess):
+    """The venv's trio-nsqd (its console script: the checkout is neither its cwd's package nor on its path)."""
+
+    def __init__(self, venv: Path, base_dir: Path) -> None:
+        super().__init__(base_dir, env={"PYTHONPATH": ""})
+        self.script = venv / "bin" / "trio-nsqd"
+
+    def command(self) -> list[str]:
+        return [str(self.script)]
+
+
+def test_spark_finds_the_installed_format_by_itself_and_reads_and_writes(venv, tmp_path):
+    broker = InstalledBroker(venv, tmp_path / "broker").start()
+    try:
+        (tmp_path / "job.py").write_text(SPARK_JOB)
+        env = {**venv_env(venv), "SPARK_LOCAL_IP": "127.0.0.1"}
+        done = subprocess.run([venv / "bin" / "python", "job.py", broker.http_address, broker.tcp_address],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-6000:]
+        assert "read: one,three,two\n" in done.stdout, (done.stdout, done.stderr[-6000:])
+        assert STALE_WARNING not in done.stderr, done.stderr[-6000:]  # Spark's Python workers import trio_nsq
+        assert STALE_WARNING not in broker.log_text(), broker.log_text()
+    finally:
+        broker.stop()

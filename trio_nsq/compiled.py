@@ -74,9 +74,39 @@ def compiled_modules() -> list[str]:
     return [name for name in MODULES if _is_extension(importlib.import_module(name))]
 
 
+def installed_from_a_wheel(path: str) -> bool:
+    """Whether `path`, a file directly in the trio_nsq folder (mypyc's library), was put there by an
+    installer (pip, uv, a wheel unpacked): it is listed in the RECORD of a trio_nsq-*.dist-info beside
+    the folder (PEP 376/627), as every file of an installed wheel is and no file of a checkout is (an
+    editable install's RECORD lists only its .pth and finder; a checkout on PYTHONPATH has none).
+
+    This asks the files that are imported, not metadata about an install: direct_url.json's `editable`
+    is absent for an install from an index, and speaks of whichever trio-nsq distribution is found first,
+    not necessarily of the code on sys.path (a checkout on PYTHONPATH with the wheel also installed)."""
+    site = os.path.dirname(os.path.dirname(path))  # where the trio_nsq folder is
+    entry = os.path.relpath(path, site).replace(os.sep, "/")
+    try:
+        infos = [name for name in os.listdir(site) if name.startswith("trio_nsq-") and name.endswith(".dist-info")]
+    except OSError:
+        return False
+    for info in infos:
+        try:
+            with open(os.path.join(site, info, "RECORD"), encoding="utf-8") as record:
+                if any(line.split(",", 1)[0] == entry for line in record):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def stale_modules() -> list[str]:
-    """Compiled modules older than their .py file: an editable install whose source was edited after
-    the build. Python would import the compiled one, so the edit would silently not run."""
+    """Compiled modules older than their .py file: a checkout (editable install, or on PYTHONPATH) whose
+    source was edited after the build. Python would import the compiled one, so the edit would silently
+    not run.
+
+    Only a checkout's file times say that. An installed wheel's are the installer's: pip does not keep a
+    wheel's times, so its .py files may be written after its extensions, and no one edits installed
+    files anyway; its files are never stale (`installed_from_a_wheel`)."""
     suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     library = importlib.util.find_spec(GROUP + "__mypyc")
     if library is None or not library.origin:
@@ -90,6 +120,8 @@ def stale_modules() -> list[str]:
         py = os.path.join(os.path.dirname(spec.origin), name.rsplit(".", 1)[-1] + ".py")
         if os.path.exists(py) and os.path.getmtime(py) > max(built, os.path.getmtime(spec.origin)):
             stale.append(name)
+    if stale and installed_from_a_wheel(library.origin):  # read only when the times say stale
+        return []
     return stale
 
 
