@@ -9,7 +9,11 @@ import os
 
 def write_synced(path: str, data: bytes) -> None:
     """Create or truncate `path`, write `data` and fsync it; a short write (a full disk) is ENOSPC."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    write_and_close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), path, data)
+
+
+def write_and_close(fd: int, path: str, data: bytes) -> None:
+    """Write `data` to the open `fd` in one call, fsync and close it; a short write (a full disk) is ENOSPC."""
     try:
         if os.write(fd, data) != len(data):
             raise OSError(errno.ENOSPC, f"short write of {path}")

@@ -21,7 +21,6 @@ succeeds says healthy again.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -36,7 +35,7 @@ import outcome
 import trio
 
 from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.files import fsync_dir, write_synced
+from trio_nsq.broker.files import fsync_dir, write_and_close, write_synced
 from trio_nsq.broker.segment_log import remove_dropped
 
 log = logging.getLogger("nsqd")
@@ -261,12 +260,7 @@ class SyncGroup:
             if member.deleted:
                 return
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.ENOSPC, f"short write of {path}")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_and_close(fd, path, data)
 
     def _replace(self, member: SyncMember, path: str, data: bytes) -> None:
         """A whole file: a temp file fsynced and renamed over it (nothing of a deleted owner comes back)."""

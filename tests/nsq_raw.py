@@ -22,15 +22,10 @@ import struct
 import time
 from dataclasses import dataclass
 
-MAGIC_V2 = b"  V2"
-
-FRAME_TYPE_RESPONSE = 0
-FRAME_TYPE_ERROR = 1
-FRAME_TYPE_MESSAGE = 2
-
-HEARTBEAT = b"_heartbeat_"
-OK = b"OK"
-CLOSE_WAIT = b"CLOSE_WAIT"
+# the protocol's constants are the codec's; the framing below is this client's own, kept independent
+from trio_nsq.shared.protocol import (  # noqa: F401  (re-exported for the tests)
+    CLOSE_WAIT, FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE, HEARTBEAT, MAGIC_V2, OK,
+)
 
 _SIZE = struct.Struct(">i")
 _FRAME_HEADER = struct.Struct(">ii")
