@@ -33,7 +33,7 @@ from trio_nsq.shared.http_api import (
     plain,
     respond_v1,
 )
-from trio_nsq.shared.http_server import Request, Site
+from trio_nsq.shared.http_server import Request, Route, Site
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import topology_fields
 from trio_nsq.shared.version import VERSION
@@ -215,7 +215,10 @@ def channel_delete(lookupd: NSQLookupd, query: bytes) -> None:
 
 
 @attrs.frozen
-class Route:
+class Endpoint:
+    """One of nsqlookupd's endpoints: a pure handler and how its value is answered (lookupd_site makes
+    each a shared Route, answered in place: none of them awaits)."""
+
     handler: Handler
     plain: bool = False  # Go's PlainText decorator (only /ping), else V1
     # the answer may be kept (AnswerCache) until this says, given the same DB generation
@@ -229,7 +232,7 @@ class AnswerCache:
     """Answers kept by query string, for the routes that say how long theirs hold (/lookup). Every
     consumer polls /lookup (go-nsq and pynsq each 60 s, per topic and lookupd), and the answer is the same
     bytes until a broker registers or leaves, a tombstone is set or lapses, or a producer goes quiet: kept,
-    it costs a dict lookup instead of the DB walk and the JSON. Owned by lookupd_site's call_now."""
+    it costs a dict lookup instead of the DB walk and the JSON. Owned by lookupd_site's routes."""
 
     def __init__(self, lookupd: NSQLookupd) -> None:
         self.lookupd = lookupd
@@ -241,9 +244,9 @@ class AnswerCache:
             return None
         return hit[2]
 
-    def keep(self, route: Route, query: bytes, reply: Reply) -> None:
-        assert route.holds_until is not None
-        until = route.holds_until(self.lookupd, query)
+    def keep(self, endpoint: Endpoint, query: bytes, reply: Reply) -> None:
+        assert endpoint.holds_until is not None
+        until = endpoint.holds_until(self.lookupd, query)
         if until <= time.monotonic():
             self.kept.pop(query, None)
             return
@@ -252,23 +255,23 @@ class AnswerCache:
         self.kept[query] = (self.lookupd.db.generation, until, reply)
 
 
-# method -> path -> route, as httprouter's trees
-ROUTES: dict[str, dict[str, Route]] = {
+# method -> path -> endpoint, as httprouter's trees
+ROUTES: dict[str, dict[str, Endpoint]] = {
     "GET": {
-        "/ping": Route(ping, plain=True),
-        "/info": Route(info),
-        "/debug": Route(debug),
-        "/lookup": Route(lookup, holds_until=lookup_holds_until),
-        "/topics": Route(topics),
-        "/channels": Route(channels),
-        "/nodes": Route(nodes),
+        "/ping": Endpoint(ping, plain=True),
+        "/info": Endpoint(info),
+        "/debug": Endpoint(debug),
+        "/lookup": Endpoint(lookup, holds_until=lookup_holds_until),
+        "/topics": Endpoint(topics),
+        "/channels": Endpoint(channels),
+        "/nodes": Endpoint(nodes),
     },
     "POST": {
-        "/topic/create": Route(topic_create),
-        "/topic/delete": Route(topic_delete),
-        "/channel/create": Route(channel_create),
-        "/channel/delete": Route(channel_delete),
-        "/topic/tombstone": Route(topic_tombstone),
+        "/topic/create": Endpoint(topic_create),
+        "/topic/delete": Endpoint(topic_delete),
+        "/channel/create": Endpoint(channel_create),
+        "/channel/delete": Endpoint(channel_delete),
+        "/topic/tombstone": Endpoint(topic_tombstone),
     },
 }
 
@@ -276,25 +279,30 @@ ROUTES: dict[str, dict[str, Route]] = {
 ROUTER = Router(ROUTES)
 
 
-def lookupd_site(lookupd: NSQLookupd, answers: AnswerCache | None = None) -> Site[Route]:
-    """nsqlookupd's routes as the shared HTTP server's Site (`answers`: its AnswerCache, given by a test)."""
+def lookupd_site(lookupd: NSQLookupd, answers: AnswerCache | None = None) -> Site:
+    """nsqlookupd's endpoints as the shared HTTP server's Site (`answers`: its AnswerCache, given by a
+    test): every one answered in place, a handler's error as nsqlookupd's V1 reply."""
     if answers is None:
         answers = AnswerCache(lookupd)
 
-    def call_now(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
-        if route.holds_until is not None:
-            kept = answers.get(req.query)
-            if kept is not None:
-                return kept
-        status, value = call_logged(log, lambda: route.handler(lookupd, req.query))
-        if route.plain:
-            return plain(str(value), status)
-        reply = respond_v1(status, value)
-        if route.holds_until is not None and status == 200:
-            answers.keep(route, req.query, reply)
-        return reply
+    def route(endpoint: Endpoint) -> Route:
+        def now(req: Request, params: Mapping[str, str]) -> Reply:
+            if endpoint.holds_until is not None:
+                kept = answers.get(req.query)
+                if kept is not None:
+                    return kept
+            status, value = call_logged(log, lambda: endpoint.handler(lookupd, req.query))
+            if endpoint.plain:
+                return plain(str(value), status)
+            reply = respond_v1(status, value)
+            if endpoint.holds_until is not None and status == 200:
+                answers.keep(endpoint, req.query, reply)
+            return reply
 
-    async def call(req: Request, route: Route, params: Mapping[str, str]) -> Reply:
-        return call_now(req, route, params)
+        async def handler(req: Request, params: Mapping[str, str]) -> Reply:
+            return now(req, params)
 
-    return Site(ROUTER, call, log, max_body=0, call_now=call_now)
+        return Route(handler, now)
+
+    routes = {method: {path: route(endpoint) for path, endpoint in tree.items()} for method, tree in ROUTES.items()}
+    return Site(Router(routes), log, max_body=0)

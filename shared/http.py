@@ -94,7 +94,7 @@ def hypercorn_config(address: str, *, max_body_size: int | None = None, **extra:
 
 
 async def serve_site(
-    site: Site[Any],
+    site: Site,
     address: str,
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,

@@ -45,7 +45,7 @@ async def _read(cap: int) -> bytes | None:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def asgi_app(site: Site[Any]) -> Callable[[dict, Any, Any], Awaitable[None]]:
+def asgi_app(site: Site) -> Callable[[dict, Any, Any], Awaitable[None]]:
     """What hypercorn serves: quart_app(site), and a WebSocket upgrade refused before the app sees a scope
     type it was not written for (hypercorn answers 403, as before)."""
     app = quart_app(site)
@@ -70,7 +70,7 @@ async def _linger() -> None:
             pass
 
 
-def quart_app(site: Site[Any]) -> QuartTrio:
+def quart_app(site: Site) -> QuartTrio:
     """The app: every request is answered by before_request through `site`, so werkzeug's routing never
     gets a say."""
     app = QuartTrio(__name__)

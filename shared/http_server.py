@@ -3,10 +3,12 @@ on a trio stream, requests parsed by httptools (llhttp, in C), routed by shared/
 answered with bytes written here, one write per batch of pipelined answers. No task per request, no
 ASGI events, no framework on the way.
 
-Who calls what: a daemon builds a `Site` (its Router, how a route is called, its log) and hands it to
+Who calls what: a daemon builds a `Site` (its Router of `Route`s, its log) and hands it to
 shared/http.serve_site, whose accept loop runs `Connection(...).serve()` for each connection inside a
 guard. `Site.__call__` is the one dispatch of the three daemons: the router's own answers (redirects,
-405 with Allow, OPTIONS, 404), the handler's Reply, and the request log line.
+405 with Allow, OPTIONS, 404), the route's Reply, and the request log line. Every route of every daemon
+has one contract, `Route`: an async handler of (request, path parameters), and, where the route may be
+answered in place by the ConnectionPoller, the same answer without awaiting.
 
 Answers are byte for byte what the daemons gave when hypercorn (h11) served them: lowercase header
 names, the reply's headers then content-length, date and server; an empty reason phrase; `Connection:
@@ -33,8 +35,8 @@ import os
 import select
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Container, Mapping
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 from urllib.parse import unquote
 from wsgiref.handlers import format_date_time
 
@@ -42,7 +44,7 @@ import httptools
 import trio
 
 from trio_nsq.shared.addresses import join_host_port
-from trio_nsq.shared.http_api import Reply, Resolved, Router, error_reply, log_request, routed_reply
+from trio_nsq.shared.http_api import HTTPError, Reply, Resolved, Router, error_reply, log_request, routed_reply
 
 LINGER_SECONDS = 10.0
 LINGER_BYTES = 64 * 1024 * 1024
@@ -54,7 +56,22 @@ PARK_BODY = 1024 * 1024  # a body up to this size is awaited in the poller, a la
 PARK, TASK, CLOSE = 0, 1, 2  # what Connection.step asks of the poller
 MAX_EVENTS = 256  # connections served per wake-up of the poller
 
-H = TypeVar("H")
+Handler = Callable[["Request", Mapping[str, str]], Awaitable[Reply]]
+NowHandler = Callable[["Request", Mapping[str, str]], "Reply | None"]
+
+
+class Route:
+    """One route of a daemon's table. `handler(request, params)` answers it (params: the path's `:name`
+    segments); an HTTPError it raises is answered as {"message": text} with its status. `now`, where
+    given, answers a request that came whole without awaiting (ConnectionPoller's fast path), or returns
+    None having done nothing, and the handler runs in a task. `logged`: nsqd logs no /pub or /mpub."""
+
+    __slots__ = ("handler", "now", "logged")
+
+    def __init__(self, handler: Handler, now: NowHandler | None = None, *, logged: bool = True) -> None:
+        self.handler = handler
+        self.now = now
+        self.logged = logged
 
 
 class ClientGone(Exception):
@@ -141,32 +158,23 @@ class Request:
 # --- the one dispatch of the three daemons ----------------------------------------------------------
 
 
-class Site(Generic[H]):
-    """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router`, `call(request,
-    handler, params)` for a route, and nsqd's request log line (except for the `unlogged` handlers:
-    nsqd logs no /pub or /mpub). `base_path` is stripped first (nsqadmin's --base-path). Handed to
-    serve_site; the QuartTrio app behind hypercorn (shared/http_quart.py) calls the same.
-    `call_now(request, handler, params)`, where given, answers without awaiting or returns None having
-    done nothing (nsqd's /pub, /mpub and /ping, nsqlookupd's routes): ConnectionPoller calls it through
-    `now` for a request that came whole, and a task runs `call` for anything else."""
+class Site:
+    """A daemon's HTTP API as the server calls it: httprouter's dispatch over `router` (method -> path ->
+    Route), each route's handler, and nsqd's request log line. `base_path` is stripped first
+    (nsqadmin's --base-path). Handed to serve_site; the QuartTrio app behind hypercorn
+    (shared/http_quart.py) calls the same. ConnectionPoller calls `now` for a request that came whole."""
 
-    def __init__(self, router: Router[H], call: Callable[[Request, H, Mapping[str, str]], Awaitable[Reply]],
-                 log: logging.Logger, *, base_path: str = "", unlogged: Container[H] = (),
-                 max_body: int = 16 * 1024 * 1024, refusal: Reply | None = None,
-                 call_now: Callable[[Request, H, Mapping[str, str]], Reply | None] | None = None) -> None:
+    def __init__(self, router: Router[Route], log: logging.Logger, *, base_path: str = "",
+                 max_body: int = 16 * 1024 * 1024, refusal: Reply | None = None) -> None:
         self.router = router
-        self.call = call
-        self.call_now = call_now
         self.log = log
         self.base = base_path.rstrip("/")
-        self.unlogged = unlogged
         self.max_body = max_body
         self.refusal = refusal  # answered to every request instead (nsqd's TLS_REQUIRED), unlogged
 
-    def refusing(self, reply: Reply) -> Site[H]:
+    def refusing(self, reply: Reply) -> Site:
         """The same site answering every request with `reply`."""
-        return Site(self.router, self.call, self.log, base_path=self.base, unlogged=self.unlogged,
-                    max_body=self.max_body, refusal=reply, call_now=self.call_now)
+        return Site(self.router, self.log, base_path=self.base, max_body=self.max_body, refusal=reply)
 
     async def __call__(self, req: Request) -> Reply:
         if self.refusal is not None:
@@ -174,39 +182,45 @@ class Site(Generic[H]):
         start = time.perf_counter_ns()
         path, where, reply = self._route(req)
         if reply is None:
-            assert where.handler is not None
+            route = where.handler
+            assert route is not None
             try:
-                reply = await self.call(req, where.handler, where.params)
+                reply = await route.handler(req, where.params)
+            except HTTPError as err:
+                reply = error_reply(err.status, err.text)
             except (ClientGone, BadRequest):  # the connection's end, not the handler's
                 raise
             except Exception as exc:
                 reply = self._panic(exc)
-            if where.handler in self.unlogged:
+            if not route.logged:
                 return reply
         self._log(req, path, reply, start)
         return reply
 
     def now(self, req: Request) -> Reply | None:
         """The answer when it can be given without awaiting (ConnectionPoller's fast path: a request that
-        came whole, a route whose `call_now` answers it), else None, having done nothing."""
+        came whole, a route whose `now` answers it), else None, having done nothing."""
         if self.refusal is not None:
             return self.refusal
-        if self.call_now is None:
-            return None
         start = time.perf_counter_ns()
         path, where, reply = self._route(req)
         if reply is None:
-            assert where.handler is not None
+            route = where.handler
+            assert route is not None
+            if route.now is None:
+                return None
             try:
-                reply = self.call_now(req, where.handler, where.params)
+                reply = route.now(req, where.params)
+            except HTTPError as err:
+                reply = error_reply(err.status, err.text)
             except Exception as exc:
                 reply = self._panic(exc)
-            if reply is None or where.handler in self.unlogged:
+            if reply is None or not route.logged:
                 return reply
         self._log(req, path, reply, start)
         return reply
 
-    def _route(self, req: Request) -> tuple[str, Resolved[H], Reply | None]:
+    def _route(self, req: Request) -> tuple[str, Resolved[Route], Reply | None]:
         """The path routed (after base_path), where it goes, and the router's own answer if it has one."""
         method, path = req.method, req.path
         base = self.base
@@ -401,7 +415,7 @@ class Connection:
     """One HTTP/1.1 connection: read, parse, answer in order, until the client or a limit ends it.
     Run by shared/http.serve_site's accept loop, inside its guard."""
 
-    def __init__(self, site: Site[Any], idle: IdleTimeouts, *, sock: Any = None, stream: trio.abc.Stream | None = None,
+    def __init__(self, site: Site, idle: IdleTimeouts, *, sock: Any = None, stream: trio.abc.Stream | None = None,
                  remote: str | tuple = "", server_port: int, can_hand_off: bool) -> None:
         self.stream = stream  # TLS: a trio stream; plain: None, and `sock`, a non-blocking stdlib socket
         self.sock = sock

@@ -23,6 +23,7 @@ if not (CHROMIUM and CHROMEDRIVER):
                 "the browser tests of trio-nsqadmin did not run", allow_module_level=True)
 
 from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
@@ -57,8 +58,15 @@ def publish(broker: BrokerProcess, topic: str, n: int) -> None:
 
 
 def text_of(browser, css: str) -> str:
-    found = browser.find_elements(By.CSS_SELECTOR, css)
-    return found[0].text if found else ""
+    """The first match's text. The page redraws its tables every refresh: an element found just before a
+    redraw is gone when its text is asked for, so it is found again."""
+    for _ in range(5):
+        found = browser.find_elements(By.CSS_SELECTOR, css)
+        try:
+            return found[0].text if found else ""
+        except StaleElementReferenceException:
+            continue
+    return ""
 
 
 def test_the_topic_page_shows_depth_pauses_the_broker_and_draws_graphs(cluster, browser, tmp_path):

@@ -1,5 +1,5 @@
 """shared/http_server in-process, on a real loopback socket under trio's MockClock: the idle timeout, a
-handler's failure costing one answer, and ConnectionPoller's fast path (Site.call_now) beside the task
+handler's failure costing one answer, and ConnectionPoller's fast path (a Route's `now`) beside the task
 that serves what it cannot answer without awaiting."""
 
 from __future__ import annotations
@@ -11,18 +11,20 @@ import trio
 
 from trio_nsq.shared.http import serve_site
 from trio_nsq.shared.http_api import Router, plain
-from trio_nsq.shared.http_server import IDLE_TIMEOUT, Site
+from trio_nsq.shared.http_server import IDLE_TIMEOUT, Route, Site
 
 log = logging.getLogger("test")
 
 
-async def _call(req, handler, params):
-    if handler == "boom":
-        raise RuntimeError("a bug of ours")
+async def _ping(req, params):
     return plain("OK")
 
 
-SITE = Site(Router({"GET": {"/ping": "ping", "/boom": "boom"}}), _call, log)
+async def _boom(req, params):
+    raise RuntimeError("a bug of ours")
+
+
+SITE = Site(Router({"GET": {"/ping": Route(_ping), "/boom": Route(_boom)}}), log)
 
 
 async def _answer(stream: trio.abc.Stream, end: bytes) -> bytes:
@@ -78,33 +80,38 @@ async def test_a_client_that_never_reads_its_answers_is_dropped(autojump_clock):
 
 
 class _Counted:
-    """A site whose /ping is answered without awaiting (call_now) and whose /slow awaits (call): counts
+    """A site whose /ping is answered without awaiting (its Route's `now`) and whose /slow awaits (its handler): counts
     which path answered what."""
 
     def __init__(self) -> None:
         self.now: list[str] = []
         self.awaited: list[str] = []
-        routes = {"GET": {"/ping": "ping", "/slow": "slow", "/boom": "boom", "/garbage": "garbage"}}
-        self.site = Site(Router(routes), self.call, log, call_now=self.call_now)
+        routes = {"GET": {path: Route(self._awaited(path[1:]), self._now(path[1:]))
+                          for path in ("/ping", "/slow", "/boom", "/garbage")}}
+        self.site = Site(Router(routes), log)
 
-    def call_now(self, req, handler, params):
-        if handler == "boom":
-            raise RuntimeError("a bug of ours")
-        if handler == "garbage":
-            return "not a Reply"  # a bug that breaks the answer itself, not the handler
-        if handler == "slow":
-            return None
-        self.now.append(handler)
-        return plain(handler)
+    def _now(self, name):
+        def now(req, params):
+            if name == "boom":
+                raise RuntimeError("a bug of ours")
+            if name == "garbage":
+                return "not a Reply"  # a bug that breaks the answer itself, not the handler
+            if name == "slow":
+                return None
+            self.now.append(name)
+            return plain(name)
+        return now
 
-    async def call(self, req, handler, params):
-        await trio.sleep(1)
-        self.awaited.append(handler)
-        return plain(handler)
+    def _awaited(self, name):
+        async def handler(req, params):
+            await trio.sleep(1)
+            self.awaited.append(name)
+            return plain(name)
+        return handler
 
 
 async def test_the_poller_answers_what_it_can_and_a_task_the_rest_in_order(autojump_clock):
-    """Pipelined /ping, /slow, /ping: the first /ping answered by call_now, /slow by a task after its
+    """Pipelined /ping, /slow, /ping: the first /ping answered in place, /slow by a task after its
     await (and the /ping behind it by that task), the answers in order; the task hands the connection
     back, and later requests go through the fast path again."""
     counted = _Counted()
@@ -128,7 +135,7 @@ async def test_the_poller_answers_what_it_can_and_a_task_the_rest_in_order(autoj
 
 
 async def test_a_bug_in_the_fast_path_costs_one_answer_or_one_connection(autojump_clock, caplog):
-    """call_now raising is a 500 and the connection goes on; an answer that cannot even be written (a
+    """A `now` raising is a 500 and the connection goes on; an answer that cannot even be written (a
     handler returning garbage) costs that connection and one log line, and the server keeps serving."""
     counted = _Counted()
     async with trio.open_nursery() as nursery:

@@ -9,7 +9,7 @@ import datetime
 import json
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -28,7 +28,6 @@ from trio_nsq.shared.http_api import (
     TEXT_TYPE,
     HTTPError,
     Reply,
-    error_reply,
     go_number,
     ok_json,
     parse_go_int,
@@ -69,27 +68,6 @@ class Api:
         # a /pub query whose checks passed -> its topic name and defer (a publisher sends the same one
         # every time: nothing to parse or check again), at most QUERY_CACHE
         self._pub_queries: dict[bytes, tuple[str, float]] = {}
-        # the endpoints answered without awaiting when a request came whole (Site.now)
-        self._now: dict[str, Callable[[Request], Reply | None]] = {
-            "ping": self.ping_now, "pub": self.pub_now, "mpub": self.mpub_now}
-
-    async def call(self, name: str, req: Request, **kwargs: Any) -> Reply:
-        """Run one endpoint, turning HTTPError into nsqd's error reply (the Site logs the request)."""
-        try:
-            return await getattr(self, name)(req, **kwargs)
-        except HTTPError as exc:
-            return _error(name, exc)
-
-    def call_now(self, name: str, req: Request) -> Reply | None:
-        """The same endpoint answered without awaiting, for a request that came whole (Site.now): the
-        `<name>_now` method's reply, or None (having done nothing) when it must await after all."""
-        method = self._now.get(name)
-        if method is None:
-            return None
-        try:
-            return method(req)
-        except HTTPError as exc:
-            return _error(name, exc)
 
     # --- query helpers (nsqd's getTopicFromQuery and friends) ----------------------------
 
@@ -141,16 +119,15 @@ class Api:
 
     # --- /ping /info ------------------------------------------------------------------------
 
-    async def ping(self, req: Request) -> Reply:
-        return self.ping_now(req)
+    async def ping(self, req: Request, params: Mapping[str, str]) -> Reply:
+        return self.ping_now(req, params)
 
-    def ping_now(self, req: Request) -> Reply:
+    def ping_now(self, req: Request, params: Mapping[str, str]) -> Reply:
         text = health(self.nsqd)
-        if self.nsqd.health_error is not None:
-            raise HTTPError(500, text)
-        return plain(text)
+        # nsqd's PlainText decorator: its error too is the text as it is
+        return plain(text, 500) if self.nsqd.health_error is not None else plain(text)
 
-    async def info(self, req: Request) -> Reply:
+    async def info(self, req: Request, params: Mapping[str, str]) -> Reply:
         opts = self.options
         tcp = self.nsqd.tcp_address
         http = self.nsqd.http_address
@@ -171,14 +148,14 @@ class Api:
 
     # --- publishing -------------------------------------------------------------------------
 
-    async def pub(self, req: Request) -> Reply:
+    async def pub(self, req: Request, params: Mapping[str, str]) -> Reply:
         key = self._pub_head(req)
         body = await req.read(self.options.max_msg_size)
         topic, bodies, deferred = self._pub_body(req, body)
         await self._publish(topic, bodies, "pub", key, deferred)
         return OK
 
-    def pub_now(self, req: Request) -> Reply | None:
+    def pub_now(self, req: Request, params: Mapping[str, str]) -> Reply | None:
         if not self._publishes_now(req):
             return None
         self._pub_head(req)
@@ -219,13 +196,13 @@ class Api:
             self._pub_queries[req.query] = (topic.name, deferred)
         return topic, [body], deferred
 
-    async def mpub(self, req: Request) -> Reply:
+    async def mpub(self, req: Request, params: Mapping[str, str]) -> Reply:
         key, topic, binary = self._mpub_head(req)
         body = await req.read(self.options.max_body_size)
         await self._publish(topic, self._mpub_bodies(body, binary), "mpub", key)
         return OK
 
-    def mpub_now(self, req: Request) -> Reply | None:
+    def mpub_now(self, req: Request, params: Mapping[str, str]) -> Reply | None:
         if not self._publishes_now(req):
             return None
         _, topic, binary = self._mpub_head(req)
@@ -307,11 +284,11 @@ class Api:
 
     # --- /stats /metrics /openapi.json -----------------------------------------------------
 
-    async def stats(self, req: Request) -> Reply:
-        params = self._params(req)
+    async def stats(self, req: Request, params: Mapping[str, str]) -> Reply:
+        query = self._params(req)
 
         def first(key: str) -> str:
-            return params.get(key, [""])[0]
+            return query.get(key, [""])[0]
 
         snapshot = get_stats(self.nsqd, first("topic"), first("channel"),
                              include_clients=BOOL_PARAMS.get(first("include_clients"), True),
@@ -320,26 +297,26 @@ class Api:
             return Reply(200, stats_text(snapshot).encode(), TEXT_TYPE)
         return ok_json(snapshot.to_json())
 
-    async def metrics(self, req: Request) -> Reply:
+    async def metrics(self, req: Request, params: Mapping[str, str]) -> Reply:
         return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)
 
-    async def openapi(self, req: Request) -> Reply:
+    async def openapi(self, req: Request, params: Mapping[str, str]) -> Reply:
         return Reply(200, openapi_bytes(), JSON_TYPE, nsq_header=False)
 
     # --- topics -----------------------------------------------------------------------------
 
-    async def topic_create(self, req: Request) -> Reply:
+    async def topic_create(self, req: Request, params: Mapping[str, str]) -> Reply:
         self._topic_from_query(req)
         return EMPTY
 
-    async def topic_delete(self, req: Request) -> Reply:
+    async def topic_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
         try:
             self.nsqd.delete_topic(self._topic_name(req))
         except KeyError:
             raise HTTPError(404, "TOPIC_NOT_FOUND") from None
         return EMPTY
 
-    async def topic_empty(self, req: Request) -> Reply:
+    async def topic_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
         name = self._topic_name(req)
         if not is_valid_topic_name(name):
             raise HTTPError(400, "INVALID_TOPIC")
@@ -356,10 +333,10 @@ class Api:
             log.error("%s: failed to persist - %s", what, exc)
             raise HTTPError(500, "INTERNAL_ERROR") from None
 
-    async def topic_pause(self, req: Request) -> Reply:
+    async def topic_pause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return self._set_paused(self._existing_topic(self._topic_name(req)), True)
 
-    async def topic_unpause(self, req: Request) -> Reply:
+    async def topic_unpause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return self._set_paused(self._existing_topic(self._topic_name(req)), False)
 
     def _set_paused(self, target: Topic | Channel, paused: bool) -> Reply:
@@ -373,12 +350,12 @@ class Api:
 
     # --- channels ---------------------------------------------------------------------------
 
-    async def channel_create(self, req: Request) -> Reply:
+    async def channel_create(self, req: Request, params: Mapping[str, str]) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
         topic.get_channel(name)
         return EMPTY
 
-    async def channel_delete(self, req: Request) -> Reply:
+    async def channel_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
         try:
             topic.delete_channel(name)
@@ -386,13 +363,13 @@ class Api:
             raise HTTPError(404, "CHANNEL_NOT_FOUND") from None
         return EMPTY
 
-    async def channel_empty(self, req: Request) -> Reply:
+    async def channel_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
         channel = self._existing_channel(req)
         channel.empty()
         await self._persisted(channel.topic, f"CHANNEL({channel.name})")
         return EMPTY
 
-    async def channel_seek(self, req: Request) -> Reply:
+    async def channel_seek(self, req: Request, params: Mapping[str, str]) -> Reply:
         """Not in nsqd: move the channel's cursor in its topic's log (`to`: earliest, latest, unix
         milliseconds or an RFC 3339 time): afterwards it delivers, in publish order, every message the log
         holds from there. What it held (queued in memory, in flight, deferred) is dropped; a FIN of a
@@ -418,15 +395,16 @@ class Api:
         await self._persisted(topic, f"CHANNEL({channel.name})")
         return ok_json({"position": pos, "depth": channel.depth()})
 
-    async def channel_pause(self, req: Request) -> Reply:
+    async def channel_pause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return self._set_paused(self._existing_channel(req), True)
 
-    async def channel_unpause(self, req: Request) -> Reply:
+    async def channel_unpause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return self._set_paused(self._existing_channel(req), False)
 
     # --- /config/:opt -----------------------------------------------------------------------
 
-    async def config(self, req: Request, opt: str) -> Reply:
+    async def config(self, req: Request, params: Mapping[str, str]) -> Reply:
+        opt = params["opt"]
         """GET any option by its config-file name; PUT nsqlookupd_tcp_addresses (a JSON list) or
         log_level (debug, info, warn, error, fatal; bare or as a JSON string). Answers with the value."""
         if req.method == "PUT":
@@ -489,12 +467,6 @@ def option_value(options: Any, name: str) -> Any:
 
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1_000_000_000))
-
-
-def _error(name: str, exc: HTTPError) -> Reply:
-    if name == "ping":  # nsqd's PlainText decorator: the text as it is
-        return plain(exc.text, exc.status)
-    return error_reply(exc.status, exc.text)
 
 
 def _name_arg(params: dict[str, list[str]], key: str, invalid: str, is_valid: Callable[[str], bool]) -> str:

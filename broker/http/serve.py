@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import trio
@@ -14,54 +13,47 @@ from trio_nsq.broker.http.endpoints import Api
 from trio_nsq.broker.stats import GC_PAUSES
 from trio_nsq.shared.http import join_host_port, serve_site
 from trio_nsq.shared.http_api import JSON_TYPE, Reply, Router
-from trio_nsq.shared.http_server import Request, Site
+from trio_nsq.shared.http_server import Route, Site
 
 log = logging.getLogger("nsqd")
 
 
-# method -> httprouter path -> Api method
-ROUTES: dict[str, dict[str, str]] = {
-    "GET": {
-        "/ping": "ping",
-        "/info": "info",
-        "/stats": "stats",
-        "/config/:opt": "config",
-        "/metrics": "metrics",
-        "/openapi.json": "openapi",
-    },
-    "POST": {
-        "/pub": "pub",
-        "/mpub": "mpub",
-        "/topic/create": "topic_create",
-        "/topic/delete": "topic_delete",
-        "/topic/empty": "topic_empty",
-        "/topic/pause": "topic_pause",
-        "/topic/unpause": "topic_unpause",
-        "/channel/create": "channel_create",
-        "/channel/delete": "channel_delete",
-        "/channel/empty": "channel_empty",
-        "/channel/seek": "channel_seek",
-        "/channel/pause": "channel_pause",
-        "/channel/unpause": "channel_unpause",
-    },
-    "PUT": {"/config/:opt": "config"},
-}
-ROUTER = Router(ROUTES)
+def routes(api: Api) -> dict[str, dict[str, Route]]:
+    """nsqd's routes (method -> httprouter path -> Route), as nsqd/http.go registers them: /ping, /pub
+    and /mpub are answered in place when the request came whole; /pub and /mpub are not logged, as
+    nsqd's are not."""
+    return {
+        "GET": {
+            "/ping": Route(api.ping, api.ping_now),
+            "/info": Route(api.info),
+            "/stats": Route(api.stats),
+            "/config/:opt": Route(api.config),
+            "/metrics": Route(api.metrics),
+            "/openapi.json": Route(api.openapi),
+        },
+        "POST": {
+            "/pub": Route(api.pub, api.pub_now, logged=False),
+            "/mpub": Route(api.mpub, api.mpub_now, logged=False),
+            "/topic/create": Route(api.topic_create),
+            "/topic/delete": Route(api.topic_delete),
+            "/topic/empty": Route(api.topic_empty),
+            "/topic/pause": Route(api.topic_pause),
+            "/topic/unpause": Route(api.topic_unpause),
+            "/channel/create": Route(api.channel_create),
+            "/channel/delete": Route(api.channel_delete),
+            "/channel/empty": Route(api.channel_empty),
+            "/channel/seek": Route(api.channel_seek),
+            "/channel/pause": Route(api.channel_pause),
+            "/channel/unpause": Route(api.channel_unpause),
+        },
+        "PUT": {"/config/:opt": Route(api.config)},
+    }
 
 
-def nsqd_site(api: Api) -> Site[str]:
-    """nsqd's routes calling Api (its `_now` methods where a request can be answered without awaiting);
-    /pub and /mpub are not logged, as nsqd's are not."""
+def nsqd_site(api: Api) -> Site:
+    """nsqd's routes as the shared HTTP server's Site."""
     opts = api.options
-
-    def call(req: Request, name: str, params: Mapping[str, str]) -> Any:
-        return api.call(name, req, **params)
-
-    def call_now(req: Request, name: str, params: Mapping[str, str]) -> Reply | None:
-        return api.call_now(name, req)  # none of them has a path parameter
-
-    return Site(ROUTER, call, log, unlogged=("pub", "mpub"), max_body=max(opts.max_body_size, opts.max_msg_size),
-                call_now=call_now)
+    return Site(Router(routes(api)), log, max_body=max(opts.max_body_size, opts.max_msg_size))
 
 
 def tls_required_reply(api: Api) -> Reply:

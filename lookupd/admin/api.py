@@ -8,13 +8,12 @@ nodes that failed), 400 {"message": ...} for a bad request, 403 for an action a 
 
 from __future__ import annotations
 
-import contextvars
 import ipaddress
 import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,10 @@ from trio_nsq.shared.http_api import (
     HTTPError,
     Reply,
     Router,
-    error_reply,
     go_json,
     plain,
 )
-from trio_nsq.shared.http_server import Request, Site
+from trio_nsq.shared.http_server import Request, Route, Site
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.version import VERSION
 
@@ -48,15 +46,11 @@ log = logging.getLogger("nsqadmin")
 STATIC = Path(__file__).parent / "static"
 STATIC_TYPES = {".html": HTML_TYPE, ".js": "application/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
 MAX_BODY = 1 << 20  # an action's JSON body
-# the request being answered, for the few handlers that look past its path and body (each connection is a
-# task of its own and answers one request at a time, so this is that request)
-_REQUEST: contextvars.ContextVar[Request] = contextvars.ContextVar("nsqadmin_request")
 
 
 def _client_host(request: Request) -> str:
     return request.remote.rpartition(":")[0].strip("[]")
 
-Handler = Callable[["Admin", dict[str, str], bytes], Awaitable[Reply]]
 
 
 def _ok(value: dict[str, Any], errors: Errors | None = None) -> Reply:
@@ -73,7 +67,7 @@ class Admin:
 
     # --- reads ------------------------------------------------------------------------------------
 
-    async def topics(self, params: dict[str, str], body: bytes) -> Reply:
+    async def topics(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
         names = await self.cluster.topics(errors)
         if not names and errors.failed and len(errors.failed) >= len(self.cluster.lookupds or self.cluster.nsqds):
@@ -86,14 +80,14 @@ class Admin:
         stats = await self.cluster.stats(nodes, errors, topic)
         return node_topic_rows(stats, producers, topic), producers
 
-    async def topic(self, params: dict[str, str], body: bytes) -> Reply:
+    async def topic(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
         rows, _ = await self._topic_rows(params["topic"], errors)
         if not rows:
             raise HTTPError(404, "TOPIC_NOT_FOUND" if not errors.failed else f"UPSTREAM_ERROR: {errors.message()}")
         return _ok(aggregate_topic(rows), errors)
 
-    async def channel(self, params: dict[str, str], body: bytes) -> Reply:
+    async def channel(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
         rows, _ = await self._topic_rows(params["topic"], errors)
         channel_rows = [c for r in rows for c in r["channels"] if c["channel_name"] == params["channel"]]
@@ -101,12 +95,12 @@ class Admin:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
         return _ok(aggregate_channel(channel_rows), errors)
 
-    async def nodes(self, params: dict[str, str], body: bytes) -> Reply:
+    async def nodes(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
         producers = await self.cluster.producers(errors)
         return _ok({"nodes": [{k: v for k, v in p.items() if k != "node"} for p in producers]}, errors)
 
-    async def node(self, params: dict[str, str], body: bytes) -> Reply:
+    async def node(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
         node = params["node"]
         producers = await self.cluster.producers(errors)
@@ -120,7 +114,7 @@ class Admin:
             "total_clients": sum(c["client_count"] for r in rows for c in r["channels"]),
         }, errors)
 
-    async def counter(self, params: dict[str, str], body: bytes) -> Reply:
+    async def counter(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
         producers = await self.cluster.producers(errors)
         stats = await self.cluster.stats([p["node"] for p in producers], errors)
@@ -132,23 +126,31 @@ class Admin:
                             "message_count": c["message_count"]}
         return _ok({"stats": out}, errors)
 
-    async def graphite(self, params: dict[str, str], body: bytes) -> Reply:
+    async def graphite(self, req: Request, params: Mapping[str, str]) -> Reply:
         raise HTTPError(404, "NOT_FOUND")  # only with --graphite-url, which this nsqadmin does not proxy
 
-    async def ping(self, params: dict[str, str], body: bytes) -> Reply:
+    async def ping(self, req: Request, params: Mapping[str, str]) -> Reply:
         return plain("OK")
 
     # --- actions ----------------------------------------------------------------------------------
 
-    def _admin(self) -> str:
+    def _admin(self, req: Request) -> str:
         """The acting user; 403 when --admin-user is set and the ACL header names none of them."""
-        user = _REQUEST.get().headers.get(self.options.acl_http_header.lower(), "")
+        user = req.headers.get(self.options.acl_http_header.lower(), "")
         if self.options.admin_users and user not in self.options.admin_users:
             raise HTTPError(403, "FORBIDDEN")
         return user
 
     @staticmethod
-    def _body(body: bytes) -> dict[str, Any]:
+    async def _body(req: Request) -> bytes:
+        """The request's body, up to MAX_BODY (413 past it)."""
+        body = await req.read(MAX_BODY)
+        if body is None:
+            raise HTTPError(413, "REQUEST_ENTITY_TOO_LARGE")
+        return body
+
+    async def _json_body(self, req: Request) -> dict[str, Any]:
+        body = await self._body(req)
         try:
             value = json.loads(body or b"{}")
         except ValueError:
@@ -176,9 +178,9 @@ class Admin:
             except httpx.HTTPError as exc:
                 errors.add(lookupd, exc)
 
-    async def create(self, params: dict[str, str], body: bytes) -> Reply:
-        user = self._admin()
-        args = self._body(body)
+    async def create(self, req: Request, params: Mapping[str, str]) -> Reply:
+        user = self._admin(req)
+        args = await self._json_body(req)
         topic, channel = str(args.get("topic", "")), str(args.get("channel", ""))
         if not is_valid_topic_name(topic):
             raise HTTPError(400, "INVALID_TOPIC")
@@ -196,21 +198,21 @@ class Admin:
                     errors.add(node, exc)
         if channel:
             await self._on_nodes(topic, f"/channel/create?topic={topic}&channel={channel}", errors)
-        self._notify("create_channel" if channel else "create_topic", user, topic, channel)
+        self._notify(req, "create_channel" if channel else "create_topic", user, topic, channel)
         return _ok({}, errors)
 
-    async def topic_action(self, params: dict[str, str], body: bytes) -> Reply:
-        return await self._pause_or_empty(params, body, "topic", "")
+    async def topic_action(self, req: Request, params: Mapping[str, str]) -> Reply:
+        return await self._pause_or_empty(req, params, "topic", "")
 
-    async def channel_action(self, params: dict[str, str], body: bytes) -> Reply:
-        return await self._pause_or_empty(params, body, "channel", f"&channel={params['channel']}")
+    async def channel_action(self, req: Request, params: Mapping[str, str]) -> Reply:
+        return await self._pause_or_empty(req, params, "channel", f"&channel={params['channel']}")
 
-    async def _pause_or_empty(self, params: dict[str, str], body: bytes, kind: str, channel_arg: str) -> Reply:
+    async def _pause_or_empty(self, req: Request, params: Mapping[str, str], kind: str, channel_arg: str) -> Reply:
         """{"action": "pause" | "unpause" | "empty"} on the topic or channel, on every nsqd that has it;
         on a channel also {"action": "seek", "to": "earliest" | "latest" | unix ms | RFC 3339} (trio-nsqd's
         /channel/seek: a Go nsqd answers it 404, reported in `message`)."""
-        user = self._admin()
-        args = self._body(body)
+        user = self._admin(req)
+        args = await self._json_body(req)
         action = args.get("action")
         extra = ""
         if action == "seek" and kind == "channel":
@@ -224,32 +226,32 @@ class Admin:
         errors = Errors()
         if not await self._on_nodes(topic, f"/{kind}/{action}?topic={topic}{channel_arg}{extra}", errors) and not errors.failed:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
-        self._notify(f"{action}_{kind}", user, topic, params.get("channel", ""))
+        self._notify(req, f"{action}_{kind}", user, topic, params.get("channel", ""))
         return _ok({}, errors)
 
-    async def delete_topic(self, params: dict[str, str], body: bytes) -> Reply:
-        user = self._admin()
+    async def delete_topic(self, req: Request, params: Mapping[str, str]) -> Reply:
+        user = self._admin(req)
         topic = params["topic"]
         errors = Errors()
         await self._on_lookupds(f"/topic/delete?topic={topic}", errors)
         await self._on_nodes(topic, f"/topic/delete?topic={topic}", errors)
-        self._notify("delete_topic", user, topic)
+        self._notify(req, "delete_topic", user, topic)
         return _ok({}, errors)
 
-    async def delete_channel(self, params: dict[str, str], body: bytes) -> Reply:
-        user = self._admin()
+    async def delete_channel(self, req: Request, params: Mapping[str, str]) -> Reply:
+        user = self._admin(req)
         topic, channel = params["topic"], params["channel"]
         errors = Errors()
         await self._on_lookupds(f"/channel/delete?topic={topic}&channel={channel}", errors)
         await self._on_nodes(topic, f"/channel/delete?topic={topic}&channel={channel}", errors)
-        self._notify("delete_channel", user, topic, channel)
+        self._notify(req, "delete_channel", user, topic, channel)
         return _ok({}, errors)
 
-    async def tombstone(self, params: dict[str, str], body: bytes) -> Reply:
+    async def tombstone(self, req: Request, params: Mapping[str, str]) -> Reply:
         """DELETE /api/nodes/:node {"topic": t}: tombstone the topic on that node in every lookupd,
         then delete it on the node (nsqadmin's tombstoneNodeForTopicHandler)."""
-        user = self._admin()
-        topic = str(self._body(body).get("topic", ""))
+        user = self._admin(req)
+        topic = str((await self._json_body(req)).get("topic", ""))
         if not is_valid_topic_name(topic):
             raise HTTPError(400, "INVALID_TOPIC")
         node = params["node"]
@@ -259,15 +261,14 @@ class Admin:
             await self.cluster.post(node, f"/topic/delete?topic={topic}")
         except httpx.HTTPError as exc:
             errors.add(node, exc)
-        self._notify("tombstone_topic_producer", user, topic, node=node)
+        self._notify(req, "tombstone_topic_producer", user, topic, node=node)
         return _ok({}, errors)
 
-    def _notify(self, action: str, user: str, topic: str, channel: str = "", node: str = "") -> None:
+    def _notify(self, request: Request, action: str, user: str, topic: str, channel: str = "", node: str = "") -> None:
         """nsqadmin's AdminAction, POSTed to --notification-http-endpoint in the background."""
         endpoint = self.options.notification_http_endpoint
         if not endpoint:
             return
-        request = _REQUEST.get()
         url = f"http://{request.headers.get('host', '')}{request.raw_path}"
         if request.query:
             url += "?" + request.query.decode("latin-1")
@@ -286,21 +287,21 @@ class Admin:
 
     # --- /config/:opt -------------------------------------------------------------------------------
 
-    def _config_allowed(self) -> None:
+    def _config_allowed(self, req: Request) -> None:
         try:
-            allowed = ipaddress.ip_address(_client_host(_REQUEST.get())) in ipaddress.ip_network(self.options.allow_config_from_cidr,
+            allowed = ipaddress.ip_address(_client_host(req)) in ipaddress.ip_network(self.options.allow_config_from_cidr,
                                                                               strict=False)
         except ValueError:
             allowed = False
         if not allowed:
             raise HTTPError(403, "FORBIDDEN")
 
-    async def config(self, params: dict[str, str], body: bytes) -> Reply:
-        self._config_allowed()
+    async def config(self, req: Request, params: Mapping[str, str]) -> Reply:
+        self._config_allowed(req)
         opt = params["opt"]
-        if _REQUEST.get().method == "PUT":
+        if req.method == "PUT":
             try:
-                value = json.loads(body)
+                value = json.loads(await self._body(req))
             except ValueError:
                 raise HTTPError(400, "INVALID_VALUE") from None
             if opt == "nsqlookupd_http_addresses" and isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -319,7 +320,7 @@ class Admin:
 
     # --- the page -----------------------------------------------------------------------------------
 
-    async def page(self, params: dict[str, str], body: bytes) -> Reply:
+    async def page(self, req: Request, params: Mapping[str, str]) -> Reply:
         """index.html for every page path (the app routes itself); the settings it needs inline."""
         html = (STATIC / "index.html").read_text()
         base = self.options.base_path.rstrip("/") + "/"
@@ -329,7 +330,7 @@ class Admin:
         html = html.replace("{{BASE}}", base)
         return Reply(200, html.encode(), HTML_TYPE, nsq_header=False)
 
-    async def static(self, params: dict[str, str], body: bytes) -> Reply:
+    async def static(self, req: Request, params: Mapping[str, str]) -> Reply:
         name = params["file"]
         path = STATIC / name
         if "/" in name or name.startswith(".") or path.suffix not in STATIC_TYPES or not path.is_file():
@@ -338,51 +339,40 @@ class Admin:
 
 
 PAGES = ("/", "/topics/:topic", "/topics/:topic/:channel", "/nodes", "/nodes/:node", "/counter")
-ROUTES: dict[str, dict[str, str]] = {
-    "GET": {
-        **dict.fromkeys(PAGES, "page"),
-        "/static/:file": "static",
-        "/ping": "ping",
-        "/api/topics": "topics",
-        "/api/topics/:topic": "topic",
-        "/api/topics/:topic/:channel": "channel",
-        "/api/nodes": "nodes",
-        "/api/nodes/:node": "node",
-        "/api/counter": "counter",
-        "/api/graphite": "graphite",
-        "/config/:opt": "config",
-    },
-    "POST": {
-        "/api/topics": "create",
-        "/api/topics/:topic": "topic_action",
-        "/api/topics/:topic/:channel": "channel_action",
-    },
-    "DELETE": {
-        "/api/topics/:topic": "delete_topic",
-        "/api/topics/:topic/:channel": "delete_channel",
-        "/api/nodes/:node": "tombstone",
-    },
-    "PUT": {"/config/:opt": "config"},
-}
-ROUTER = Router(ROUTES)
 
 
-def admin_site(admin: Admin, nursery: trio.Nursery) -> Site[str]:
+def routes(admin: Admin) -> dict[str, dict[str, Route]]:
+    """nsqadmin's routes (method -> path -> Route), as httprouter's trees; none is answered in place."""
+    return {
+        "GET": {
+            **dict.fromkeys(PAGES, Route(admin.page)),
+            "/static/:file": Route(admin.static),
+            "/ping": Route(admin.ping),
+            "/api/topics": Route(admin.topics),
+            "/api/topics/:topic": Route(admin.topic),
+            "/api/topics/:topic/:channel": Route(admin.channel),
+            "/api/nodes": Route(admin.nodes),
+            "/api/nodes/:node": Route(admin.node),
+            "/api/counter": Route(admin.counter),
+            "/api/graphite": Route(admin.graphite),
+            "/config/:opt": Route(admin.config),
+        },
+        "POST": {
+            "/api/topics": Route(admin.create),
+            "/api/topics/:topic": Route(admin.topic_action),
+            "/api/topics/:topic/:channel": Route(admin.channel_action),
+        },
+        "DELETE": {
+            "/api/topics/:topic": Route(admin.delete_topic),
+            "/api/topics/:topic/:channel": Route(admin.delete_channel),
+            "/api/nodes/:node": Route(admin.tombstone),
+        },
+        "PUT": {"/config/:opt": Route(admin.config)},
+    }
+
+
+def admin_site(admin: Admin, nursery: trio.Nursery) -> Site:
     """nsqadmin's routes under --base-path as the shared HTTP server's Site; notifications are sent
     from `nursery`."""
     admin.nursery = nursery
-
-    async def call(req: Request, name: str, params: Mapping[str, str]) -> Reply:
-        _REQUEST.set(req)
-        body = b""
-        if req.method in ("POST", "PUT", "DELETE"):
-            data = await req.read(MAX_BODY)
-            if data is None:
-                return error_reply(413, "REQUEST_ENTITY_TOO_LARGE")
-            body = data
-        try:
-            return await getattr(admin, name)(dict(params), body)
-        except HTTPError as err:
-            return error_reply(err.status, err.text)
-
-    return Site(ROUTER, call, log, base_path=admin.options.base_path, max_body=MAX_BODY)
+    return Site(Router(routes(admin)), log, base_path=admin.options.base_path, max_body=MAX_BODY)
