@@ -12,9 +12,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
-import shutil
 import sys
-import sysconfig
 import warnings
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -52,6 +50,9 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def why_not_compiled() -> str | None:
     """Why setup.py builds pure Python here, or None when it compiles MODULES."""
+    import shutil  # here, not at the top: every import of trio_nsq imports this module, setup.py alone calls this
+    import sysconfig
+
     if not enabled():
         return f"{ENV}=0"
     if importlib.util.find_spec("mypyc") is None:
