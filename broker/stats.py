@@ -1,4 +1,7 @@
-"""The figures behind GET /stats and GET /metrics, built from the broker's state (nsqd/stats.go).
+"""A snapshot of the broker's figures (nsqd/stats.go): get_stats walks topics, channels and clients
+into records that the renderers read: stats_json (/stats?format=json), stats_text (/stats),
+stats_prometheus (/metrics) and statsd (the push to a statsd daemon); broker/http/endpoints.py takes
+the snapshots for /stats; mem_stats and GC_PAUSES (installed by broker/http/serve.py) are the memory part.
 
 Pure functions of an NSQD: nothing here awaits, so a snapshot is consistent (no message moves while it
 is taken). Field names, nesting, ordering and null-vs-empty choices follow nsqd's JSON, because nsqadmin,
@@ -26,9 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from trio_nsq.broker.quantile import aggregate
-from trio_nsq.shared.http_api import go_number
 from trio_nsq.shared.names import is_ephemeral
-from trio_nsq.shared.options import format_duration_ns
 from trio_nsq.shared.version import VERSION
 
 if TYPE_CHECKING:
@@ -66,11 +67,6 @@ class E2eLatency:
         percentiles = None if found is None else tuple(Percentile(p["quantile"], p["value"]) for p in found)
         return cls(result["count"], percentiles)
 
-    def to_json(self) -> dict[str, Any]:
-        percentiles = None
-        if self.percentiles is not None:
-            percentiles = [{"quantile": go_number(p.quantile), "value": go_number(p.value)} for p in self.percentiles]
-        return {"count": self.count, "percentiles": percentiles}
 
 
 @attrs.frozen
@@ -111,41 +107,6 @@ class ClientStats:
     pub_counts: tuple[PubCount, ...]
     version: str = "V2"
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "client_id": self.client_id,
-            "hostname": self.hostname,
-            "version": self.version,
-            "remote_address": self.remote_address,
-            "state": self.state,
-            "ready_count": self.ready_count,
-            "in_flight_count": self.in_flight_count,
-            "message_count": self.message_count,
-            "finish_count": self.finish_count,
-            "requeue_count": self.requeue_count,
-            "connect_ts": self.connect_ts,
-            "sample_rate": self.sample_rate,
-            "deflate": self.deflate,
-            "snappy": self.snappy,
-            "user_agent": self.user_agent,
-            "tls": self.tls,
-            "tls_cipher_suite": self.tls_cipher_suite,
-            "tls_version": self.tls_version,
-            "tls_negotiated_protocol": self.tls_negotiated_protocol,
-            "tls_negotiated_protocol_is_mutual": False,
-            "output_buffer_size": self.output_buffer_size,
-            "output_buffer_timeout": self.output_buffer_timeout,
-        }
-        if self.authed:  # nsqd's omitempty
-            out["authed"] = True
-            if self.auth_identity:
-                out["auth_identity"] = self.auth_identity
-            if self.auth_identity_url:
-                out["auth_identity_url"] = self.auth_identity_url
-        if self.pub_counts:
-            out["pub_counts"] = [{"topic": p.topic, "count": p.count} for p in self.pub_counts]
-        return out
-
 
 @attrs.frozen
 class ChannelStats:
@@ -165,24 +126,6 @@ class ChannelStats:
     # the age of its oldest unfinished message (0: none)
     lag_messages: int = 0
     oldest_unfinished_age_ms: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "channel_name": self.channel_name,
-            "depth": self.depth,
-            "backend_depth": self.backend_depth,
-            "in_flight_count": self.in_flight_count,
-            "deferred_count": self.deferred_count,
-            "message_count": self.message_count,
-            "requeue_count": self.requeue_count,
-            "timeout_count": self.timeout_count,
-            "client_count": self.client_count,
-            "clients": None if self.clients is None else [c.to_json() for c in self.clients],
-            "paused": self.paused,
-            "e2e_processing_latency": self.e2e_processing_latency.to_json(),
-            "lag_messages": self.lag_messages,
-            "oldest_unfinished_age_ms": self.oldest_unfinished_age_ms,
-        }
 
 
 @attrs.frozen
@@ -206,23 +149,6 @@ class TopicStats:
     def ephemeral(self) -> bool:
         return is_ephemeral(self.topic_name)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "topic_name": self.topic_name,
-            "channels": [c.to_json() for c in self.channels],
-            "depth": self.depth,
-            "backend_depth": self.backend_depth,
-            "message_count": self.message_count,
-            "message_bytes": self.message_bytes,
-            "paused": self.paused,
-            "e2e_processing_latency": self.e2e_processing_latency.to_json(),
-            "idempotency_keys": self.idempotency_keys,
-            "log_first_position": self.log_first_position,
-            "log_end_position": self.log_end_position,
-            "log_messages": self.log_messages,
-            "log_bytes": self.log_bytes,
-        }
-
 
 @attrs.frozen
 class MemStats:
@@ -238,7 +164,7 @@ class MemStats:
     next_gc_bytes: int
     gc_total_runs: int
 
-    def to_json(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, int]:
         return attrs.asdict(self)  # fields in nsqd's order
 
 
@@ -253,21 +179,13 @@ class NsqdStats:
     memory: MemStats | None
     version: str = VERSION
 
-    def to_json(self) -> dict[str, Any]:
-        """The whole /stats?format=json answer, keys in nsqd's order."""
-        doc: dict[str, Any] = {
-            "version": self.version,
-            "health": self.health,
-            "start_time": self.start_time,
-            "topics": None if self.topics is None else [t.to_json() for t in self.topics],
-        }
-        if self.memory is not None:
-            doc["memory"] = self.memory.to_json()
-        doc["producers"] = None if self.producers is None else [c.to_json() for c in self.producers]
-        return doc
-
 
 # --- taking a snapshot --------------------------------------------------------------------------
+
+# the ClientV2 attributes a ClientStats takes as they are
+_CLIENT_AS_IS = ("client_id", "hostname", "remote_address", "ready_count", "in_flight_count", "message_count",
+                 "finish_count", "requeue_count", "sample_rate", "deflate", "snappy", "user_agent", "tls",
+                 "output_buffer_size")
 
 
 def client_stats(client: ClientV2, topic_filter: str = "") -> ClientStats:
@@ -275,25 +193,12 @@ def client_stats(client: ClientV2, topic_filter: str = "") -> ClientStats:
     authed = bool(auth is not None and auth.authorizations)
     cipher_suite, tls_version, protocol = _tls_details(client) if client.tls else ("", "", "")
     return ClientStats(
-        client_id=client.client_id,
-        hostname=client.hostname,
-        remote_address=client.remote_address,
+        **{name: getattr(client, name) for name in _CLIENT_AS_IS},
         state=int(client.state),
-        ready_count=client.ready_count,
-        in_flight_count=client.in_flight_count,
-        message_count=client.message_count,
-        finish_count=client.finish_count,
-        requeue_count=client.requeue_count,
         connect_ts=int(client.connect_time),
-        sample_rate=client.sample_rate,
-        deflate=client.deflate,
-        snappy=client.snappy,
-        user_agent=client.user_agent,
-        tls=client.tls,
         tls_cipher_suite=cipher_suite,
         tls_version=tls_version,
         tls_negotiated_protocol=protocol,
-        output_buffer_size=client.output_buffer_size,
         output_buffer_timeout=int(client.output_buffer_timeout * 1000),
         authed=authed,
         auth_identity=(auth.identity or "") if auth is not None and authed else "",
@@ -482,221 +387,3 @@ def mem_stats() -> MemStats:
         next_gc_bytes=0,
         gc_total_runs=sum(s["collections"] for s in gc.get_stats()),
     )
-
-
-# --- text (/stats?format=text, the default) ---------------------------------------------------
-
-
-def nanoseconds_to_human(v: float) -> str:
-    """nsqd's stringy.NanoSecondToHuman."""
-    if v > 1e9:
-        return f"{v / 1e9:.1f}s"
-    if v > 1e6:
-        return f"{v / 1e6:.1f}ms"
-    if v > 1e3:
-        return f"{v / 1e3:.1f}us"
-    return f"{v:.1f}ns"
-
-
-def _e2e_text(latency: E2eLatency) -> str:
-    return ", ".join(nanoseconds_to_human(p.value) for p in latency.percentiles or ())
-
-
-def _client_text(stats: ClientStats, now: float) -> str:
-    connected = format_duration_ns(int(max(0, now - stats.connect_ts)) * 1_000_000_000)
-    port = stats.remote_address.rsplit(":", 1)[-1]
-    ident = f"{stats.hostname}:{port} {stats.user_agent}"
-    if stats.pub_counts:
-        total = sum(p.count for p in stats.pub_counts)
-        topics = ",".join(f"{p.topic}={p.count}" for p in stats.pub_counts)
-        return f"[{stats.version} {ident:<21}] msgs: {total:<8} topics: {topics} connected: {connected}"
-    return (
-        f"[{stats.version} {ident:<21}] state: {stats.state} inflt: {stats.in_flight_count:<4} "
-        f"rdy: {stats.ready_count:<4} fin: {stats.finish_count:<8} re-q: {stats.requeue_count:<8} "
-        f"msgs: {stats.message_count:<8} connected: {connected}"
-    )
-
-
-def stats_text(stats: NsqdStats) -> str:
-    """nsqd's printStats, line for line."""
-    now = time.time()
-    started = time.localtime(stats.start_time)
-    offset = time.strftime("%z", started)
-    rfc3339 = time.strftime("%Y-%m-%dT%H:%M:%S", started) + ("Z" if offset in ("+0000", "-0000") else f"{offset[:3]}:{offset[3:]}")
-    uptime_ns = max(0, time.time_ns() - stats.start_time * 1_000_000_000)
-    impl = f"python{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    lines = [
-        f"nsqd v{stats.version} (built w/{impl})",
-        f"start_time {rfc3339}",
-        f"uptime {format_duration_ns(uptime_ns)}",
-        "",
-        f"Health: {stats.health}",
-    ]
-    if stats.memory is not None:
-        lines += ["", "Memory:"]
-        lines += [f"   {key:<25}\t{value}" for key, value in stats.memory.to_json().items()]
-    out = "\n".join(lines) + "\n"
-    out += "\nTopics: None\n" if not stats.topics else "\nTopics:"
-    for t in stats.topics or ():
-        prefix = "*P " if t.paused else "   "
-        out += (
-            f"\n{prefix}[{t.topic_name:<15}] depth: {t.depth:<5} be-depth: {t.backend_depth:<5} "
-            f"msgs: {t.message_count:<8} e2e%: {_e2e_text(t.e2e_processing_latency)}"
-            + (f" idempotency-keys: {t.idempotency_keys}" if t.idempotency_keys else "") + "\n"
-        )
-        for c in t.channels:
-            prefix = "   *P " if c.paused else "      "
-            out += (
-                f"{prefix}[{c.channel_name:<25}] depth: {c.depth:<5} be-depth: {c.backend_depth:<5} "
-                f"inflt: {c.in_flight_count:<4} def: {c.deferred_count:<4} re-q: {c.requeue_count:<5} "
-                f"timeout: {c.timeout_count:<5} msgs: {c.message_count:<8} "
-                f"e2e%: {_e2e_text(c.e2e_processing_latency)}\n"
-            )
-            for client in c.clients or ():
-                out += f"        {_client_text(client, now)}\n"
-    if not stats.producers:
-        out += "\nProducers: None\n"
-    else:
-        out += "\nProducers:\n"
-        for client in stats.producers:
-            out += f"   {_client_text(client, now)}\n"
-    return out
-
-
-# --- Prometheus (/metrics) --------------------------------------------------------------------
-
-
-class _Metrics:
-    """Collects samples per metric family so each family's HELP/TYPE is written once, samples after it."""
-
-    def __init__(self) -> None:
-        self.families: dict[str, tuple[str, str, list[str]]] = {}
-
-    def add(self, name: str, kind: str, help: str, value: float, labels: dict[str, str] | None = None,
-            suffix: str = "") -> None:
-        family = self.families.setdefault(name, (kind, help, []))
-        label_text = ""
-        if labels:
-            label_text = "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items()) + "}"
-        family[2].append(f"{name}{suffix}{label_text} {_number(value)}")
-
-    def render(self) -> str:
-        out = []
-        for name, (kind, help, samples) in self.families.items():
-            out.append(f"# HELP {name} {help}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(samples)
-        return "\n".join(out) + "\n"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if value != value:
-        return "NaN"
-    return repr(float(value))
-
-
-# (metric, type, help, record attribute) per level; counters carry the _total suffix
-_TOPIC_METRICS = [
-    ("nsq_topic_depth", "gauge", "Messages queued in the topic (memory and disk).", "depth"),
-    ("nsq_topic_backend_depth", "gauge", "Messages queued in the topic's disk queue.", "backend_depth"),
-    ("nsq_topic_messages_total", "counter", "Messages published to the topic.", "message_count"),
-    ("nsq_topic_message_bytes_total", "counter", "Bytes of message bodies published to the topic.", "message_bytes"),
-    ("nsq_topic_paused", "gauge", "1 if the topic is paused.", "paused"),
-    ("nsq_topic_log_messages", "gauge", "Records the topic's log keeps (unfinished, or retained).", "log_messages"),
-    ("nsq_topic_log_bytes", "gauge", "Bytes of the topic's log on disk.", "log_bytes"),
-]
-_CHANNEL_METRICS = [
-    ("nsq_channel_depth", "gauge", "Messages queued in the channel (memory and disk).", "depth"),
-    ("nsq_channel_backend_depth", "gauge", "Messages queued in the channel's disk queue.", "backend_depth"),
-    ("nsq_channel_in_flight_count", "gauge", "Messages sent to consumers and not yet finished.", "in_flight_count"),
-    ("nsq_channel_deferred_count", "gauge", "Messages deferred (DPUB, REQ with a delay).", "deferred_count"),
-    ("nsq_channel_messages_total", "counter", "Messages the channel received from its topic.", "message_count"),
-    ("nsq_channel_requeued_total", "counter", "Messages requeued by consumers (REQ).", "requeue_count"),
-    ("nsq_channel_timed_out_total", "counter", "In-flight messages that timed out.", "timeout_count"),
-    ("nsq_channel_client_count", "gauge", "Consumers connected to the channel.", "client_count"),
-    ("nsq_channel_paused", "gauge", "1 if the channel is paused.", "paused"),
-    ("nsq_channel_lag_messages", "gauge", "Messages the channel has not finished (queued, in flight, deferred).",
-     "lag_messages"),
-]
-_CLIENT_METRICS = [
-    ("nsq_client_ready_count", "gauge", "The consumer's RDY count.", "ready_count"),
-    ("nsq_client_in_flight_count", "gauge", "Messages in flight to the consumer.", "in_flight_count"),
-    ("nsq_client_messages_total", "counter", "Messages sent to the consumer.", "message_count"),
-    ("nsq_client_finished_total", "counter", "Messages the consumer finished (FIN).", "finish_count"),
-    ("nsq_client_requeued_total", "counter", "Messages the consumer requeued (REQ).", "requeue_count"),
-]
-
-
-def _add_all(m: _Metrics, table: list[tuple[str, str, str, str]], record: Any, labels: dict[str, str]) -> None:
-    for name, kind, help, attribute in table:
-        m.add(name, kind, help, getattr(record, attribute), labels)
-
-
-def prometheus_text(nsqd: NSQD) -> str:
-    """The /stats figures in the Prometheus text exposition format (version 0.0.4).
-
-    Counters carry the ``_total`` suffix; depths and counts of what is held now are gauges; e2e latency
-    percentiles are a summary in seconds. Labels: topic, channel, and for clients client_id, hostname,
-    remote_address and user_agent."""
-    stats = get_stats(nsqd, include_clients=True, include_mem=True)
-    m = _Metrics()
-    m.add("nsq_up", "gauge", "1 while the broker is healthy, 0 when it reports an error.",
-          1 if stats.health == "OK" else 0)
-    m.add("nsq_info", "gauge", "Constant 1, labelled with the NSQ version this broker implements.", 1,
-          {"version": stats.version, "broadcast_address": nsqd.options.broadcast_address})
-    m.add("nsq_start_time_seconds", "gauge", "When the broker started, in seconds since the epoch.", stats.start_time)
-    for t in stats.topics or ():
-        tl = {"topic": t.topic_name}
-        _add_all(m, _TOPIC_METRICS, t, tl)
-        m.add("nsq_topic_channels", "gauge", "Channels of the topic.", len(t.channels), tl)
-        _latency(m, "nsq_topic_e2e_processing_latency_seconds",
-                 "End-to-end processing latency (publish to FIN) over the topic's channels.",
-                 t.e2e_processing_latency, tl)
-        for c in t.channels:
-            cl = {"topic": t.topic_name, "channel": c.channel_name}
-            _add_all(m, _CHANNEL_METRICS, c, cl)
-            m.add("nsq_channel_oldest_unfinished_age_seconds", "gauge",
-                  "Age of the channel's oldest unfinished message (0: none).", c.oldest_unfinished_age_ms / 1000, cl)
-            _latency(m, "nsq_channel_e2e_processing_latency_seconds",
-                     "End-to-end processing latency (publish to FIN) of the channel.", c.e2e_processing_latency, cl)
-            for client in c.clients or ():
-                _add_all(m, _CLIENT_METRICS, client, {**cl, **_client_labels(client)})
-    for client in stats.producers or ():
-        for pub in client.pub_counts:
-            m.add("nsq_producer_published_total", "counter", "Messages a TCP producer published, per topic.",
-                  pub.count, {"topic": pub.topic, **_client_labels(client)})
-    m.add("nsq_clients", "gauge", "TCP client connections.", len(nsqd.clients))
-    assert stats.memory is not None  # asked for above
-    m.add("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", stats.memory.heap_in_use_bytes)
-    m.add("python_allocated_blocks", "gauge", "Memory blocks currently allocated by the interpreter.",
-          stats.memory.heap_objects)
-    for generation, gen in enumerate(gc.get_stats()):
-        m.add("python_gc_collections_total", "counter", "Garbage collections, per generation.",
-              gen["collections"], {"generation": str(generation)})
-    return m.render()
-
-
-def _client_labels(client: ClientStats) -> dict[str, str]:
-    return {
-        "client_id": client.client_id,
-        "hostname": client.hostname,
-        "remote_address": client.remote_address,
-        "user_agent": client.user_agent,
-    }
-
-
-def _latency(m: _Metrics, name: str, help: str, latency: E2eLatency, labels: dict[str, str]) -> None:
-    """A summary: one sample per configured quantile (ns converted to seconds) and the window's count."""
-    if latency.percentiles is None:
-        return
-    for p in latency.percentiles:
-        m.add(name, "summary", help, p.value / 1e9, {**labels, "quantile": _number(float(p.quantile))})
-    m.add(name, "summary", help, latency.count, labels, suffix="_count")
