@@ -11,10 +11,15 @@ and full of free text or floats) are built as dicts and encoded by go_json as be
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from trio_nsq.broker.stats import ChannelStats, ClientStats, E2eLatency, NsqdStats, TopicStats
 from trio_nsq.shared.http_api import go_json, go_number
+
+# go_number returns 1 for 1.0; typed float, its answer would be made a float again where mypyc compiles
+# this module (1.0, not Go's 1), so it is called as a function of unknown result
+_go_number: Callable[[float], Any] = go_number
 
 # what nsqd's names are made of (shared/names.py): written between quotes as they are
 _PLAIN = re.compile(r"[.a-zA-Z0-9_#-]*")
@@ -60,7 +65,7 @@ def _channel(c: ChannelStats) -> str:
 def _latency(latency: E2eLatency) -> str:
     if latency.percentiles is None:
         return f'{{"count":{latency.count},"percentiles":null}}'
-    percentiles = [{"quantile": go_number(p.quantile), "value": go_number(p.value)} for p in latency.percentiles]
+    percentiles = [{"quantile": _go_number(p.quantile), "value": _go_number(p.value)} for p in latency.percentiles]
     return go_json({"count": latency.count, "percentiles": percentiles}).decode()
 
 
