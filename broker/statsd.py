@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trio_nsq.broker.stats import E2eLatency, get_stats
+from trio_nsq.broker.stats import ChannelStats, E2eLatency, TopicStats, get_stats
 from trio_nsq.shared.http import split_host_port
 from trio_nsq.shared.names import is_ephemeral
 
@@ -53,9 +53,11 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
         for p in e2e.percentiles or ():
             gauge(f"{key}.e2e_processing_latency_{p.quantile * 100:.0f}", p.value)
 
-    def figures(prefix: str, record: object, table: tuple[tuple[str, str, bool], ...]) -> None:
+    def figures(prefix: str, record: TopicStats | ChannelStats, table: tuple[tuple[str, str, bool], ...]) -> None:
+        """A topic's or a channel's figures in the order of its table, then its e2e percentiles."""
         for name, attribute, counter in table:
             (incr if counter else gauge)(f"{prefix}.{name}", getattr(record, attribute))
+        latency(prefix, record.e2e_processing_latency)
 
     exclude_ephemeral = nsqd.options.statsd_exclude_ephemeral
     for topic in get_stats(nsqd, include_clients=False).topics or ():
@@ -63,13 +65,11 @@ def collect(nsqd: NSQD, last: dict[str, int]) -> tuple[list[str], dict[str, int]
             continue
         t = f"topic.{topic.topic_name}"
         figures(t, topic, TOPIC_FIGURES)
-        latency(t, topic.e2e_processing_latency)
         for channel in topic.channels:
             if exclude_ephemeral and is_ephemeral(channel.channel_name):
                 continue
             c = f"{t}.channel.{channel.channel_name}"
             figures(c, channel, CHANNEL_FIGURES)
-            latency(c, channel.e2e_processing_latency)
     if nsqd.options.statsd_mem_stats:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         gauge("mem.max_rss_bytes", usage.ru_maxrss * 1024)

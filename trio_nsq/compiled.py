@@ -33,6 +33,9 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.client_v2",
     "trio_nsq.broker.protocol_v2",
     "trio_nsq.shared.http_server",
+    # /stats with thousands of topics (issue 33): the snapshot's walk and the JSON it is written as
+    "trio_nsq.broker.stats",
+    "trio_nsq.broker.stats_json",
 )
 
 # mypyc's runtime library shared by MODULES (each compiled module is a shim over it):

@@ -18,7 +18,10 @@ from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.http.openapi import openapi_bytes
 from trio_nsq.broker.idempotency import valid_key
-from trio_nsq.broker.stats import get_stats, health, prometheus_text, stats_text
+from trio_nsq.broker.stats import get_stats, health
+from trio_nsq.broker.stats_json import stats_json
+from trio_nsq.broker.stats_prometheus import prometheus_text
+from trio_nsq.broker.stats_text import stats_text
 from trio_nsq.broker.topic import Published, Topic
 from trio_nsq.broker.topic_log import SeekError
 from trio_nsq.shared.http_api import (
@@ -295,7 +298,7 @@ class Api:
                              include_mem=BOOL_PARAMS.get(first("include_mem"), True))
         if first("format") != "json":
             return Reply(200, stats_text(snapshot).encode(), TEXT_TYPE)
-        return ok_json(snapshot.to_json())
+        return Reply(200, stats_json(snapshot), JSON_TYPE)
 
     async def metrics(self, req: Request, params: Mapping[str, str]) -> Reply:
         return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)
