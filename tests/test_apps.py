@@ -410,4 +410,4 @@ def test_scripts_are_declared():
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     for name in APPS:
         assert scripts[name] == f"trio_nsq.apps.{name}:main"
-        assert os.path.exists(REPO_ROOT / "shared" / "apps" / f"{name}.py")
+        assert os.path.exists(REPO_ROOT / "trio_nsq" / "apps" / f"{name}.py")

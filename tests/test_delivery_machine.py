@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from trio_nsq.broker.channel import Channel
-from trio_nsq.broker.options import Options
 from trio_nsq.broker.topic import Topic
+from tests.topic_owner import Owner, kill
 
 TIMEOUT = 10.0  # the consumer's msg timeout
 MAX_TIMEOUT = 25.0  # --max-msg-timeout (TOUCH is capped by it)
@@ -37,40 +37,11 @@ CHANNELS = ("c0", "c1")
 State = tuple[int, float | None]
 
 
-class Owner:
-    """What Topic needs of NSQD: options, the data path, the clock deadlines are kept in, with files
-    small enough to roll every few records."""
-
-    def __init__(self, data_path: str, clock: trio.testing.MockClock) -> None:
-        self.data_path = data_path
-        self.clock = clock.current_time
-        self.options = Options()
-        self.options.mem_queue_size = 0
-        self.options.sync_every = 1
-        self.options.node_id = 1
-        self.options.max_bytes_per_file = 160
-        self.options.retention_time = 1e9  # everything stays: a seek to the start finds every message
-
-    def set_health(self, error: str | None) -> None:
-        assert error is None, error
-
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        raise AssertionError("no clients here")
-
-    def notify_channel(self, channel: Channel, created: bool) -> None:
-        return None
-
-    def delete_topic(self, name: str) -> None:
-        return None
-
-
-def kill(topic: Topic) -> None:
-    """kill -9: every descriptor closed, nothing written (no round, no flush)."""
-    topic.group.closed = True
-    for channel in topic.channels.values():
-        channel.close()
-    if topic.log is not None:
-        topic.log.close()
+def machine_owner(data_path: str, clock: trio.testing.MockClock) -> Owner:
+    """The topic's owner: the durable flags, files small enough to roll every few records, everything
+    retained (a seek to the start finds every message), and no health error ever."""
+    return Owner(data_path, clock, strict=True, mem_queue_size=0, sync_every=1, max_bytes_per_file=160,
+                 retention_time=1e9)
 
 
 class Entry:
@@ -101,7 +72,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         self._open()
 
     def _open(self) -> None:
-        self.owner = Owner(self.dir, self.clock)
+        self.owner = machine_owner(self.dir, self.clock)
         self.topic = Topic(self.owner, "t")  # type: ignore[arg-type]
         self.channels = {name: self.topic.get_channel(name) for name in CHANNELS}
 

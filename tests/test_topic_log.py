@@ -9,7 +9,6 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,49 +18,15 @@ import trio.testing
 
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.message import Message
-from trio_nsq.broker.options import Options
 from trio_nsq.broker.topic import Topic
 from trio_nsq.broker.topic_log import SeekError
+from tests.topic_owner import Owner, kill
 
 CLIENT = 1
 
 
-class Owner:
-    """What Topic needs of NSQD (see TopicOwner)."""
-
-    def __init__(self, data_path: Path, clock: trio.testing.MockClock | None = None, **options: Any) -> None:
-        self.data_path = str(data_path)
-        self.clock = clock.current_time if clock is not None else time.time
-        self.options = Options()
-        self.options.node_id = 1
-        for key, value in options.items():
-            setattr(self.options, key, value)
-        self.health: list[str | None] = []
-
-    def set_health(self, error: str | None) -> None:
-        self.health.append(error)
-
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        raise AssertionError("no clients here")
-
-    def notify_channel(self, channel: Channel, created: bool) -> None:
-        return None
-
-    def delete_topic(self, name: str) -> None:
-        return None
-
-
 def open_topic(d: Path, name: str = "t", clock: trio.testing.MockClock | None = None, **options: Any) -> Topic:
     return Topic(Owner(d, clock, **options), name)  # type: ignore[arg-type]
-
-
-def kill(topic: Topic) -> None:
-    """kill -9: descriptors closed, nothing more written."""
-    topic.group.closed = True
-    for channel in topic.channels.values():
-        channel.close()
-    if topic.log is not None:
-        topic.log.close()
 
 
 def drain(channel: Channel, fin: bool = True, now: float = 0.0) -> list[Message]:
