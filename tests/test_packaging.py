@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from processes import BrokerProcess
+from test_pytest_plugin import USER_TEST
 
 from trio_nsq import compiled
 
@@ -178,6 +179,22 @@ def venv_env(venv: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", compiled.ENV)}
     return {**env, "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
+
+
+def test_a_users_pytest_run_gets_the_plugin_from_the_installed_wheel(venv, tmp_path):
+    """A user's pynsq test naming `nsqd` and `nsqlookupd`, run by pytest in the venv the wheel went into:
+    the installed package's pytest11 entry point starts the daemons from the venv's files. (It was a
+    `pip install trio-nsq[test]` of its own into another fresh venv: a minute of the suite for the same
+    plugin; the dependencies come here through the venv's .pth line.)"""
+    work = tmp_path / "user"
+    work.mkdir()
+    (work / "test_user.py").write_text(USER_TEST)
+    # (--basetemp: the user's run keeps its brokers' data dirs under ours, removed with it, not in /tmp)
+    done = subprocess.run([venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={tmp_path / 'basetemp'}", "test_user.py"], cwd=work, env=venv_env(venv),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
 
 
 def test_every_command_of_the_installed_wheel_answers_its_version_without_a_warning(venv, tmp_path):

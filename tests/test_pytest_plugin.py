@@ -1,16 +1,9 @@
-"""The pytest11 plugin (trio_nsq/testing/pytest_plugin.py) as a user meets it: a test file of theirs, run by pytest."""
-
-import os
-import subprocess
-import sys
-import venv
-from pathlib import Path
+"""The pytest11 plugin (trio_nsq/testing/pytest_plugin.py) as a user meets it: a test file of theirs, run by pytest.
+The same file run in a venv the built wheel was installed into: tests/test_packaging.py."""
 
 import pytest
 
 pytest_plugins = ["pytester"]
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 USER_TEST = '''
 import time
@@ -59,24 +52,3 @@ def test_plugin_idle_without_fixtures(pytester):
     """A test that asks for no fixture of ours starts nothing (no broker log under the basetemp)."""
     pytester.makepyfile(test_other="def test_x(tmp_path_factory):\n    assert not list(tmp_path_factory.getbasetemp().glob('nsqd*'))\n")
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
-
-
-@pytest.mark.slow
-def test_fresh_venv_with_test_extra(tmp_path):
-    """`pip install trio-nsq[test]` into a new venv; a pynsq user test using `nsqd` passes there."""
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    py = env_dir / "bin" / "python"
-    # pure Python (TRIO_NSQ_COMPILE=0): what this test is about works in either build, and compiling
-    # every hot module again took two of the suite's minutes (tests/test_packaging.py builds it compiled)
-    subprocess.run([py, "-m", "pip", "install", "-q", f"{REPO_ROOT}[test]"], check=True,
-                   env={**os.environ, "TRIO_NSQ_COMPILE": "0"})
-    work = tmp_path / "user"
-    work.mkdir()
-    (work / "test_user.py").write_text(USER_TEST)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    # (--basetemp: the user's run keeps its brokers' data dirs under ours, removed with it, not in /tmp)
-    done = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}",
-                           "test_user.py"], cwd=work, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout
