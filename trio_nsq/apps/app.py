@@ -3,7 +3,8 @@ syntax through shared/options.py's parser), `--version`, log.Fatal, logging, SIG
 go-nsq's `--consumer-opt`/`--producer-opt` mapped onto our client's keywords.
 
 Each tool declares its flags once as an attrs class of `option(...)` fields (the same declaration nsqd's
-options use) and calls `run_app(Options, "nsq_tail", main, argv)`.
+options use) and calls `run_app(Options, "nsq_tail", main, argv)`. The four consumer tools' Options extend
+ConsumerOptions, the flags they share.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
+import attrs
 import trio
 
 from trio_nsq.shared import options as flags
+from trio_nsq.shared.options import option
 from trio_nsq.shared.version import PACKAGE_VERSION, VERSION
 
 log = logging.getLogger("trio_nsq.apps")
@@ -155,6 +158,37 @@ def client_settings(opts: list[str], app: str, *, consumer: bool, **defaults: An
     settings = {**defaults, **parse_config_opts(opts, consumer=consumer)}
     settings.setdefault("identify", {}).setdefault("user_agent", user_agent(app))
     return settings
+
+
+CONSUMER_OPT_HELP = ("option to passthrough to nsq.Consumer (may be given multiple times, "
+                     "http://godoc.org/github.com/nsqio/go-nsq#Config)")
+
+
+@attrs.define
+class ConsumerOptions:
+    """The flags Go's nsq_tail, nsq_to_file, nsq_to_http and nsq_to_nsq declare alike, and what they do
+    with them. Each tool's Options extends this class; a field it declares again replaces the one here
+    (attrs keeps the subclass's), as nsq_to_nsq's --consumer-opt with Go's other help text."""
+
+    consumer_opt: list = option([], CONSUMER_OPT_HELP, repeat=True)
+    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
+    max_in_flight: int = option(200, "max number of messages to allow in flight")
+    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
+
+    def check_sources(self, required: str = "--nsqd-tcp-address or --lookupd-http-address required") -> None:
+        """fatal() unless one of --nsqd-tcp-address and --lookupd-http-address is given, with Go's messages
+        (`required`: nsq_to_file's ends with a period)."""
+        if not self.nsqd_tcp_address and not self.lookupd_http_address:
+            fatal(required)
+        if self.nsqd_tcp_address and self.lookupd_http_address:
+            fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+
+    def consumer_settings(self, app: str, **defaults: Any) -> dict[str, Any]:
+        """The Consumer's keywords (client_settings of --consumer-opt over `defaults`), max_in_flight
+        included: as Go's tools set --max-in-flight after the options, it wins over
+        --consumer-opt=max_in_flight."""
+        return {**client_settings(self.consumer_opt, app, consumer=True, **defaults),
+                "max_in_flight": self.max_in_flight}
 
 
 def _first(group: BaseException) -> BaseException:

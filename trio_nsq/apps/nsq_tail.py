@@ -19,7 +19,7 @@ import sys
 import attrs
 import trio
 
-from trio_nsq.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import ConsumerOptions, Main, command, fatal
 from trio_nsq.shared.options import option
 
 APP = "nsq_tail"
@@ -27,14 +27,9 @@ log = logging.getLogger("trio_nsq.apps")
 
 
 @attrs.define
-class Options:
+class Options(ConsumerOptions):
     channel: str = option("", "NSQ channel")
-    consumer_opt: list = option([], "option to passthrough to nsq.Consumer (may be given multiple times, "
-                                    "http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
-    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
-    max_in_flight: int = option(200, "max number of messages to allow in flight")
     n: int = option(0, "total messages to show (will wait if starved)")
-    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
     print_topic: bool = option(False, "print topic name where message was received")
     topic: list = option([], "NSQ topic (may be given multiple times)", repeat=True)
 
@@ -42,21 +37,16 @@ class Options:
 def setup(opts: Options) -> Main:
     if not opts.channel:
         opts.channel = f"tail{random.randrange(999999):06d}#ephemeral"
-    if not opts.nsqd_tcp_address and not opts.lookupd_http_address:
-        fatal("--nsqd-tcp-address or --lookupd-http-address required")
-    if opts.nsqd_tcp_address and opts.lookupd_http_address:
-        fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+    opts.check_sources()
     if not opts.topic:
         fatal("--topic required")
-    settings = client_settings(opts.consumer_opt, APP, consumer=True)
-    settings.pop("max_in_flight", None)  # as Go's: the flag is set after the options and wins
-    max_in_flight = opts.max_in_flight
-    if 0 < opts.n < max_in_flight:
-        max_in_flight = opts.n  # don't ask for more messages than we want
-    return functools.partial(tail, opts, settings, max_in_flight)
+    settings = opts.consumer_settings(APP)
+    if 0 < opts.n < settings["max_in_flight"]:
+        settings["max_in_flight"] = opts.n  # don't ask for more messages than we want
+    return functools.partial(tail, opts, settings)
 
 
-async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Event) -> int:
+async def tail(opts: Options, settings: dict, stop: trio.Event) -> int:
     from trio_nsq.client import Consumer
 
     out = sys.stdout.buffer
@@ -92,8 +82,7 @@ async def tail(opts: Options, settings: dict, max_in_flight: int, stop: trio.Eve
             log.info("Adding consumer for topic: %s", topic)
             await stack.enter_async_context(Consumer(
                 topic, opts.channel, handler_for(topic), nsqd_tcp_addresses=opts.nsqd_tcp_address,
-                lookupd_http_addresses=opts.lookupd_http_address, max_in_flight=max_in_flight, concurrency=1,
-                **settings))
+                lookupd_http_addresses=opts.lookupd_http_address, concurrency=1, **settings))
         await stop.wait()
     if broken.is_set():
         raise BrokenPipeError()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from trio_nsq.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import ConsumerOptions, Main, command, fatal
 from trio_nsq.shared.logs import NSQFormatter, parse_level
 from trio_nsq.shared.options import option
 
@@ -42,10 +42,8 @@ log = logging.getLogger("trio_nsq.apps")
 
 
 @attrs.define
-class Options:
+class Options(ConsumerOptions):
     channel: str = option("nsq_to_file", "nsq channel")
-    consumer_opt: list = option([], "option to passthrough to nsq.Consumer (may be given multiple times, "
-                                    "http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
     datetime_format: str = option("%Y-%m-%d_%H", "strftime compatible format for <DATETIME> in filename format")
     filename_format: str = option("<TOPIC>.<HOST><REV>.<DATETIME>.log",
                                   "output filename format (<TOPIC>, <HOST>, <PID>, <DATETIME>, <REV> are replaced. "
@@ -58,9 +56,6 @@ class Options:
     http_client_request_timeout: float = option(5.0, "timeout for HTTP request", kind="duration")
     log_level: str = option("info", "set log verbosity: debug, info, warn, error, or fatal")
     log_prefix: str = option("[nsq_to_file] ", "log message prefix")
-    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
-    max_in_flight: int = option(200, "max number of messages to allow in flight")
-    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
     output_dir: str = option("/tmp", "directory to write output files to")
     rotate_interval: float = option(0.0, "rotate the file every duration", kind="duration")
     rotate_size: int = option(0, "rotate the file when it grows bigger than `rotate-size` bytes")
@@ -86,10 +81,7 @@ def setup(opts: Options) -> Main:
     for name in ("http_client_connect_timeout", "http_client_request_timeout"):
         if getattr(opts, name) <= 0:
             fatal(f"--{name.replace('_', '-')} should be positive")
-    if not opts.nsqd_tcp_address and not opts.lookupd_http_address:
-        fatal("--nsqd-tcp-address or --lookupd-http-address required.")
-    if opts.nsqd_tcp_address and opts.lookupd_http_address:
-        fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+    opts.check_sources(required="--nsqd-tcp-address or --lookupd-http-address required.")
     if not 1 <= opts.gzip_level <= 9:
         fatal(f"invalid --gzip-level value ({opts.gzip_level}), should be 1-9")
     if not opts.topic and not opts.topic_pattern:
@@ -97,8 +89,7 @@ def setup(opts: Options) -> Main:
     if not opts.topic and not opts.lookupd_http_address:
         fatal("--lookupd-http-address must be specified when no --topic specified")
     opts.work_dir = opts.work_dir or opts.output_dir
-    # nsq_to_file sets max_in_flight after the options, so its flag wins over --consumer-opt
-    settings = {**client_settings(opts.consumer_opt, APP, consumer=True), "max_in_flight": opts.max_in_flight}
+    settings = opts.consumer_settings(APP)
     return functools.partial(discover_topics, opts, settings)
 
 

@@ -24,7 +24,7 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from trio_nsq.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import ConsumerOptions, Main, command, fatal
 from trio_nsq.apps.relay import HostPool, StatusTimer
 from trio_nsq.shared.options import option
 from trio_nsq.shared.version import VERSION
@@ -35,22 +35,17 @@ log = logging.getLogger("trio_nsq.apps")
 
 
 @attrs.define
-class Options:
+class Options(ConsumerOptions):
     channel: str = option("nsq_to_http", "nsq channel")
-    consumer_opt: list = option([], "option to passthrough to nsq.Consumer (may be given multiple times, "
-                                    "http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
     content_type: str = option(DEFAULT_CONTENT_TYPE, "the Content-Type used for POST requests")
     get: list = option([], "HTTP address to make a GET request to. '%s' will be printf replaced with data (may be "
                            "given multiple times)", repeat=True)
     header: list = option([], "Custom header for HTTP requests (may be given multiple times)", repeat=True)
     http_client_connect_timeout: float = option(2.0, "timeout for HTTP connect", kind="duration")
     http_client_request_timeout: float = option(20.0, "timeout for HTTP request", kind="duration")
-    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
-    max_in_flight: int = option(200, "max number of messages to allow in flight")
     mode: str = option("hostpool", "the upstream request mode options: round-robin, hostpool (default), "
                                    "epsilon-greedy")
     n: int = option(100, "number of concurrent publishers")
-    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
     post: list = option([], "HTTP address to make a POST request to.  data will be in the body (may be given "
                             "multiple times)", repeat=True)
     sample: float = option(1.0, "% of messages to publish (float b/w 0 -> 1)", kind="float")
@@ -81,10 +76,7 @@ def setup(opts: Options) -> Main:
             fatal("--content-type only used with --post")
         if not opts.content_type:
             fatal("--content-type requires a value when used")
-    if not opts.nsqd_tcp_address and not opts.lookupd_http_address:
-        fatal("--nsqd-tcp-address or --lookupd-http-address required")
-    if opts.nsqd_tcp_address and opts.lookupd_http_address:
-        fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+    opts.check_sources()
     if not opts.get and not opts.post:
         fatal("--get or --post required")
     if opts.get and opts.post:
@@ -93,9 +85,7 @@ def setup(opts: Options) -> Main:
         fatal("invalid GET address - must be a printf string")
     if not 0.0 <= opts.sample <= 1.0:
         fatal("ERROR: --sample must be between 0.0 and 1.0")
-    # as Go's: --max-in-flight is set after the options, so it wins over --consumer-opt=max_in_flight
-    consumer = {**client_settings(opts.consumer_opt, APP, consumer=True, max_attempts=0),
-                "max_in_flight": opts.max_in_flight}
+    consumer = opts.consumer_settings(APP, max_attempts=0)
     return functools.partial(deliver, opts, consumer, headers)
 
 

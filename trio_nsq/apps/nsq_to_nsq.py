@@ -22,7 +22,7 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from trio_nsq.apps.app import Main, client_settings, command, fatal
+from trio_nsq.apps.app import ConsumerOptions, Main, client_settings, command, fatal
 from trio_nsq.apps.relay import HostPool, StatusTimer
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.options import option
@@ -32,19 +32,17 @@ log = logging.getLogger("trio_nsq.apps")
 
 
 @attrs.define
-class Options:
+class Options(ConsumerOptions):
     channel: str = option("nsq_to_nsq", "nsq channel")
+    # ConsumerOptions' own, but Go's nsq_to_nsq words its help with a "see"
     consumer_opt: list = option([], "option to passthrough to nsq.Consumer (may be given multiple times, "
                                     "see http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
     destination_nsqd_tcp_address: list = option([], "destination nsqd TCP address (may be given multiple times)",
                                                 repeat=True)
     destination_topic: str = option("", "use this destination topic for all consumed topics (default is consumed "
                                         "topic name)")
-    lookupd_http_address: list = option([], "lookupd HTTP address (may be given multiple times)", repeat=True)
-    max_in_flight: int = option(200, "max number of messages to allow in flight")
     mode: str = option("hostpool", "the upstream request mode options: round-robin, hostpool (default), "
                                    "epsilon-greedy")
-    nsqd_tcp_address: list = option([], "nsqd TCP address (may be given multiple times)", repeat=True)
     producer_opt: list = option([], "option to passthrough to nsq.Producer (may be given multiple times, "
                                     "see http://godoc.org/github.com/nsqio/go-nsq#Config)", repeat=True)
     require_json_field: str = option("", "for JSON messages: only pass messages that contain this field")
@@ -65,15 +63,10 @@ def setup(opts: Options) -> Main:
         fatal("--destination-topic is invalid")
     if not is_valid_channel_name(opts.channel):
         fatal("--channel is invalid")
-    if not opts.nsqd_tcp_address and not opts.lookupd_http_address:
-        fatal("--nsqd-tcp-address or --lookupd-http-address required")
-    if opts.nsqd_tcp_address and opts.lookupd_http_address:
-        fatal("use --nsqd-tcp-address or --lookupd-http-address not both")
+    opts.check_sources()
     if not opts.destination_nsqd_tcp_address:
         fatal("--destination-nsqd-tcp-address required")
-    # as Go's: --max-in-flight is set after the options, so it wins over --consumer-opt=max_in_flight
-    consumer = {**client_settings(opts.consumer_opt, APP, consumer=True, max_attempts=0),
-                "max_in_flight": opts.max_in_flight}
+    consumer = opts.consumer_settings(APP, max_attempts=0)
     producer = client_settings(opts.producer_opt, APP, consumer=False)
     return functools.partial(relay, opts, consumer, producer)
 
