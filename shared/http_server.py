@@ -165,20 +165,17 @@ class Site:
     (shared/http_quart.py) calls the same. ConnectionPoller calls `now` for a request that came whole."""
 
     def __init__(self, router: Router[Route], log: logging.Logger, *, base_path: str = "",
-                 max_body: int = 16 * 1024 * 1024, refusal: Reply | None = None) -> None:
+                 max_body: int = 16 * 1024 * 1024) -> None:
         self.router = router
         self.log = log
         self.base = base_path.rstrip("/")
         self.max_body = max_body
-        self.refusal = refusal  # answered to every request instead (nsqd's TLS_REQUIRED), unlogged
 
     def refusing(self, reply: Reply) -> Site:
-        """The same site answering every request with `reply`."""
-        return Site(self.router, self.log, base_path=self.base, max_body=self.max_body, refusal=reply)
+        """The same site answering every request with `reply`, unlogged (nsqd's TLS_REQUIRED)."""
+        return _Refusing(self, reply)
 
     async def __call__(self, req: Request) -> Reply:
-        if self.refusal is not None:
-            return self.refusal
         start = time.perf_counter_ns()
         path, where, reply = self._route(req)
         if reply is None:
@@ -200,8 +197,6 @@ class Site:
     def now(self, req: Request) -> Reply | None:
         """The answer when it can be given without awaiting (ConnectionPoller's fast path: a request that
         came whole, a route whose `now` answers it), else None, having done nothing."""
-        if self.refusal is not None:
-            return self.refusal
         start = time.perf_counter_ns()
         path, where, reply = self._route(req)
         if reply is None:
@@ -239,6 +234,20 @@ class Site:
             return
         uri = path + ("?" + req.query.decode("latin-1") if req.query else "")
         log_request(self.log, reply.status, req.method, uri, req.remote, time.perf_counter_ns() - start)
+
+
+class _Refusing(Site):
+    """Site.refusing's site: its own class, so that a site serving its routes checks nothing per request."""
+
+    def __init__(self, site: Site, reply: Reply) -> None:
+        super().__init__(site.router, site.log, base_path=site.base, max_body=site.max_body)
+        self.reply = reply
+
+    async def __call__(self, req: Request) -> Reply:
+        return self.reply
+
+    def now(self, req: Request) -> Reply | None:
+        return self.reply
 
 
 # --- answers ----------------------------------------------------------------------------------------
