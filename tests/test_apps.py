@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,21 @@ def test_nsq_to_file_filename_format():
 RELAYED = [b'{"n": %d, "pad": "%s"}' % (i, b"x" * 50) for i in range(10_000)]
 
 
+def publish_through_an_outage(broker, topic: str, channel: str, destination, started: Callable[[], bool], *,
+                              started_within: float, drained_within: float) -> None:
+    """Publish RELAYED to `topic`; once `started()` (the tool delivers), take its `destination` away for
+    a while (stop(), then start() again: deliveries fail, messages are REQ'd, the consumer backs off),
+    then wait until the tool's `channel` has nothing queued or in flight."""
+    mpub(broker, topic, RELAYED)
+    wait_for(started, timeout=started_within)
+    destination.stop()
+    time.sleep(2)
+    destination.start()
+    wait_for(lambda: channel_stats(broker, topic, channel).get("depth") == 0 and
+             channel_stats(broker, topic, channel)["in_flight_count"] == 0, timeout=drained_within,
+             message="the source drained")
+
+
 def test_nsq_to_nsq_relays_everything_while_the_destination_goes_away(module_broker, broker_factory, tmp_path):
     destination = broker_factory()
     log = tmp_path / "relay.log"
@@ -292,14 +308,9 @@ def test_nsq_to_nsq_relays_everything_while_the_destination_goes_away(module_bro
                  f"--destination-nsqd-tcp-address={destination.tcp_address}", "--destination-topic=relayed",
                  *FAST_RETRY, "--producer-opt=dial_timeout,500ms", log=log)
     try:
-        mpub(module_broker, "relay", RELAYED)
-        wait_for(lambda: topic_count(destination, "relayed") > 1000, timeout=20)
-        destination.stop()  # away for a while: publishes fail, messages are REQ'd, the consumer backs off
-        time.sleep(2)
-        destination.start()
-        wait_for(lambda: channel_stats(module_broker, "relay", "nsq_to_nsq").get("depth") == 0 and
-                 channel_stats(module_broker, "relay", "nsq_to_nsq")["in_flight_count"] == 0, timeout=60,
-                 message="the source drained")
+        publish_through_an_outage(module_broker, "relay", "nsq_to_nsq", destination,
+                                  lambda: topic_count(destination, "relayed") > 1000,
+                                  started_within=20, drained_within=60)
     finally:
         stop(proc, log)
     assert drain(destination.tcp_address, "relayed", set(RELAYED)) == set(RELAYED)
@@ -384,15 +395,9 @@ def test_nsq_to_http_delivers_everything_while_the_endpoint_goes_away(module_bro
     proc = start("nsq_to_http", f"--nsqd-tcp-address={module_broker.tcp_address}", "--topic=tohttp",
                  f"--post=http://127.0.0.1:{endpoint.port}/in", "--content-type=application/json",
                  "--header=X-Test: yes", "--http-client-connect-timeout=200ms", *FAST_RETRY, log=log)
-    try:
-        mpub(module_broker, "tohttp", RELAYED)
-        wait_for(lambda: len(endpoint.posts()) > 500, timeout=30)
-        endpoint.stop()  # connections refused for a while: messages are REQ'd, the consumer backs off
-        time.sleep(2)
-        endpoint.start()
-        wait_for(lambda: channel_stats(module_broker, "tohttp", "nsq_to_http").get("depth") == 0 and
-                 channel_stats(module_broker, "tohttp", "nsq_to_http")["in_flight_count"] == 0, timeout=90,
-                 message="the source drained")
+    try:  # while the endpoint is away, connections are refused
+        publish_through_an_outage(module_broker, "tohttp", "nsq_to_http", endpoint, lambda: len(endpoint.posts()) > 500,
+                                  started_within=30, drained_within=90)
     finally:
         stop(proc, log)
         endpoint.stop()
