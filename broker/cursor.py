@@ -25,7 +25,9 @@ from __future__ import annotations
 import struct
 import zlib
 from bisect import bisect_left
+from collections.abc import Iterator
 from itertools import islice, takewhile
+from typing import Any
 
 # the file: a header line, then blocks [length u32][crc32 u32][entries]; a block cut short by a crash
 # (or one whose checksum does not match) ends the file there
@@ -371,6 +373,15 @@ def _block(body: bytes) -> bytes:
     return _BLOCK.pack(len(body), zlib.crc32(body)) + body
 
 
+def _counted(body: bytes, at: int, record: struct.Struct) -> tuple[Iterator[tuple[Any, ...]], int]:
+    """The `record`s of the counted entry at `at` (its kind, how many, then them), and where the next
+    entry starts."""
+    _, n = _COUNT.unpack_from(body, at)
+    start = at + _COUNT.size
+    end = start + n * record.size
+    return record.iter_unpack(body[start:end]), end
+
+
 def _apply_block(body: bytes, mark: int, index: int, ranges: dict[int, tuple[int, int]],
                  held: dict[int, tuple[int, float]], epoch: int) -> tuple[int, int, dict[int, tuple[int, int]], dict[int, tuple[int, float]]]:
     """One block's entries on top of the state so far (a later mark drops what is before it)."""
@@ -387,20 +398,16 @@ def _apply_block(body: bytes, mark: int, index: int, ranges: dict[int, tuple[int
             if held:
                 held = {pos: st for pos, st in held.items() if pos >= mark}
         elif kind == b"R":
-            _, n = _COUNT.unpack_from(body, at)
-            at += _COUNT.size
-            for first, last, count in _RANGE.iter_unpack(body[at:at + n * _RANGE.size]):
+            entries, at = _counted(body, at, _RANGE)
+            for first, last, count in entries:
                 if last >= mark:
                     ranges[first] = (last, count)
                     held.pop(first, None)
-            at += n * _RANGE.size
         elif kind == b"H":
-            _, n = _COUNT.unpack_from(body, at)
-            at += _COUNT.size
-            for pos, attempts, deadline in _HELD.iter_unpack(body[at:at + n * _HELD.size]):
+            entries, at = _counted(body, at, _HELD)
+            for pos, attempts, deadline in entries:
                 if pos >= mark:
                     held[pos] = (attempts, deadline)
-            at += n * _HELD.size
         else:
             raise ValueError(f"unknown cursor entry {kind!r}")
     return mark, index, ranges, held
