@@ -54,6 +54,17 @@ def position(num: int, offset: int) -> int:
     return (num << POS_SHIFT) | offset
 
 
+def numbered_files(data_path: str, stem: str) -> list[int]:
+    """The numbers N of the files `<stem>.N.dat` in data_path (N written with six digits or more), in
+    order; none when the directory cannot be read. A log's segments, and a topic log's deadline files."""
+    mine = re.compile(re.escape(stem) + r"\.(\d{6,})\.dat\Z")
+    try:
+        names = os.listdir(data_path)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
+
+
 class SegmentLog:
     """Owned by a TopicLog (a topic's messages) or a LogReader (a channel's own queue); they append, read
     through SegmentReaders, and tell it which files may go. Synchronous: writes go straight to the OS from
@@ -114,12 +125,7 @@ class SegmentLog:
         return os.path.join(self.data_path, f"{self.name}.diskqueue.meta.dat")
 
     def _existing_files(self) -> list[int]:
-        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,})\.dat\Z")
-        try:
-            names = os.listdir(self.data_path)
-        except OSError:
-            return []
-        return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
+        return numbered_files(self.data_path, f"{self.name}.diskqueue")
 
     def _remove_temp_files(self) -> None:
         """A crash during a metadata write leaves `<meta>.<random>.tmp`: never read, so removed."""

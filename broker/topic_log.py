@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import re
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from collections.abc import Callable, Sequence
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.files import close_quietly, remove_quietly
 from trio_nsq.broker.log_reader import DeferredIndex, LogReader
-from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog
+from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog, numbered_files
 from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
@@ -111,12 +110,7 @@ class TopicLog:
         return os.path.join(self.data_path, f"{self.name}.diskqueue.deadlines.{num:06d}.dat")
 
     def _deadline_files(self) -> list[int]:
-        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.deadlines\.(\d{6,})\.dat\Z")
-        try:
-            names = os.listdir(self.data_path)
-        except OSError:
-            return []
-        return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
+        return numbered_files(self.data_path, f"{self.name}.diskqueue.deadlines")
 
     def _load_deadlines(self, start: int) -> None:
         """The deadlines still ahead of records from `start` on (a restart, or a seek back). Entries past
