@@ -81,7 +81,21 @@ def is_error(data: bytes) -> bool:
     return data.startswith(b"E_")
 
 
-class ResponseParser:
+class _Parser:
+    """What both directions' parsers do with the bytes read: keep them until they make a whole response
+    or command."""
+
+    __slots__ = ()  # the subclasses keep _buf: V1Parser as an attrs field
+    _buf: bytearray
+
+    def feed(self, data: bytes | bytearray) -> None:
+        self._buf += data
+
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+class ResponseParser(_Parser):
     """nsqlookupd's responses, however the bytes arrive (sans-IO): feed what is read, take each response's
     data. An impossible size is a ValueError with nsqd's text (readResponseBounded); a negative one too,
     where Go would panic."""
@@ -89,12 +103,6 @@ class ResponseParser:
     def __init__(self, max_size: int) -> None:
         self._buf = bytearray()
         self._max = max_size
-
-    def feed(self, data: bytes | bytearray) -> None:
-        self._buf += data
-
-    def buffered(self) -> int:
-        return len(self._buf)
 
     def next_response(self) -> bytes | None:
         """The next complete response's data, or None until more is fed."""
@@ -137,7 +145,7 @@ def _accept_identify() -> None:
 
 
 @attrs.define
-class V1Parser:
+class V1Parser(_Parser):
     """Bytes from a lookupd peer -> Commands (sans-IO). Raises FatalClientError with Go's errors.
 
     It reads a line the way Go's IOLoop does (`strings.TrimSpace`, then `strings.Split(line, " ")`), and
@@ -151,12 +159,6 @@ class V1Parser:
     _buf: bytearray = attrs.field(factory=bytearray, init=False)
     # IDENTIFY whose line is read: (command, body size or None while the size is not read yet)
     _pending: tuple[Command, int | None] | None = attrs.field(default=None, init=False)
-
-    def feed(self, data: bytes | bytearray) -> None:
-        self._buf += data
-
-    def buffered(self) -> int:
-        return len(self._buf)
 
     def next_command(self) -> Command | None:
         """The next complete command, or None until more bytes are fed."""
