@@ -229,9 +229,7 @@ class NSQD:
         return self.topics.get(name)
 
     def delete_topic(self, name: str) -> None:
-        topic = self.topics.pop(name, None)
-        if topic is None:
-            raise KeyError(name)
+        topic = self.topics.pop(name)  # KeyError(name) for a topic there is not
         log.info("TOPIC(%s): deleting", name)
         topic.exit()
         for channel_name in list(topic.channels):

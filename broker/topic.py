@@ -353,9 +353,7 @@ class Topic:
         return self.channels.get(name)
 
     def delete_channel(self, name: str) -> None:
-        channel = self.channels.pop(name, None)
-        if channel is None:
-            raise KeyError(name)
+        channel = self.channels.pop(name)  # KeyError(name) for a channel there is not
         channel.exit()
         log.info("TOPIC(%s): deleting channel %s", self.name, name)
         for client in list(channel.clients.values()):
