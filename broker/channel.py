@@ -586,7 +586,10 @@ class Channel:
             return False
         due = self.deferred.pop_expired(now)
         for msg in due:
-            self._requeue(msg)
+            if self.max_attempts and msg.attempts >= self.max_attempts:
+                self._dead_letter([msg], "deferred")  # its move was put off: not delivered again
+            else:
+                self._requeue(msg)
         return bool(due)
 
     # --- clients ------------------------------------------------------------------------------

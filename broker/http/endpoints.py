@@ -423,7 +423,7 @@ class Api:
             self._check_resolves(topic.settings, changes, topic.name, "")
             topic.settings.update(changes)
             topic.apply_settings()
-            await self._settings_persisted(f"TOPIC({topic.name})", changes)
+            await self._settings_persisted(f"TOPIC({topic.name})", changes, topic)
         resolved = resolve(self.options, topic.settings, topic=topic.name)
         return ok_json({"topic": topic.name, "config": topic.settings.to_json(), "effective": _effective(resolved)})
 
@@ -436,7 +436,7 @@ class Api:
             self._check_resolves(channel.settings, changes, topic.name, channel.name, topic.settings)
             channel.settings.update(changes)
             topic.apply_settings()
-            await self._settings_persisted(f"CHANNEL({topic.name}:{channel.name})", changes)
+            await self._settings_persisted(f"CHANNEL({topic.name}:{channel.name})", changes, topic)
         resolved = resolve(self.options, channel.settings, topic.settings, topic=topic.name, channel=channel.name)
         return ok_json({"topic": topic.name, "channel": channel.name, "config": channel.settings.to_json(),
                         "effective": _effective(resolved)})
@@ -460,13 +460,18 @@ class Api:
             log.info("CHANNEL(%s:%s): config refused - max_attempts without a dead_letter_topic", topic, channel)
             raise HTTPError(400, "MISSING_ARG_DEAD_LETTER_TOPIC")
 
-    async def _settings_persisted(self, what: str, changes: dict[str, Any]) -> None:
+    async def _settings_persisted(self, what: str, changes: dict[str, Any], topic: Topic) -> None:
+        """nsqd.dat, and the dead-letter topics the topic's channels now have, on disk before the answer."""
         log.info("%s: config %s", what, ", ".join(f"{key}={'' if v is None else v}" for key, v in changes.items()))
         try:
             await self.nsqd.persist_metadata_now()
         except OSError as exc:
             log.error("failed to persist metadata - %s", exc)
             raise HTTPError(500, "INTERNAL_ERROR") from None
+        for name in {ch.dead_letter_topic for ch in topic.channels.values() if ch.max_attempts or ch.expired_to_dead_letter}:
+            dead = self.nsqd.get_existing_topic(name)
+            if dead is not None:
+                await self._persisted(dead, f"TOPIC({name})")
 
     async def channel_redrive(self, req: Request, params: Mapping[str, str]) -> Reply:
         """Move what the channel's dead-letter topic holds (queued in its DEAD_LETTERS_CHANNEL) back into
