@@ -353,8 +353,12 @@ class Topic:
 
     def dead_letters_channel(self) -> Channel:
         """The channel a dead-letter topic keeps its messages in for a re-drive, made with the settings
-        that name the topic (so it is on disk before a message is moved) or at the first dead letter."""
-        return self.get_channel(DEAD_LETTERS_CHANNEL)
+        that name the topic (so it is on disk before a message is moved) or at the first dead letter; a
+        round is asked for at once while its cursor is not on disk yet."""
+        channel = self.get_channel(DEAD_LETTERS_CHANNEL)
+        if channel.reader is not None and not channel.reader.on_disk:
+            self.group.file_changed()
+        return channel
 
     def publish_dead_letters(self, bodies: list[bytes]) -> int:
         """Dead letters from another topic's channel: into the log at once, whatever the memory queue's

@@ -190,3 +190,23 @@ def test_an_expired_message_is_not_delivered(broker_factory):
         [msg] = conn.expect_messages(1)
         assert msg.body == b"fresh"
     assert channel_stats(broker, "t", "c")["expired_count"] == 1
+
+
+def test_the_flags_give_every_channel_its_limit_and_dead_letter_topic(broker_factory):
+    """--max-attempts with no setting: a channel made by SUB gets its dead-letter topic with it."""
+    broker = broker_factory(max_attempts=2)
+    post(broker, "/pub", topic="t", content=b"poison").raise_for_status()
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.identify()
+        conn.sub("t", "c")
+        conn.rdy(1)
+        for attempt in (1, 2):
+            [msg] = conn.expect_messages(1)
+            assert msg.attempts == attempt
+            conn.req(msg.id, 0)
+        conn.expect_no_frame(0.3)  # not delivered a third time
+    # moved at once, or a second later if its dead-letter channel's first round had not ended yet
+    wait_for(lambda: channel_stats(broker, "t", "c")["dead_lettered_count"] == 1)
+    assert channel_stats(broker, "t-c-dlq", "dead-letters")["depth"] == 1
+    reply = broker.get("/channel/config?topic=t&channel=c").json()
+    assert reply["config"] == {} and reply["effective"]["max_attempts"] == 2
