@@ -36,7 +36,7 @@ _INTEGER = {"type": "integer", "format": "int64"}
 _BOOL = {"type": "boolean"}
 
 
-_SETTINGS = {
+_SETTINGS: dict[str, tuple[str, dict]] = {
     "mem_queue_size": ("messages kept in memory before the log", _INTEGER),
     "max_depth": ("most messages queued (0: no limit)", _INTEGER),
     "depth_policy": ("refuse (publishes past max_depth: E_PUB_FAILED, 503 TOPIC_FULL) or drop-oldest",
