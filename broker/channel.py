@@ -15,6 +15,7 @@ it was. A message from memory has none (-1): it lives in memory only, as in nsqd
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -27,6 +28,7 @@ from trio_nsq.broker.log_reader import LogReader
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
 from trio_nsq.broker.quantile import Quantile
+from trio_nsq.broker.queue_settings import QueueSettings, Resolved
 from trio_nsq.broker.segment_log import POS_SHIFT
 from trio_nsq.shared.names import is_ephemeral
 
@@ -97,7 +99,18 @@ class Channel:
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
-        self.dropped_count = 0  # ephemeral overflow, as nsqd's dummy backend discards it
+        self.dropped_count = 0  # ephemeral overflow, as nsqd's dummy backend discards it; drop-oldest
+        # not in nsqd: what POST /channel/config set here, and what the channel obeys (Topic.apply_settings)
+        self.settings = QueueSettings()
+        self.max_depth = 0  # 0: no limit
+        self.refuse_when_full = True
+        self.ttl_ns = 0  # 0: messages do not expire
+        self.expired_to_dead_letter = False
+        self.max_attempts = 0  # 0: no limit
+        self.dead_letter_topic = ""
+        self.dead_lettered_count = 0
+        self.expired_count = 0
+        self.refused_count = 0  # publishes refused because this channel was at its maximum depth
 
         # e2e processing latency (FIN time - publish time), when percentiles are configured
         self.e2e: Quantile | None = None
@@ -108,6 +121,19 @@ class Channel:
 
     def __repr__(self) -> str:
         return f"Channel({self.topic_name}:{self.name})"
+
+    def apply(self, resolved: Resolved) -> None:
+        """The settings to obey now (the topic resolves them from the channel's, its own and the flags)."""
+        self.mem_queue_size = resolved.mem_queue_size
+        self.max_depth = resolved.max_depth
+        self.refuse_when_full = resolved.refuse_when_full
+        self.ttl_ns = int(resolved.message_ttl * 1e9)
+        self.expired_to_dead_letter = resolved.expired_to_dead_letter
+        self.dead_letter_topic = resolved.dead_letter_topic
+        # no dead-letter topic (a default name would be too long): attempts are not limited
+        self.max_attempts = resolved.max_attempts if resolved.dead_letter_topic else 0
+        if self.max_depth and not self.refuse_when_full:
+            self._drop_over_depth()
 
     # --- depth --------------------------------------------------------------------------------
 
@@ -184,6 +210,8 @@ class Channel:
                 self.dropped_count += len(rest)
             else:
                 self._store(rest)
+        if self.max_depth and not self.refuse_when_full:
+            self._drop_over_depth()
         if self.waiters:
             self._wake_waiters()
 
@@ -216,8 +244,44 @@ class Channel:
 
     def logs_grew(self) -> None:
         """The topic appended to its log (and handed it over): consumers waiting may take it."""
+        if self.max_depth and not self.refuse_when_full:
+            self._drop_over_depth()
         if self.waiters:
             self._wake_waiters()
+
+    def full_for(self, n: int, topic_depth: int) -> bool:
+        """A publish of n messages would take this channel past its maximum depth and its policy is to
+        refuse it (counted): what waits in the topic counts, as it is on its way here."""
+        if self.max_depth and self.refuse_when_full and self.depth() + topic_depth + n > self.max_depth:
+            self.refused_count += 1
+            return True
+        return False
+
+    def _drop_over_depth(self) -> None:
+        """drop-oldest: what is queued past the maximum depth goes, oldest first (the memory queue holds
+        what came before what went to the log), finished where it was read from a log, counted dropped.
+        Its own queue (requeued and reclaimed messages) is left alone."""
+        over = self.depth() - self.max_depth
+        if over <= 0:
+            return
+        memory = self.memory
+        positions: list[int] = []
+        dropped = 0
+        while over > 0 and memory:
+            msg = memory.popleft()
+            if msg.pos >= 0:
+                positions.append(msg.pos)
+            dropped += 1
+            over -= 1
+        if positions:
+            self._finish(positions)
+        reader = self.reader
+        if over > 0 and reader is not None:
+            end_index = self.topic.dispatched_index()
+            before = reader.dropped
+            reader.skip_to_lag(end_index, self.topic.dispatched_position(), max(0, reader.depth(end_index) - over))
+            dropped += reader.dropped - before
+        self.dropped_count += dropped
 
     def _keep_up(self) -> None:
         """An ephemeral channel too far behind drops the oldest, as its memory queue would have no room
@@ -270,7 +334,40 @@ class Channel:
         while memory and len(out) < n:
             out.append(memory.popleft())
         self._read(out, n)
+        if self.ttl_ns and out:
+            out = self._unexpired(out, n)
         return out
+
+    def _unexpired(self, out: list[Message], n: int) -> list[Message]:
+        """A message older than the TTL is not delivered: finished here, or dead-lettered, and counted;
+        more are taken in its place."""
+        cutoff = int(self.clock() * 1e9) - self.ttl_ns
+        fresh: list[Message] = []
+        while out:
+            expired: list[Message] = []
+            for msg in out:
+                if msg.timestamp >= cutoff:
+                    fresh.append(msg)
+                else:
+                    expired.append(msg)
+            if not expired:
+                break
+            self.expired_count += len(expired)
+            if self.expired_to_dead_letter and self.dead_letter_topic:
+                self._dead_letter(expired, "expired")
+            else:
+                positions = [msg.pos for msg in expired if msg.pos >= 0]
+                if positions:
+                    self._finish(positions)
+            want = n - len(fresh)
+            if want <= 0:
+                break
+            out = []
+            self._read(out, want)
+            memory = self.memory
+            while memory and len(out) < want:
+                out.append(memory.popleft())
+        return fresh
 
     def _read(self, out: list[Message], limit: int) -> None:
         reader = self.reader
@@ -349,10 +446,54 @@ class Channel:
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)
         self.requeue_count += 1
-        if timeout <= 0:
+        if self.max_attempts and msg.attempts >= self.max_attempts:
+            self._dead_letter([msg], "requeued")
+        elif timeout <= 0:
             self._requeue(msg)
         else:
             self._defer(msg, timeout)
+
+    def _dead_letter(self, msgs: list[Message], why: str) -> None:
+        """Past its maximum attempts (or expired, when so set): to the dead-letter topic's log first, then
+        finished here, so a crash between the two leaves it in both (at least once), never in neither.
+        What the dead-letter topic could not store stays here, deferred for a retry."""
+        stored = self.topic.dead_letter(self.dead_letter_topic, [msg.body for msg in msgs])
+        for msg in msgs[stored:]:  # the dead-letter topic is not ready (or failed): again in a moment
+            self._defer(msg, RETRY_DELAY)
+        if stored:
+            self.dead_lettered_count += stored
+            positions = [msg.pos for msg in msgs[:stored] if msg.pos >= 0]
+            if positions:
+                self._finish(positions)
+            log.info("CHANNEL(%s:%s): %d %s messages to dead-letter topic %s",
+                     self.topic_name, self.name, stored, why, self.dead_letter_topic)
+
+    def redrive_from(self, dead: Channel, limit: int) -> int:
+        """Up to `limit` messages queued in `dead` (a dead-letter topic's channel) back into this channel,
+        attempts reset: into its own queue (an ephemeral channel's memory), then finished there, so a
+        crash between the two repeats them (at least once) and loses none. How many moved."""
+        msgs = dead.take(limit)
+        if not msgs:
+            return 0
+        copies = [Message(msg.id, msg.body, msg.timestamp, 0) for msg in msgs]
+        stored = len(copies)
+        own = self._own()
+        if own is not None:
+            try:
+                own.append([msg.encode() for msg in copies], [])
+            except BackendError as exc:
+                stored = exc.stored
+                log.error("CHANNEL(%s): failed to redrive %d messages - %s", self.name, len(msgs) - stored, exc)
+        else:
+            self.memory.extend(copies)
+        positions = [msg.pos for msg in msgs[:stored] if msg.pos >= 0]
+        if positions:
+            dead._finish(positions)
+        for msg in msgs[stored:]:
+            dead._requeue(msg)
+        if self.waiters:
+            self._wake_waiters()
+        return stored
 
     def drop_sampled(self, msg: Message) -> None:
         """A consumer's --sample-rate left this message out: as nsqd, it is done with."""
@@ -434,7 +575,10 @@ class Channel:
             client = self.clients.get(msg.client_id)
             if client is not None:
                 client.timed_out_message()
-            self._requeue(msg)
+            if self.max_attempts and msg.attempts >= self.max_attempts:
+                self._dead_letter([msg], "timed out")
+            else:
+                self._requeue(msg)
         return bool(expired)
 
     def process_deferred_queue(self, now: float) -> bool:
@@ -442,7 +586,10 @@ class Channel:
             return False
         due = self.deferred.pop_expired(now)
         for msg in due:
-            self._requeue(msg)
+            if self.max_attempts and msg.attempts >= self.max_attempts:
+                self._dead_letter([msg], "deferred")  # its move was put off: not delivered again
+            else:
+                self._requeue(msg)
         return bool(due)
 
     # --- clients ------------------------------------------------------------------------------

@@ -100,6 +100,9 @@ class LogReader:
         self._meta_at = -META_INTERVAL  # an own log's metadata: when last written (a round's monotonic time)
         self._timestamp_of: tuple[int, int | None] = (-1, None)
         self.cursor = self._load(start)
+        # its cursor file is on disk: what the log holds past it is found again after a kill -9 (a
+        # reader made since the last round would start at the log's end)
+        self.on_disk = not self._snapshot_due
         self.reader = segments.reader(self.cursor.read_pos, self.cursor.read_index)
         if group is not None:
             group.members.append(self)
@@ -307,6 +310,7 @@ class LogReader:
 
     def finished(self, plan: RoundPlan, ok: bool) -> None:
         if ok:
+            self.on_disk = not self._snapshot_due
             self._removing = []
             self._taken = []
             return

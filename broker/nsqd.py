@@ -23,6 +23,7 @@ from trio_nsq.broker.options import Options
 from trio_nsq.broker.v2_poller import V2Poller
 from trio_nsq.broker.protocol_v2 import ProtocolV2
 from trio_nsq.broker.queue_scan import queue_scan_loop
+from trio_nsq.broker.queue_settings import QueueSettings
 from trio_nsq.broker.statsd import statsd_loop
 from trio_nsq.broker.tls import build_server_context, tls_required, tls_required_http
 from trio_nsq.broker.topic import Topic
@@ -64,6 +65,7 @@ class NSQD:
         self.health_error: str | None = None
         self._nursery: trio.Nursery | None = None
         self._persist_wanted = trio.Event()
+        self._metadata_lock = trio.Lock()  # one nsqd.dat write at a time
         self._lock_fd: int | None = None
         self._unix_paths: list[str] = []
         self._loading = False
@@ -263,9 +265,11 @@ class NSQD:
             if topic.ephemeral:
                 continue
             channels = [
-                {"name": ch.name, "paused": ch.paused} for ch in topic.channels.values() if not ch.ephemeral
+                _with_settings({"name": ch.name, "paused": ch.paused}, ch.settings)
+                for ch in topic.channels.values() if not ch.ephemeral
             ]
-            topics.append({"name": topic.name, "paused": topic.paused, "channels": channels or None})
+            entry = {"name": topic.name, "paused": topic.paused, "channels": channels or None}
+            topics.append(_with_settings(entry, topic.settings))
         return {"topics": topics or None, "version": VERSION}
 
     def _metadata_bytes(self) -> bytes:
@@ -279,11 +283,16 @@ class NSQD:
         while True:
             await self._persist_wanted.wait()
             self._persist_wanted = trio.Event()
-            data = self._metadata_bytes()
             try:
-                await trio.to_thread.run_sync(self._write_metadata, data)
+                await self.persist_metadata_now()
             except OSError as exc:
                 log.error("failed to persist metadata - %s", exc)
+
+    async def persist_metadata_now(self) -> None:
+        """Write nsqd.dat now and return once it is on disk (a settings change is answered after it);
+        one write at a time, as they share a temporary file name. Raises OSError."""
+        async with self._metadata_lock:
+            await trio.to_thread.run_sync(self._write_metadata, self._metadata_bytes())
 
     def write_metadata_now(self) -> None:
         self._write_metadata(self._metadata_bytes())
@@ -311,7 +320,13 @@ class NSQD:
                 topic = self.get_topic(t["name"])
                 topic.paused = bool(t.get("paused"))
                 for c in _valid(t.get("channels") or (), is_valid_channel_name, "channel"):
-                    topic.get_channel(c["name"]).paused = bool(c.get("paused"))
+                    channel = topic.get_channel(c["name"])
+                    channel.paused = bool(c.get("paused"))
+                    if "config" in c:
+                        channel.settings = QueueSettings.from_json(c["config"])
+                if "config" in t or any("config" in c for c in t.get("channels") or ()):
+                    topic.settings = QueueSettings.from_json(t.get("config"))
+                    topic.apply_settings()
         finally:
             self._loading = False
 
@@ -338,6 +353,14 @@ class NSQD:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _with_settings(entry: dict[str, Any], settings: QueueSettings) -> dict[str, Any]:
+    """A topic's or channel's nsqd.dat entry, with what was set on it under "config" (not in nsqd, which
+    ignores the key; nothing is added where nothing is set, so the file stays Go's byte for byte)."""
+    if not settings.is_empty():
+        entry["config"] = settings.to_json()
+    return entry
 
 
 def _valid(entries: Any, is_valid: Callable[[str], bool], kind: str) -> Iterator[dict[str, Any]]:

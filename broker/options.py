@@ -40,6 +40,11 @@ class Options:
     # a channel can seek back (/channel/seek); 0 and 0: a segment goes once every channel is past it
     retention_time: float = option(0.0, "keep a topic's finished messages this long for /channel/seek (0: not at all)", kind="duration")
     retention_bytes: int = option(0, "keep up to this many bytes of a topic's log for /channel/seek (0: no size limit of its own)")
+    # not in Go nsqd: the defaults of what POST /topic/config and /channel/config set per topic/channel
+    max_depth: int = option(0, "most messages a channel (or a topic without channels) queues (0: no limit)")
+    depth_policy: str = option("refuse", "what a publish past --max-depth gets: 'refuse' (E_PUB_FAILED, HTTP 503) or 'drop-oldest'")
+    message_ttl: float = option(0.0, "a message older than this is not delivered (0: messages do not expire)", kind="duration")
+    max_attempts: int = option(0, "deliveries after which a requeued or timed-out message goes to its channel's dead-letter topic (0: no limit)")
 
     queue_scan_interval: float = option(0.1, "how often the queue scan loop runs", kind="duration")
     queue_scan_refresh_interval: float = option(5.0, "how often the set of scanned channels is refreshed", kind="duration")
@@ -127,6 +132,14 @@ class Options:
             raise ValueError("--retention-time must be >= 0")
         if self.retention_bytes < 0:
             raise ValueError("--retention-bytes must be >= 0")
+        if self.max_depth < 0:
+            raise ValueError("--max-depth must be >= 0")
+        if self.depth_policy not in ("refuse", "drop-oldest"):
+            raise ValueError("--depth-policy must be 'refuse' or 'drop-oldest'")
+        if self.message_ttl < 0:
+            raise ValueError("--message-ttl must be >= 0")
+        if not 0 <= self.max_attempts <= 0xFFFF:
+            raise ValueError("--max-attempts must be [0,65535]")
         if self.max_idempotency_keys < 1:
             raise ValueError("--max-idempotency-keys must be >= 1")
         for value in self.e2e_processing_latency_percentiles:

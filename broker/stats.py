@@ -132,6 +132,11 @@ class ChannelStats:
     # the age of its oldest unfinished message (0: none)
     lag_messages: int = 0
     oldest_unfinished_age_ms: int = 0
+    # not in nsqd: what the channel's settings did (broker/queue_settings.py)
+    dead_lettered_count: int = 0
+    expired_count: int = 0
+    refused_count: int = 0
+    dropped_count: int = 0
 
 
 @attrs.define
@@ -269,6 +274,10 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
         e2e_processing_latency=NO_LATENCY if channel.e2e is None else E2eLatency.from_result(channel.e2e.result()),
         lag_messages=depth + in_flight + deferred,
         oldest_unfinished_age_ms=_age_ms(channel.oldest_unfinished_timestamp()),
+        dead_lettered_count=channel.dead_lettered_count,
+        expired_count=channel.expired_count,
+        refused_count=channel.refused_count,
+        dropped_count=channel.dropped_count,
     )
 
 

@@ -73,6 +73,10 @@ _FIGURES: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("client_count", "client_count", "Consumers connected to the channel."),
         _PAUSED,
         ("lag_messages", "lag_messages", "Messages the channel has not finished (queued, in flight, deferred)."),
+        ("dead_lettered_total", "dead_lettered_count", "Messages sent to the channel's dead-letter topic."),
+        ("expired_total", "expired_count", "Messages past their TTL, not delivered."),
+        ("refused_total", "refused_count", "Publishes refused because the channel was at its maximum depth."),
+        ("dropped_total", "dropped_count", "Messages dropped for room (drop-oldest, an ephemeral channel's overflow)."),
     ),
     "client": (
         ("ready_count", "ready_count", "The consumer's RDY count."),

@@ -74,7 +74,10 @@ def stats_text(stats: NsqdStats) -> str:
         for c in t.channels:
             counts = (f"inflt: {c.in_flight_count:<4} def: {c.deferred_count:<4} re-q: {c.requeue_count:<5} "
                       f"timeout: {c.timeout_count:<5} ")
-            out += f"{'   *P ' if c.paused else '      '}{_queue_text(c.channel_name, 25, c, counts)}\n"
+            extra = "".join(f" {label}: {value}" for label, value in (
+                ("dead-lettered", c.dead_lettered_count), ("expired", c.expired_count),
+                ("refused", c.refused_count), ("dropped", c.dropped_count)) if value)
+            out += f"{'   *P ' if c.paused else '      '}{_queue_text(c.channel_name, 25, c, counts)}{extra}\n"
             for client in c.clients or ():
                 out += f"        {_client_text(client, now)}\n"
     if not stats.producers:

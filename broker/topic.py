@@ -28,6 +28,7 @@ from trio_nsq.broker.idempotency import IdempotencyKeys
 from trio_nsq.broker.log_reader import LogReader
 from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.quantile import Quantile
+from trio_nsq.broker.queue_settings import QueueSettings, resolve
 from trio_nsq.broker.segment_log import SegmentLog
 from trio_nsq.broker.sync_group import SyncGroup
 from trio_nsq.broker.topic_log import TopicLog
@@ -55,12 +56,21 @@ class TopicOwner(Protocol):
 
     def delete_topic(self, name: str) -> None: ...
 
+    def get_topic(self, name: str) -> Topic: ...
+
+
+class TopicFull(BackendError):
+    """A publish would take the topic, or one of its channels, past its maximum depth, and the policy
+    there is to refuse (E_PUB_FAILED over TCP, 503 TOPIC_FULL over HTTP)."""
+
 
 log = logging.getLogger("nsqd")
 
 # How many messages the pump moves per scheduling round: large enough to amortise the await,
 # small enough that consumers' pumps get to run between rounds.
 PUMP_BATCH = 512
+# the channel a dead-letter topic gets, so what it receives waits for a re-drive (POST /channel/redrive)
+DEAD_LETTERS_CHANNEL = "dead-letters"
 
 
 @attrs.frozen
@@ -85,6 +95,9 @@ class Topic:
         self.ephemeral = is_ephemeral(name)
         opts = nsqd.options
         self.clock = nsqd.clock
+        # publish timestamps (unix ns): the wall clock's, or the owner's clock where it has its own (a
+        # test's MockClock), so that a message TTL is measured on one clock
+        self.now_ns: Callable[[], int] = time.time_ns if self.clock is time.time else self._clock_ns
         self.mem_queue_size = opts.mem_queue_size
         self.sync_every = opts.sync_every
         self.max_bytes_per_file = opts.max_bytes_per_file
@@ -114,13 +127,24 @@ class Topic:
 
         self.message_count = 0
         self.message_bytes = 0
+        # not in nsqd: what POST /topic/config set here (apply_settings), and what the topic obeys
+        self.settings = QueueSettings()
+        self.max_depth = 0  # for a topic without channels; its channels have their own
+        self.refuse_when_full = True
+        self.limited = False  # the topic or a channel has a maximum depth: publish checks it
+        self.refused_count = 0
+        self.dropped_count = 0
 
         self._receiving = False  # the pump waits for messages and has room for them
         self._wake = trio.Event()
         self._scope: trio.CancelScope | None = None
+        self.apply_settings()
 
     def __repr__(self) -> str:
         return f"Topic({self.name})"
+
+    def _clock_ns(self) -> int:
+        return int(self.clock() * 1e9)
 
     # --- task ---------------------------------------------------------------------------------
 
@@ -232,9 +256,11 @@ class Topic:
         (the caller awaits it, or a TCP connection once for all the publishes of one read)."""
         if self.exiting:
             raise BackendError("exiting")
+        if self.limited:
+            self._admit(len(bodies))
         # ids made in one batch, and one timestamp for the batch (a clock read per message cost more)
         ids = self.guid.new_ids(len(bodies))
-        now = time.time_ns()
+        now = self.now_ns()
         room = self._memory_room()
         if self.log is None:
             written = 0
@@ -270,8 +296,88 @@ class Topic:
                 self._hand(PUMP_BATCH)
             if self.memory:
                 self._wake.set()
+        if self.max_depth and not self.refuse_when_full and not self.channels:
+            self._drop_over_depth()
         sync = self.group if written and self.sync_every == 1 else None
         return Published(len(bodies), sync, sync is not None and written == len(bodies))
+
+    def _admit(self, n: int) -> None:
+        """Raises TopicFull when n more messages would pass a maximum depth whose policy is to refuse:
+        a channel's (what waits in the topic counts), or the topic's own while it has no channel."""
+        depth = self.depth()
+        if self.channels:
+            for channel in self.channels.values():
+                if channel.full_for(n, depth):
+                    raise TopicFull(f"channel {channel.name} is at its maximum depth {channel.max_depth}")
+        elif self.max_depth and self.refuse_when_full and depth + n > self.max_depth:
+            self.refused_count += 1
+            raise TopicFull(f"topic {self.name} is at its maximum depth {self.max_depth}")
+
+    def _drop_over_depth(self) -> None:
+        """drop-oldest for a topic without channels: its memory queue's oldest go (counted); what it wrote
+        to its log waits there for a channel."""
+        memory = self.memory
+        while len(memory) > self.max_depth:
+            memory.popleft()
+            self.dropped_count += 1
+
+    def apply_settings(self) -> None:
+        """Its settings or the flags' changed: what the topic and each channel obey, resolved again."""
+        opts = self.nsqd.options
+        resolved = resolve(opts, self.settings, topic=self.name)
+        self.mem_queue_size = resolved.mem_queue_size
+        self.max_depth = resolved.max_depth
+        self.refuse_when_full = resolved.refuse_when_full
+        for channel in list(self.channels.values()):
+            self._apply(channel)
+        self._limits_changed()
+
+    def _apply(self, channel: Channel) -> None:
+        """What the channel obeys, resolved; its dead-letter topic made now if it has one, so that it is on
+        disk before the first message goes there. A dead-letter topic's own channel neither limits
+        attempts nor expires what it keeps."""
+        channel.apply(resolve(self.nsqd.options, channel.settings, self.settings, topic=self.name, channel=channel.name))
+        if channel.name == DEAD_LETTERS_CHANNEL:
+            channel.max_attempts = 0
+            channel.ttl_ns = 0
+        elif channel.max_attempts or (channel.expired_to_dead_letter and channel.dead_letter_topic):
+            self.nsqd.get_topic(channel.dead_letter_topic).dead_letters_channel()
+
+    def _limits_changed(self) -> None:
+        self.limited = bool(self.max_depth) or any(channel.max_depth for channel in self.channels.values())
+
+    def dead_letter(self, topic_name: str, bodies: list[bytes]) -> int:
+        """A channel's messages past their attempts (or expired) to the dead-letter topic; how many it
+        stored."""
+        return self.nsqd.get_topic(topic_name).publish_dead_letters(bodies)
+
+    def dead_letters_channel(self) -> Channel:
+        """The channel a dead-letter topic keeps its messages in for a re-drive, made with the settings
+        that name the topic (so it is on disk before a message is moved) or at the first dead letter; a
+        round is asked for at once while its cursor is not on disk yet."""
+        channel = self.get_channel(DEAD_LETTERS_CHANNEL)
+        if channel.reader is not None and not channel.reader.on_disk:
+            self.group.file_changed()
+        return channel
+
+    def publish_dead_letters(self, bodies: list[bytes]) -> int:
+        """Dead letters from another topic's channel: into the log at once, whatever the memory queue's
+        room (a kill -9 keeps them, and the channel finishes them only after); new ids, attempts 0. How
+        many were stored (a failure is logged). None until the DEAD_LETTERS_CHANNEL's cursor is on disk:
+        a kill -9 before would restart it at the log's end, past them (a round is asked for)."""
+        if self.log is None or self.exiting:
+            log.error("TOPIC(%s): cannot take %d dead letters (%s)", self.name, len(bodies),
+                      "exiting" if self.exiting else "ephemeral")
+            return 0
+        reader = self.dead_letters_channel().reader
+        if reader is None or not reader.on_disk:
+            self.group.file_changed()
+            return 0
+        try:
+            return self._write(self.guid.new_ids(len(bodies)), bodies, self.now_ns(), 0.0)
+        except BackendError as exc:
+            log.error("TOPIC(%s): failed to store %d dead letters - %s", self.name, len(bodies) - exc.stored, exc)
+            return exc.stored
 
     def _write(self, ids: list[bytes], bodies: Sequence[bytes], now: int, deferred: float) -> int:
         """Into the log, in one write, with no Message made only to be encoded."""
@@ -323,9 +429,11 @@ class Topic:
                 reader = self.log.reader_for(f"{self.name}:{name}", durable=not ephemeral)
             channel = Channel(self, name, self.mem_queue_size, reader, partial(self._open_own, name), self.clock)
             opts = self.nsqd.options
+            self._apply(channel)
             if opts.e2e_processing_latency_percentiles:
                 channel.e2e = Quantile(opts.e2e_processing_latency_window_time, opts.e2e_processing_latency_percentiles)
             self.channels[name] = channel
+            self._limits_changed()
             log.info("TOPIC(%s): new channel(%s)", self.name, name)
             self.nsqd.notify_channel(channel, created=True)
             self._wake.set()
@@ -355,6 +463,7 @@ class Topic:
     def delete_channel(self, name: str) -> None:
         channel = self.channels.pop(name)  # KeyError(name) for a channel there is not
         channel.exit()
+        self._limits_changed()
         log.info("TOPIC(%s): deleting channel %s", self.name, name)
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)

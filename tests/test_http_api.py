@@ -658,7 +658,8 @@ def test_openapi_document_covers_every_endpoint(http):
     expected = {"/ping": "get", "/info": "get", "/pub": "post", "/mpub": "post", "/stats": "get",
                 "/metrics": "get", "/openapi.json": "get", "/config/{opt}": "put"}
     expected.update({f"/topic/{a}": "post" for a in ("create", "delete", "empty", "pause", "unpause")})
-    expected.update({f"/channel/{a}": "post" for a in ("create", "delete", "empty", "pause", "unpause")})
+    expected.update({f"/channel/{a}": "post" for a in ("create", "delete", "empty", "pause", "unpause", "redrive")})
+    expected.update({"/topic/config": "post", "/channel/config": "post"})
     for path, method in expected.items():
         assert method in doc["paths"][path], path
         responses = doc["paths"][path][method]["responses"]

@@ -39,14 +39,15 @@ def client_doc(c: ClientStats) -> dict:
 
 
 def channel(name: str, clients: tuple[ClientStats, ...] | None, e2e: E2eLatency = E2eLatency()) -> ChannelStats:
-    return ChannelStats(name, 1, 2, 3, 4, 5, 6, 7, len(clients or ()), clients, True, e2e, 8, 9)
+    return ChannelStats(name, 1, 2, 3, 4, 5, 6, 7, len(clients or ()), clients, True, e2e, 8, 9, 10, 11, 12, 13)
 
 
 def channel_doc(c: ChannelStats, e2e: dict = NO_E2E) -> dict:
     return {"channel_name": c.channel_name, "depth": 1, "backend_depth": 2, "in_flight_count": 3, "deferred_count": 4,
             "message_count": 5, "requeue_count": 6, "timeout_count": 7, "client_count": c.client_count,
             "clients": None if c.clients is None else [client_doc(x) for x in c.clients], "paused": True,
-            "e2e_processing_latency": e2e, "lag_messages": 8, "oldest_unfinished_age_ms": 9}
+            "e2e_processing_latency": e2e, "lag_messages": 8, "oldest_unfinished_age_ms": 9,
+            "dead_lettered_count": 10, "expired_count": 11, "refused_count": 12, "dropped_count": 13}
 
 
 def topic(name: str, channels: tuple[ChannelStats, ...], e2e: E2eLatency = E2eLatency()) -> TopicStats:

@@ -30,6 +30,7 @@ class Owner:
             setattr(self.options, key, value)
         self.strict = strict
         self.health: list[str | None] = []
+        self.topics: dict[str, Topic] = {}  # those made through get_topic (dead-letter topics)
 
     def set_health(self, error: str | None) -> None:
         assert not (self.strict and error is not None), error
@@ -43,6 +44,12 @@ class Owner:
 
     def delete_topic(self, name: str) -> None:
         return None
+
+    def get_topic(self, name: str) -> Topic:
+        topic = self.topics.get(name)
+        if topic is None:
+            topic = self.topics[name] = Topic(self, name)
+        return topic
 
 
 def kill(topic: Topic) -> None:

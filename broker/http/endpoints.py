@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import trio
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.channel import Channel
@@ -22,7 +23,8 @@ from trio_nsq.broker.stats import get_stats, health
 from trio_nsq.broker.stats_json import stats_json
 from trio_nsq.broker.stats_prometheus import prometheus_text
 from trio_nsq.broker.stats_text import stats_text
-from trio_nsq.broker.topic import Published, Topic
+from trio_nsq.broker.queue_settings import KEYS, QueueSettings, Resolved, SettingsError, parse_updates, resolve
+from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Published, Topic, TopicFull
 from trio_nsq.broker.topic_log import SeekError
 from trio_nsq.shared.http_api import (
     EMPTY,
@@ -39,6 +41,7 @@ from trio_nsq.shared.http_api import (
 )
 from trio_nsq.shared.http_server import Request
 from trio_nsq.shared.logs import GO_LOG_LEVELS, parse_level
+from trio_nsq.shared.options import format_duration
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import FatalClientError, parse_mpub_body, topology_fields
 from trio_nsq.shared.version import VERSION
@@ -47,6 +50,8 @@ log = logging.getLogger("nsqd")
 
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+REDRIVE_BATCH = 512  # messages moved between two checkpoints of a re-drive
 
 QUERY_CACHE = 1024  # distinct query strings kept parsed, each of at most QUERY_CACHE_KEY bytes
 QUERY_CACHE_KEY = 512
@@ -281,6 +286,9 @@ class Api:
         """Topic.publish, its failure as nsqd answers it; what is left to await is in the result."""
         try:
             return topic.publish(bodies, deferred)
+        except TopicFull as exc:
+            log.info("TOPIC(%s): HTTP %s refused - %s", topic.name, what, exc)
+            raise HTTPError(503, "TOPIC_FULL") from None
         except BackendError as exc:
             log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
             raise HTTPError(503, "EXITING") from None
@@ -404,6 +412,98 @@ class Api:
     async def channel_unpause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return self._set_paused(self._existing_channel(req), False)
 
+    # --- settings per topic and channel, dead letters (not in nsqd) --------------------------
+
+    async def topic_config(self, req: Request, params: Mapping[str, str]) -> Reply:
+        """GET: what is set on the topic and what it obeys; POST: set (or, with an empty value, unset)
+        any of queue_settings.KEYS, persisted before the answer. Its channels follow what they do not set."""
+        topic = self._existing_topic(self._topic_name(req))
+        if req.method == "POST":
+            changes = self._settings_changes(req, topic.name, "")
+            self._check_resolves(topic.settings, changes, topic.name, "")
+            topic.settings.update(changes)
+            topic.apply_settings()
+            await self._settings_persisted(f"TOPIC({topic.name})", changes, topic)
+        resolved = resolve(self.options, topic.settings, topic=topic.name)
+        return ok_json({"topic": topic.name, "config": topic.settings.to_json(), "effective": _effective(resolved)})
+
+    async def channel_config(self, req: Request, params: Mapping[str, str]) -> Reply:
+        """/topic/config for one channel: what it sets wins over its topic's settings."""
+        channel = self._existing_channel(req)
+        topic = channel.topic
+        if req.method == "POST":
+            changes = self._settings_changes(req, topic.name, channel.name)
+            self._check_resolves(channel.settings, changes, topic.name, channel.name, topic.settings)
+            channel.settings.update(changes)
+            topic.apply_settings()
+            await self._settings_persisted(f"CHANNEL({topic.name}:{channel.name})", changes, topic)
+        resolved = resolve(self.options, channel.settings, topic.settings, topic=topic.name, channel=channel.name)
+        return ok_json({"topic": topic.name, "channel": channel.name, "config": channel.settings.to_json(),
+                        "effective": _effective(resolved)})
+
+    def _settings_changes(self, req: Request, topic: str, channel: str) -> dict[str, Any]:
+        try:
+            return parse_updates(self._params(req), topic=topic, channel=channel)
+        except SettingsError as exc:
+            log.info("TOPIC(%s): config refused - %s", topic, exc)
+            raise HTTPError(400, str(exc)) from None
+
+    def _check_resolves(self, settings: QueueSettings, changes: dict[str, Any], topic: str, channel: str,
+                        *under: QueueSettings) -> None:
+        """A channel that would limit attempts with no dead-letter topic to send them to (its default
+        name too long for a topic name) is refused, changing nothing."""
+        if not channel:
+            return
+        after = attrs.evolve(settings, **changes)
+        resolved = resolve(self.options, after, *under, topic=topic, channel=channel)
+        if (after.max_attempts or resolved.max_attempts) and not resolved.dead_letter_topic:
+            log.info("CHANNEL(%s:%s): config refused - max_attempts without a dead_letter_topic", topic, channel)
+            raise HTTPError(400, "MISSING_ARG_DEAD_LETTER_TOPIC")
+
+    async def _settings_persisted(self, what: str, changes: dict[str, Any], topic: Topic) -> None:
+        """nsqd.dat, and the dead-letter topics the topic's channels now have, on disk before the answer."""
+        log.info("%s: config %s", what, ", ".join(f"{key}={'' if v is None else v}" for key, v in changes.items()))
+        try:
+            await self.nsqd.persist_metadata_now()
+        except OSError as exc:
+            log.error("failed to persist metadata - %s", exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
+        for name in {ch.dead_letter_topic for ch in topic.channels.values() if ch.max_attempts or ch.expired_to_dead_letter}:
+            dead = self.nsqd.get_existing_topic(name)
+            if dead is not None:
+                await self._persisted(dead, f"TOPIC({name})")
+
+    async def channel_redrive(self, req: Request, params: Mapping[str, str]) -> Reply:
+        """Move what the channel's dead-letter topic holds (queued in its DEAD_LETTERS_CHANNEL) back into
+        the channel, attempts reset: at most `limit`, and never more than was there when it began (what
+        fails again meanwhile stays for the next re-drive)."""
+        channel = self._existing_channel(req)
+        limit_text = (self._params(req).get("limit") or [""])[-1]
+        if limit_text and not limit_text.isdigit():
+            raise HTTPError(400, "INVALID_ARG_LIMIT")
+        name = channel.dead_letter_topic
+        dead_topic = self.nsqd.get_existing_topic(name) if name else None
+        dead = dead_topic.get_existing_channel(DEAD_LETTERS_CHANNEL) if dead_topic is not None else None
+        moved = 0
+        if dead is not None:
+            left = dead.depth()
+            if limit_text:
+                left = min(left, int(limit_text))
+            while left > 0:
+                n = channel.redrive_from(dead, min(left, REDRIVE_BATCH))
+                if not n:
+                    break
+                moved += n
+                left -= n
+                await trio.lowlevel.checkpoint()
+            if moved:
+                log.info("CHANNEL(%s:%s): redrove %d messages from %s", channel.topic_name, channel.name, moved, name)
+                # its own queue first, then what the dead-letter channel finished
+                await self._persisted(channel.topic, f"CHANNEL({channel.name})")
+                await self._persisted(dead.topic, f"CHANNEL({dead.name})")
+        return ok_json({"topic": channel.topic_name, "channel": channel.name, "dead_letter_topic": name,
+                        "moved": moved})
+
     # --- /config/:opt -----------------------------------------------------------------------
 
     async def config(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -470,6 +570,14 @@ def option_value(options: Any, name: str) -> Any:
 
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1_000_000_000))
+
+
+def _effective(resolved: Resolved) -> dict[str, Any]:
+    """What a topic or channel obeys, with the API's keys and forms."""
+    out = attrs.asdict(resolved)
+    out["depth_policy"] = "refuse" if out.pop("refuse_when_full") else "drop-oldest"
+    out["message_ttl"] = format_duration(resolved.message_ttl)
+    return {key: out[key] for key in KEYS}
 
 
 def _name_arg(params: dict[str, list[str]], key: str, invalid: str, is_valid: Callable[[str], bool]) -> str:

@@ -36,6 +36,46 @@ _INTEGER = {"type": "integer", "format": "int64"}
 _BOOL = {"type": "boolean"}
 
 
+_SETTINGS: dict[str, tuple[str, dict]] = {
+    "mem_queue_size": ("messages kept in memory before the log", _INTEGER),
+    "max_depth": ("most messages queued (0: no limit)", _INTEGER),
+    "depth_policy": ("refuse (publishes past max_depth: E_PUB_FAILED, 503 TOPIC_FULL) or drop-oldest",
+                     {"type": "string", "enum": ["refuse", "drop-oldest"]}),
+    "message_ttl": ("a message older than this is not delivered (Go duration; 0s: never)", {"type": "string"}),
+    "expired_to_dead_letter": ("an expired message goes to the dead-letter topic", _BOOL),
+    "max_attempts": ("deliveries after which a requeued or timed-out message is dead-lettered (0: no limit)", _INTEGER),
+    "dead_letter_topic": ("where dead letters go (default <topic>-<channel>-dlq)", {"type": "string"}),
+}
+
+
+def _settings_paths(paths: dict, op: Any, bad_query: str) -> None:
+    """Not in nsqd: settings per topic and channel, and the re-drive of dead letters."""
+    fields = {key: {**schema, "description": text} for key, (text, schema) in _SETTINGS.items()}
+    answer = {"description": "What is set here, and what is obeyed", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"topic": {"type": "string"}, "channel": {"type": "string"},
+                                         "config": {"type": "object", "properties": fields},
+                                         "effective": {"type": "object", "properties": fields}}}}}}
+    values = [_param(key, f"{text}; empty: unset", schema=schema) for key, (text, schema) in _SETTINGS.items()]
+    bad = _err(*(f"INVALID_ARG_{key.upper()}" for key in _SETTINGS), "MISSING_ARG_DEAD_LETTER_TOPIC",
+               "MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", bad_query)
+    for kind, args in (("topic", [_TOPIC]), ("channel", [_TOPIC, _CHANNEL])):
+        missing = _err("TOPIC_NOT_FOUND") if kind == "topic" else _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND")
+        paths[f"/{kind}/config"] = {
+            "get": op(f"Not in nsqd: the {kind}'s settings", {"200": answer, "404": missing}, args),
+            "post": op(f"Not in nsqd: set (or unset) the {kind}'s settings, persisted before the answer",
+                       {"200": answer, "400": bad, "404": missing, "500": _err("INTERNAL_ERROR")}, args + values),
+        }
+    moved = {"description": "How many came back", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"topic": {"type": "string"}, "channel": {"type": "string"},
+                                         "dead_letter_topic": {"type": "string"}, "moved": _INTEGER}}}}}
+    limit = _param("limit", "most messages to move (default: all there are)", schema=_INTEGER)
+    paths["/channel/redrive"] = {"post": op(
+        "Not in nsqd: move the channel's dead letters back into it, attempts reset",
+        {"200": moved, "400": _err("INVALID_ARG_LIMIT", "MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", bad_query),
+         "404": _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND"), "500": _err("INTERNAL_ERROR")},
+        [_TOPIC, _CHANNEL, limit])}
+
+
 def _schemas() -> dict:
     latency = {
         "type": "object",
@@ -66,6 +106,10 @@ def _schemas() -> dict:
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
         "lag_messages": {**_INTEGER, "description": "messages not finished: queued, in flight, deferred"},
         "oldest_unfinished_age_ms": {**_INTEGER, "description": "age of the oldest unfinished message (0: none)"},
+        "dead_lettered_count": {**_INTEGER, "description": "messages sent to the dead-letter topic"},
+        "expired_count": {**_INTEGER, "description": "messages past their TTL, not delivered"},
+        "refused_count": {**_INTEGER, "description": "publishes refused at the maximum depth"},
+        "dropped_count": {**_INTEGER, "description": "messages dropped for room (drop-oldest, ephemeral overflow)"},
     }}
     topic = {"type": "object", "properties": {
         "topic_name": {"type": "string"},
@@ -225,6 +269,7 @@ def openapi_spec() -> dict:
                                      "TOPIC_HAS_NO_LOG", "TIME_BEFORE_RETENTION", bad_query),
          "404": _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND"), "500": _err("INTERNAL_ERROR")},
         [_TOPIC, _CHANNEL, to])}
+    _settings_paths(paths, op, bad_query)
     return {
         "openapi": "3.0.3",
         "info": {"title": "trio-nsq nsqd HTTP API", "version": VERSION, "description":

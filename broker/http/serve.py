@@ -30,6 +30,8 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/config/:opt": Route(api.config),
             "/metrics": Route(api.metrics),
             "/openapi.json": Route(api.openapi),
+            "/topic/config": Route(api.topic_config),
+            "/channel/config": Route(api.channel_config),
         },
         "POST": {
             "/pub": Route(api.pub, api.pub_now, logged=False),
@@ -45,6 +47,9 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/channel/seek": Route(api.channel_seek),
             "/channel/pause": Route(api.channel_pause),
             "/channel/unpause": Route(api.channel_unpause),
+            "/topic/config": Route(api.topic_config),
+            "/channel/config": Route(api.channel_config),
+            "/channel/redrive": Route(api.channel_redrive),
         },
         "PUT": {"/config/:opt": Route(api.config)},
     }

@@ -157,11 +157,19 @@ def fan_out(reference: str, side: str, runfor: float) -> dict[str, float]:
     return run_once(reference, side, ("--mem-queue-size=0",), True, runfor, channels=8)
 
 
+def limits_on(reference: str, side: str, runfor: float) -> dict[str, float]:
+    """NSQ's bench shape with trio-nsqd's attempt limit and TTL on (--max-attempts=5 --message-ttl=1h; Go
+    nsqd has neither and runs its defaults): beside the `default` row, what they cost the reader."""
+    flags = () if side == "go" else ("--max-attempts=5", "--message-ttl=1h")
+    return run_once(reference, side, flags, True, runfor)
+
+
 # scenario key -> (title, runner) for scenarios that are not one broker run of SCENARIOS' shape
 RUNNERS: dict[str, tuple[str, Callable[[str, str, float], dict[str, float]]]] = {
     "fanout": ("8 channels, --mem-queue-size=0", fan_out),
     "sync_reader": ("--mem-queue-size=0 --sync-every=1, channel filled first", durable_reader),
     "backlog": ("1M waiting, new channel, FIN per 100k", backlog_reader),
+    "limits": ("default, ours --max-attempts=5 --message-ttl=1h", limits_on),
 }
 
 # figure -> how the table names it: NSQ's tools, or ours (msg/s, or messages per broker CPU-second)
