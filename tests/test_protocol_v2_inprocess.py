@@ -28,40 +28,18 @@ import trio.testing
 
 from trio_nsq.broker.nsqd import NSQD
 from trio_nsq.broker.options import Options
-from trio_nsq.shared.protocol import (
-    CLOSE_WAIT,
-    FRAME_TYPE_ERROR,
-    FRAME_TYPE_MESSAGE,
-    FRAME_TYPE_RESPONSE,
-    HEARTBEAT,
-    MAGIC_V2,
-    OK,
-    DecodedMessage,
-    FrameParser,
-    decode_message,
-    encode_cls,
-    encode_dpub,
-    encode_fin,
-    encode_identify,
-    encode_mpub,
-    encode_nop,
-    encode_pub,
-    encode_rdy,
-    encode_req,
-    encode_sub,
-    encode_touch,
-)
+from trio_nsq.shared import protocol
 
 PATHS = ["memory", "socket"]
 UNKNOWN_ID = b"0" * 16
 
 
 def response(data: bytes) -> tuple[int, bytes]:
-    return FRAME_TYPE_RESPONSE, data
+    return protocol.FRAME_TYPE_RESPONSE, data
 
 
 def error(text: str) -> tuple[int, bytes]:
-    return FRAME_TYPE_ERROR, text.encode()
+    return protocol.FRAME_TYPE_ERROR, text.encode()
 
 
 class Closed(Exception):
@@ -74,7 +52,7 @@ class Peer:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.parser = FrameParser()
+        self.parser = protocol.FrameParser()
         self.at = 0.0
         self.ended = trio.Event()  # set when the broker is done with the connection, at ended_at
         self.ended_at = 0.0
@@ -98,15 +76,15 @@ class Peer:
     async def frames(self, n: int) -> list[tuple[int, bytes]]:
         return [await self.frame() for _ in range(n)]
 
-    async def message(self) -> DecodedMessage:
+    async def message(self) -> protocol.DecodedMessage:
         """The next message; heartbeats before it are answered with NOP, as clients do."""
-        while (frame := await self.frame()) == response(HEARTBEAT):
-            await self.send(encode_nop())
+        while (frame := await self.frame()) == response(protocol.HEARTBEAT):
+            await self.send(protocol.encode_nop())
         frame_type, data = frame
-        assert frame_type == FRAME_TYPE_MESSAGE, (frame_type, data)
-        return decode_message(data)
+        assert frame_type == protocol.FRAME_TYPE_MESSAGE, (frame_type, data)
+        return protocol.decode_message(data)
 
-    async def messages(self, n: int) -> list[DecodedMessage]:
+    async def messages(self, n: int) -> list[protocol.DecodedMessage]:
         return [await self.message() for _ in range(n)]
 
     async def until_closed(self) -> list[tuple[int, bytes]]:
@@ -124,14 +102,14 @@ class Peer:
         with trio.move_on_after(seconds):
             while True:
                 frame = await self.frame()
-                if not heartbeats or frame != response(HEARTBEAT):
+                if not heartbeats or frame != response(protocol.HEARTBEAT):
                     raise AssertionError(f"{frame} at {self.at}")
-                await self.send(encode_nop())
+                await self.send(protocol.encode_nop())
 
     async def identify(self, **fields: object) -> dict | bytes:
-        await self.send(encode_identify(fields))
+        await self.send(protocol.encode_identify(fields))
         frame_type, data = await self.frame()
-        assert frame_type == FRAME_TYPE_RESPONSE, data
+        assert frame_type == protocol.FRAME_TYPE_RESPONSE, data
         return json.loads(data) if fields.get("feature_negotiation") else data
 
 
@@ -143,7 +121,7 @@ class Recording(trio.abc.Stream):
         self.writes = writes
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        parser = FrameParser()
+        parser = protocol.FrameParser()
         parser.feed(bytes(data))
         self.writes.append((trio.current_time(), list(parser)))
         # as a SocketStream's send_all: a cancelled task writes nothing (a lockstep stream would take a
@@ -187,7 +165,7 @@ class Broker:
         self.peers.append(peer)
         server = trio.SocketStream(trio.socket.from_stdlib_socket(a))
         self.nursery.start_soon(self._serve, peer, self.nsqd._handle_tcp, server)
-        await peer.send(MAGIC_V2)
+        await peer.send(protocol.MAGIC_V2)
         return peer
 
     @staticmethod
@@ -213,16 +191,16 @@ class Broker:
 
     async def publish(self, topic: str, *bodies: bytes) -> None:
         producer = await self.connect()
-        await producer.send(*(encode_pub(topic, body) for body in bodies))
-        assert await producer.frames(len(bodies)) == [response(OK)] * len(bodies)
+        await producer.send(*(protocol.encode_pub(topic, body) for body in bodies))
+        assert await producer.frames(len(bodies)) == [response(protocol.OK)] * len(bodies)
         await producer.stream.aclose()
 
     async def consumer(self, topic: str, rdy: int, path: str = "memory", **identify: object) -> Peer:
         peer = await self.connect(path)
         if identify:
-            assert await peer.identify(**identify) == OK
-        await peer.send(encode_sub(topic, "c"), encode_rdy(rdy))
-        assert await peer.frame() == response(OK)
+            assert await peer.identify(**identify) == protocol.OK
+        await peer.send(protocol.encode_sub(topic, "c"), protocol.encode_rdy(rdy))
+        assert await peer.frame() == response(protocol.OK)
         return peer
 
 
@@ -258,12 +236,12 @@ async def test_heartbeats_at_the_interval_and_nop_keeps_the_connection(start, au
     t0 = trio.current_time()
     beats = []
     for _ in range(6):  # answered: the connection outlives many read deadlines
-        assert await peer.frame() == response(HEARTBEAT)
+        assert await peer.frame() == response(protocol.HEARTBEAT)
         beats.append(peer.at - t0)
-        await peer.send(encode_nop())
+        await peer.send(protocol.encode_nop())
     assert beats == [5.0, 10.0, 15.0, 20.0, 25.0, 30.0]
-    await peer.send(encode_pub("still", b"here"))
-    assert await peer.frame() == response(OK)
+    await peer.send(protocol.encode_pub("still", b"here"))
+    assert await peer.frame() == response(protocol.OK)
 
 
 async def test_unanswered_heartbeats_close_the_connection_at_twice_the_interval(start, autojump_clock):
@@ -275,7 +253,7 @@ async def test_unanswered_heartbeats_close_the_connection_at_twice_the_interval(
     frames = await peer.until_closed()
     assert peer.at - t0 == 10.0
     # the second heartbeat is due at the same instant as the deadline: either may come first
-    assert frames in ([response(HEARTBEAT)], [response(HEARTBEAT)] * 2)
+    assert frames in ([response(protocol.HEARTBEAT)], [response(protocol.HEARTBEAT)] * 2)
     assert not broker.nsqd.clients
 
 
@@ -284,14 +262,14 @@ async def test_a_parked_connection_closes_at_the_first_sweep_past_the_read_deadl
     second: it is closed at the first sweep past twice the interval, no earlier."""
     broker = await start(client_timeout=10.0)
     peer = await broker.connect("socket")
-    await peer.send(encode_pub("t", b"x"))  # its last read
-    assert await peer.frame() == response(OK)
+    await peer.send(protocol.encode_pub("t", b"x"))  # its last read
+    assert await peer.frame() == response(protocol.OK)
     t0 = trio.current_time()
     await trio.testing.wait_all_tasks_blocked()
     assert len(broker.nsqd.v2_poller.parked) == 1
     frames = await peer.until_closed()
     assert 10.0 < peer.at - t0 <= 11.0
-    assert response(HEARTBEAT) in frames and set(frames) == {response(HEARTBEAT)}
+    assert response(protocol.HEARTBEAT) in frames and set(frames) == {response(protocol.HEARTBEAT)}
     assert not broker.nsqd.v2_poller.parked and not broker.nsqd.clients
 
 
@@ -301,14 +279,14 @@ async def test_identify_restarts_the_heartbeat_schedule_with_its_interval(start,
     peer = await broker.connect(path)
     t0 = trio.current_time()
     await trio.sleep(3)
-    assert await peer.identify(heartbeat_interval=1000) == OK
+    assert await peer.identify(heartbeat_interval=1000) == protocol.OK
     frames = await peer.until_closed()
     # the next heartbeat 1 s after IDENTIFY (not at 5 s, the default schedule); the read deadline is
     # 2 s after the last read (IDENTIFY)
-    assert frames[0] == response(HEARTBEAT)
+    assert frames[0] == response(protocol.HEARTBEAT)
     if path == "memory":
         assert peer.at - t0 == 5.0
-        assert frames in ([response(HEARTBEAT)], [response(HEARTBEAT)] * 2)
+        assert frames in ([response(protocol.HEARTBEAT)], [response(protocol.HEARTBEAT)] * 2)
     else:
         assert 5.0 < peer.at - t0 <= 6.0
 
@@ -316,9 +294,9 @@ async def test_identify_restarts_the_heartbeat_schedule_with_its_interval(start,
 async def test_identify_turns_heartbeats_off_and_then_sub_is_refused(start, autojump_clock):
     broker = await start(client_timeout=10.0)
     peer = await broker.connect()
-    assert await peer.identify(heartbeat_interval=-1) == OK
+    assert await peer.identify(heartbeat_interval=-1) == protocol.OK
     await peer.nothing_for(120, heartbeats=False)  # no heartbeats, no read deadline
-    await peer.send(encode_sub("t", "c"))
+    await peer.send(protocol.encode_sub("t", "c"))
     assert await peer.until_closed() == [error("E_INVALID cannot SUB with heartbeats disabled")]
 
 
@@ -326,7 +304,7 @@ async def test_identify_turns_heartbeats_off_and_then_sub_is_refused(start, auto
 
 
 async def holding(start, path: str = "memory", identify: dict | None = None,
-                  **options: object) -> tuple[Broker, Peer, DecodedMessage]:
+                  **options: object) -> tuple[Broker, Peer, protocol.DecodedMessage]:
     """A broker with those options, one message on topic t, and a consumer (RDY 1) holding it;
     `peer.at` is when it was delivered."""
     broker = await start(**options)
@@ -343,7 +321,7 @@ def swept(broker: Broker, elapsed: float, deadline: float) -> bool:
 
 
 def fin_touch_req(msg_id: bytes) -> list[bytes]:
-    return [encode_fin(msg_id), encode_touch(msg_id), encode_req(msg_id, 0)]
+    return [protocol.encode_fin(msg_id), protocol.encode_touch(msg_id), protocol.encode_req(msg_id, 0)]
 
 
 def refused(msg_id: bytes, why: str) -> list[tuple[int, bytes]]:
@@ -359,8 +337,8 @@ async def test_a_message_not_finished_in_time_is_redelivered_with_attempts_plus_
     assert swept(broker, peer.at - delivered, 10.0)
     assert (again.id, again.body, again.timestamp, again.attempts) == (first.id, first.body, first.timestamp, 2)
     assert broker.channel("t", "c").timeout_count == 1
-    await peer.send(encode_fin(again.id), encode_pub("sync", b"x"))
-    assert await peer.frame() == response(OK)  # FIN raised no error before the PUB's OK
+    await peer.send(protocol.encode_fin(again.id), protocol.encode_pub("sync", b"x"))
+    assert await peer.frame() == response(protocol.OK)  # FIN raised no error before the PUB's protocol.OK
     await peer.nothing_for(100)
 
 
@@ -374,11 +352,11 @@ async def test_identify_msg_timeout_is_the_connections_timeout(start, autojump_c
 
 async def test_fin_of_a_message_that_timed_out_fails_and_the_connection_stays(start, autojump_clock):
     broker, peer, msg = await holding(start, msg_timeout=10.0)
-    await peer.send(encode_rdy(0))  # so it is not redelivered at once
+    await peer.send(protocol.encode_rdy(0))  # so it is not redelivered at once
     await trio.sleep(10.0 + broker.nsqd.options.queue_scan_interval)
-    await peer.send(*fin_touch_req(msg.id), encode_pub("sync", b"x"))
-    assert await peer.frames(4) == [*refused(msg.id, "ID not in flight"), response(OK)]
-    await peer.send(encode_rdy(1))
+    await peer.send(*fin_touch_req(msg.id), protocol.encode_pub("sync", b"x"))
+    assert await peer.frames(4) == [*refused(msg.id, "ID not in flight"), response(protocol.OK)]
+    await peer.send(protocol.encode_rdy(1))
     again = await peer.message()  # requeued by its timeout, not lost
     assert (again.id, again.attempts) == (msg.id, 2)
 
@@ -387,18 +365,18 @@ async def test_fin_of_a_message_that_timed_out_fails_and_the_connection_stays(st
 async def test_fin_touch_and_req_of_unknown_ids_are_not_fatal(start, autojump_clock, path):
     broker = await start()
     peer = await broker.consumer("t", 1, path)
-    await peer.send(*fin_touch_req(UNKNOWN_ID), encode_nop(), encode_pub("t", b"after"))
-    assert await peer.frames(4) == [*refused(UNKNOWN_ID, "ID not in flight"), response(OK)]
+    await peer.send(*fin_touch_req(UNKNOWN_ID), protocol.encode_nop(), protocol.encode_pub("t", b"after"))
+    assert await peer.frames(4) == [*refused(UNKNOWN_ID, "ID not in flight"), response(protocol.OK)]
     assert (await peer.message()).body == b"after"  # still subscribed and served
 
 
 async def test_fin_touch_and_req_of_another_consumers_message(start, autojump_clock):
     broker, owner, msg = await holding(start)
     other = await broker.consumer("t", 0)
-    await other.send(*fin_touch_req(msg.id), encode_nop(), encode_pub("sync", b"x"))
-    assert await other.frames(4) == [*refused(msg.id, "client does not own message"), response(OK)]
-    await owner.send(encode_fin(msg.id), encode_pub("sync", b"x"))
-    assert await owner.frame() == response(OK)  # still the owner's to finish
+    await other.send(*fin_touch_req(msg.id), protocol.encode_nop(), protocol.encode_pub("sync", b"x"))
+    assert await other.frames(4) == [*refused(msg.id, "client does not own message"), response(protocol.OK)]
+    await owner.send(protocol.encode_fin(msg.id), protocol.encode_pub("sync", b"x"))
+    assert await owner.frame() == response(protocol.OK)  # still the owner's to finish
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -407,7 +385,7 @@ async def test_touch_restarts_the_timeout(start, autojump_clock, path):
     delivered = peer.at
     for _ in range(5):  # a TOUCH every 8 s keeps it for 40 s, four times its timeout
         await trio.sleep(8)
-        await peer.send(encode_touch(msg.id))
+        await peer.send(protocol.encode_touch(msg.id))
     await peer.nothing_for(9.9)  # 49.9 s after delivery: the last TOUCH's deadline is 50 s
     again = await peer.message()
     assert swept(broker, peer.at - delivered, 50.0)
@@ -420,7 +398,7 @@ async def test_touch_cannot_hold_a_message_past_max_msg_timeout(start, autojump_
     delivered = peer.at
     for _ in range(3):  # at 8, 16 and 24 s: the last would reach 34 s
         await trio.sleep(8)
-        await peer.send(encode_touch(msg.id))
+        await peer.send(protocol.encode_touch(msg.id))
     again = await peer.message()
     assert swept(broker, peer.at - delivered, 25.0)
     assert again.attempts == 2
@@ -429,11 +407,11 @@ async def test_touch_cannot_hold_a_message_past_max_msg_timeout(start, autojump_
 async def test_req_with_a_delay_redelivers_after_it(start, autojump_clock):
     broker, peer, msg = await holding(start)
     sent = trio.current_time()
-    await peer.send(encode_req(msg.id, 0))
+    await peer.send(protocol.encode_req(msg.id, 0))
     again = await peer.message()
     assert (again.id, again.attempts, peer.at) == (msg.id, 2, sent)  # REQ 0: back at once
     requeued = peer.at
-    await peer.send(encode_req(msg.id, 1500))
+    await peer.send(protocol.encode_req(msg.id, 1500))
     third = await peer.message()
     assert swept(broker, peer.at - requeued, 1.5)
     assert (third.id, third.attempts) == (msg.id, 3)
@@ -448,10 +426,10 @@ async def test_rdy_0_stops_delivery_and_rdy_again_resumes_it(start, autojump_clo
     await broker.publish("t", *(b"m%d" % i for i in range(8)))
     peer = await broker.consumer("t", 2, path)
     first = await peer.messages(2)
-    await peer.send(encode_rdy(0), *(encode_fin(m.id) for m in first))
+    await peer.send(protocol.encode_rdy(0), *(protocol.encode_fin(m.id) for m in first))
     await peer.nothing_for(100)  # room for none although six wait
     assert broker.channel("t", "c").depth() == 6
-    await peer.send(encode_rdy(6))
+    await peer.send(protocol.encode_rdy(6))
     rest = await peer.messages(6)
     assert sorted(m.body for m in first + rest) == [b"m%d" % i for i in range(8)]
 
@@ -464,16 +442,16 @@ async def test_lowering_rdy_below_what_is_in_flight_holds_delivery_until_fins_ma
     await broker.publish("t", *(b"m%d" % i for i in range(12)))
     peer = await broker.consumer("t", 5, path)
     msgs = await peer.messages(5)
-    await peer.send(encode_rdy(2), encode_fin(msgs[0].id), encode_fin(msgs[1].id))
+    await peer.send(protocol.encode_rdy(2), protocol.encode_fin(msgs[0].id), protocol.encode_fin(msgs[1].id))
     await peer.nothing_for(5)  # 3 in flight, RDY 2
-    await peer.send(encode_fin(msgs[2].id))
+    await peer.send(protocol.encode_fin(msgs[2].id))
     await peer.nothing_for(5)  # 2 in flight, RDY 2
-    await peer.send(encode_fin(msgs[3].id))
+    await peer.send(protocol.encode_fin(msgs[3].id))
     msgs.append(await peer.message())  # 1 in flight: room for one
     await peer.nothing_for(5)
     client = next(iter(broker.nsqd.clients.values()))
     assert (client.ready_count, client.in_flight_count) == (2, 2)
-    await peer.send(encode_rdy(6))  # room for four more, sent together
+    await peer.send(protocol.encode_rdy(6))  # room for four more, sent together
     msgs += await peer.messages(4)
     await peer.nothing_for(5)
     assert (client.ready_count, client.in_flight_count) == (6, 6)
@@ -484,7 +462,7 @@ async def test_lowering_rdy_below_what_is_in_flight_holds_delivery_until_fins_ma
 async def test_rdy_above_max_rdy_count_is_fatal(start, autojump_clock, path):
     broker = await start(max_rdy_count=50)
     peer = await broker.consumer("t", 50, path)  # the maximum itself is allowed
-    await peer.send(encode_rdy(51), encode_pub("t", b"never"))
+    await peer.send(protocol.encode_rdy(51), protocol.encode_pub("t", b"never"))
     assert await peer.until_closed() == [error("E_INVALID RDY count 51 out of range 0-50")]
     assert "t" not in broker.nsqd.topics or broker.nsqd.topics["t"].message_count == 0
 
@@ -493,7 +471,7 @@ async def test_rdy_above_max_rdy_count_is_fatal(start, autojump_clock, path):
 async def test_rdy_before_sub_is_fatal(start, autojump_clock, path):
     broker = await start()
     peer = await broker.connect(path)
-    await peer.send(encode_rdy(1))
+    await peer.send(protocol.encode_rdy(1))
     assert await peer.until_closed() == [error("E_INVALID cannot RDY in current state")]
 
 
@@ -502,13 +480,13 @@ async def test_rdy_after_cls_is_ignored_and_nothing_more_is_sent(start, autojump
     await broker.publish("t", b"one")
     peer = await broker.consumer("t", 10)
     msg = await peer.message()
-    await peer.send(encode_cls())
-    assert await peer.frame() == response(CLOSE_WAIT)
-    await peer.send(encode_rdy(10))  # ignored in the closing state, not refused
+    await peer.send(protocol.encode_cls())
+    assert await peer.frame() == response(protocol.CLOSE_WAIT)
+    await peer.send(protocol.encode_rdy(10))  # ignored in the closing state, not refused
     await broker.publish("t", b"two")
     await peer.nothing_for(5)
-    await peer.send(encode_fin(msg.id), encode_pub("sync", b"x"))
-    assert await peer.frame() == response(OK)
+    await peer.send(protocol.encode_fin(msg.id), protocol.encode_pub("sync", b"x"))
+    assert await peer.frame() == response(protocol.OK)
 
 
 # --- the output buffer and a consumer that does not read -------------------------------------------
@@ -534,10 +512,10 @@ async def test_what_rdy_allows_at_once_goes_out_in_one_write(start, autojump_clo
     peer = await broker.consumer("t", 0, output_buffer_timeout=5000)
     writes = peer.writes
     before = len(writes)
-    await peer.send(encode_rdy(3))
+    await peer.send(protocol.encode_rdy(3))
     await peer.messages(3)
     assert [len(frames) for _, frames in writes[before:]] == [3]
-    await peer.send(encode_rdy(5))
+    await peer.send(protocol.encode_rdy(5))
     await peer.messages(2)
     assert [len(frames) for _, frames in writes[before:]] == [3, 2]
 
@@ -557,7 +535,7 @@ async def test_identify_output_buffer_settings_are_checked_and_answered(start, a
         ({"output_buffer_timeout": 30001}, "E_BAD_BODY IDENTIFY output buffer timeout (30001) is invalid"),
     ]:
         peer = await broker.connect()
-        await peer.send(encode_identify(fields))
+        await peer.send(protocol.encode_identify(fields))
         assert await peer.until_closed() == [error(text)]
 
 
@@ -604,16 +582,16 @@ async def test_a_consumer_that_does_not_read_is_cut_off_at_the_write_deadline(st
 def a_session(topic: str = "p") -> tuple[bytes, list[tuple[int, bytes]]]:
     """Commands of a producer that subscribes at the end, and the answers nsqd gives them."""
     commands = [
-        encode_identify({"client_id": "pipe", "heartbeat_interval": 20000}),
-        encode_pub(topic, b"one"),
-        encode_mpub(topic, [b"two", b"three"]),
-        encode_dpub(topic, 1000, b"later"),
-        encode_nop(),
-        encode_pub(topic, b"four"),
-        encode_sub(topic, "c"),
-        encode_rdy(10),
+        protocol.encode_identify({"client_id": "pipe", "heartbeat_interval": 20000}),
+        protocol.encode_pub(topic, b"one"),
+        protocol.encode_mpub(topic, [b"two", b"three"]),
+        protocol.encode_dpub(topic, 1000, b"later"),
+        protocol.encode_nop(),
+        protocol.encode_pub(topic, b"four"),
+        protocol.encode_sub(topic, "c"),
+        protocol.encode_rdy(10),
     ]
-    return b"".join(commands), [response(OK)] * 6
+    return b"".join(commands), [response(protocol.OK)] * 6
 
 
 async def received(peer: Peer, answers: list[tuple[int, bytes]]) -> None:
@@ -641,13 +619,13 @@ async def test_a_command_split_at_every_byte(start, autojump_clock, path):
     session (IDENTIFY to SUB) one byte per read: the same answers as in one read."""
     broker = await start()
     producer = await broker.connect(path)
-    data = b"".join([encode_pub("q", b"one"), encode_mpub("q", [b"two", b"three"]), encode_dpub("q", 1000, b"d"),
-                     encode_nop(), encode_pub("q", b"four")])
+    data = b"".join([protocol.encode_pub("q", b"one"), protocol.encode_mpub("q", [b"two", b"three"]), protocol.encode_dpub("q", 1000, b"d"),
+                     protocol.encode_nop(), protocol.encode_pub("q", b"four")])
     for cut in range(1, len(data)):
         await producer.send(data[:cut])
         await trio.testing.wait_all_tasks_blocked()  # the broker reads the first part alone
         await producer.send(data[cut:])
-        assert await producer.frames(4) == [response(OK)] * 4, cut
+        assert await producer.frames(4) == [response(protocol.OK)] * 4, cut
     assert broker.nsqd.topics["q"].message_count == 5 * (len(data) - 1)
     data, answers = a_session()
     peer = await broker.connect(path)
@@ -661,10 +639,10 @@ async def test_a_command_split_at_every_byte(start, autojump_clock, path):
 async def test_a_fatal_error_mid_stream_answers_what_came_before_and_closes(start, autojump_clock, path):
     broker = await start()
     peer = await broker.connect(path)
-    await peer.send(encode_pub("e", b"1"), encode_mpub("e", [b"2", b"3"]), encode_nop(),
-                    encode_sub("bad*topic", "c"), encode_pub("e", b"after"), encode_nop())
+    await peer.send(protocol.encode_pub("e", b"1"), protocol.encode_mpub("e", [b"2", b"3"]), protocol.encode_nop(),
+                    protocol.encode_sub("bad*topic", "c"), protocol.encode_pub("e", b"after"), protocol.encode_nop())
     assert await peer.until_closed() == [
-        response(OK), response(OK), error('E_BAD_TOPIC SUB topic name "bad*topic" is not valid')]
+        response(protocol.OK), response(protocol.OK), error('E_BAD_TOPIC SUB topic name "bad*topic" is not valid')]
     assert broker.nsqd.topics["e"].message_count == 3  # before the error: done; after it: not
     await peer.ended.wait()
     assert not broker.nsqd.clients
@@ -675,8 +653,8 @@ async def test_a_fatal_error_in_a_body_header_mid_stream(start, autojump_clock, 
     """A PUB's body size is refused before its body is read: the answers before it, then the error."""
     broker = await start(max_msg_size=100)
     peer = await broker.connect(path)
-    await peer.send(encode_pub("e", b"ok"), encode_pub("e", b"x" * 101), encode_pub("e", b"after"))
-    assert await peer.until_closed() == [response(OK), error("E_BAD_MESSAGE PUB message too big 101 > 100")]
+    await peer.send(protocol.encode_pub("e", b"ok"), protocol.encode_pub("e", b"x" * 101), protocol.encode_pub("e", b"after"))
+    assert await peer.until_closed() == [response(protocol.OK), error("E_BAD_MESSAGE PUB message too big 101 > 100")]
     assert broker.nsqd.topics["e"].message_count == 1
 
 
@@ -686,12 +664,12 @@ async def test_a_non_fatal_error_mid_stream_keeps_the_connection_and_the_command
     await broker.publish("t", b"a", b"b")
     peer = await broker.consumer("t", 2, path)
     a, b = await peer.messages(2)
-    await peer.send(encode_fin(a.id), encode_fin(UNKNOWN_ID), encode_fin(b.id), encode_fin(a.id),
-                    encode_pub("t", b"c"))
+    await peer.send(protocol.encode_fin(a.id), protocol.encode_fin(UNKNOWN_ID), protocol.encode_fin(b.id), protocol.encode_fin(a.id),
+                    protocol.encode_pub("t", b"c"))
     assert await peer.frames(3) == [
         refused(UNKNOWN_ID, "ID not in flight")[0],
         refused(a.id, "ID not in flight")[0],  # finished just before
-        response(OK),
+        response(protocol.OK),
     ]
     assert (await peer.message()).body == b"c"
     assert len(broker.channel("t", "c").in_flight) == 1

@@ -45,6 +45,27 @@ async def dead_letters_on_disk(own: Owner) -> None:
         await topic.group.sync_round()
 
 
+async def limited(d: Path, clock: trio.testing.MockClock, max_attempts: int) -> tuple[Owner, Topic, Channel]:
+    """Topic t (no memory queue) and its channel c with max_attempts, its dead-letter topic on disk."""
+    own = owner(d, clock, mem_queue_size=0)
+    topic = Topic(own, "t")  # type: ignore[arg-type]
+    channel = topic.get_channel("c")
+    configure(topic, channel, max_attempts=str(max_attempts))
+    await dead_letters_on_disk(own)
+    return own, topic, channel
+
+
+async def restart(own: Owner, topic: Topic, synced: bool = True) -> Topic:
+    """kill -9 of topic t and of the dead-letter topics (after a sync round of each, if `synced`), and
+    t opened again; the dead-letter topics open again through own.get_topic."""
+    for each in (topic, *own.topics.values()):
+        if synced:
+            await each.group.sync_round()
+        kill(each)
+    own.topics.clear()
+    return Topic(own, "t")  # type: ignore[arg-type]
+
+
 def deliver(channel: Channel, n: int = 500, now: float = 0.0, timeout: float = 60.0) -> list[Message]:
     """What a consumer's message pump does: take, count the attempt, put in flight."""
     msgs = channel.take(n)
@@ -103,11 +124,7 @@ def test_a_channel_setting_wins_over_its_topics_which_wins_over_the_flag():
 
 
 async def test_a_poison_message_reaches_the_dead_letter_topic_after_its_attempts_and_nowhere_else(tmp_path, mock_clock):
-    own = owner(tmp_path, mock_clock, mem_queue_size=0)
-    topic = Topic(own, "t")  # type: ignore[arg-type]
-    channel = topic.get_channel("c")
-    configure(topic, channel, max_attempts="3")
-    await dead_letters_on_disk(own)
+    own, topic, channel = await limited(tmp_path, mock_clock, 3)
     topic.publish([b"poison", b"good"])
     for attempt in (1, 2, 3):
         msgs = deliver(channel)
@@ -129,12 +146,7 @@ async def test_a_poison_message_reaches_the_dead_letter_topic_after_its_attempts
         mock_clock.jump(11)
         assert channel.process_in_flight_queue(trio.current_time())
     assert channel.dead_lettered_count == 2 and channel.timeout_count == 3 and channel.depth() == 0
-    await topic.group.sync_round()
-    await dead_topic.group.sync_round()
-    kill(topic)
-    kill(dead_topic)
-    own.topics.clear()
-    topic = Topic(own, "t")  # type: ignore[arg-type]
+    topic = await restart(own, topic)
     assert drain(topic.get_channel("c")) == []  # nowhere else after a restart
     dead = own.get_topic("t-c-dlq").get_channel(DEAD_LETTERS_CHANNEL)
     assert sorted(drain(dead)) == [b"poison", b"slow"]
@@ -143,20 +155,13 @@ async def test_a_poison_message_reaches_the_dead_letter_topic_after_its_attempts
 async def test_a_kill_9_during_the_move_leaves_the_message_in_one_of_the_two_at_least(tmp_path, mock_clock):
     """The dead-letter topic's log is written before the channel finishes the message: a kill -9 right
     after the move (nothing synced) finds it in the dead-letter topic, and perhaps again in its channel."""
-    own = owner(tmp_path, mock_clock, mem_queue_size=0)
-    topic = Topic(own, "t")  # type: ignore[arg-type]
-    channel = topic.get_channel("c")
-    configure(topic, channel, max_attempts="1")
-    await dead_letters_on_disk(own)
+    own, topic, channel = await limited(tmp_path, mock_clock, 1)
     topic.publish([b"poison-%d" % i for i in range(50)])
     await topic.group.sync_round()
     for msg in deliver(channel):
         channel.requeue_message(CLIENT, msg.id, 0.0)  # each one past its single attempt: moved
     assert channel.dead_lettered_count == 50
-    kill(topic)
-    kill(own.topics["t-c-dlq"])
-    own.topics.clear()
-    topic = Topic(own, "t")  # type: ignore[arg-type]
+    topic = await restart(own, topic, synced=False)
     again = drain(topic.get_channel("c"))
     dead = drain(own.get_topic("t-c-dlq").get_channel(DEAD_LETTERS_CHANNEL))
     assert sorted(dead) == sorted(b"poison-%d" % i for i in range(50))  # none lost
@@ -182,11 +187,7 @@ async def test_nothing_is_moved_before_the_dead_letter_topic_is_on_disk(tmp_path
 
 
 async def test_redrive_moves_the_dead_letters_back_with_their_attempts_reset(tmp_path, mock_clock):
-    own = owner(tmp_path, mock_clock, mem_queue_size=0)
-    topic = Topic(own, "t")  # type: ignore[arg-type]
-    channel = topic.get_channel("c")
-    configure(topic, channel, max_attempts="1")
-    await dead_letters_on_disk(own)
+    own, topic, channel = await limited(tmp_path, mock_clock, 1)
     topic.publish([b"a", b"b", b"c"])
     for msg in deliver(channel):
         channel.requeue_message(CLIENT, msg.id, 0.0)
@@ -195,12 +196,7 @@ async def test_redrive_moves_the_dead_letters_back_with_their_attempts_reset(tmp
     assert dead.depth() == 3
     assert channel.redrive_from(dead, 2) == 2 and channel.redrive_from(dead, 2) == 1
     assert channel.redrive_from(dead, 2) == 0 and dead.depth() == 0
-    await topic.group.sync_round()
-    await dead_topic.group.sync_round()
-    kill(topic)
-    kill(dead_topic)
-    own.topics.clear()
-    topic = Topic(own, "t")  # type: ignore[arg-type]
+    topic = await restart(own, topic)
     channel = topic.get_channel("c")
     msgs = deliver(channel)
     assert sorted((m.body, m.attempts) for m in msgs) == [(b"a", 1), (b"b", 1), (b"c", 1)]  # a fresh start

@@ -36,6 +36,30 @@ _INTEGER = {"type": "integer", "format": "int64"}
 _BOOL = {"type": "boolean"}
 
 
+# the integer fields of ours in a topic's and a channel's stats (not in nsqd's), and what each counts
+_OURS = {
+    "topic": {
+        "idempotency_keys": "Idempotency-Keys the topic holds",
+        "log_first_position": "position (file << 40 | offset) of the first record kept",
+        "log_end_position": "position the next record is written at",
+        "log_messages": "records the topic's log keeps",
+        "log_bytes": "bytes of the topic's log on disk",
+    },
+    "channel": {
+        "lag_messages": "messages not finished: queued, in flight, deferred",
+        "oldest_unfinished_age_ms": "age of the oldest unfinished message (0: none)",
+        "dead_lettered_count": "messages sent to the dead-letter topic",
+        "expired_count": "messages past their TTL, not delivered",
+        "refused_count": "publishes refused at the maximum depth",
+        "dropped_count": "messages dropped for room (drop-oldest, ephemeral overflow)",
+    },
+}
+
+
+def _integers(level: str) -> dict[str, dict]:
+    return {key: {**_INTEGER, "description": text} for key, text in _OURS[level].items()}
+
+
 _SETTINGS: dict[str, tuple[str, dict]] = {
     "mem_queue_size": ("messages kept in memory before the log", _INTEGER),
     "max_depth": ("most messages queued (0: no limit)", _INTEGER),
@@ -104,12 +128,7 @@ def _schemas() -> dict:
         "clients": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Client"}},
         "paused": _BOOL,
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
-        "lag_messages": {**_INTEGER, "description": "messages not finished: queued, in flight, deferred"},
-        "oldest_unfinished_age_ms": {**_INTEGER, "description": "age of the oldest unfinished message (0: none)"},
-        "dead_lettered_count": {**_INTEGER, "description": "messages sent to the dead-letter topic"},
-        "expired_count": {**_INTEGER, "description": "messages past their TTL, not delivered"},
-        "refused_count": {**_INTEGER, "description": "publishes refused at the maximum depth"},
-        "dropped_count": {**_INTEGER, "description": "messages dropped for room (drop-oldest, ephemeral overflow)"},
+        **_integers("channel"),
     }}
     topic = {"type": "object", "properties": {
         "topic_name": {"type": "string"},
@@ -117,11 +136,7 @@ def _schemas() -> dict:
         **{k: _INTEGER for k in ("depth", "backend_depth", "message_count", "message_bytes")},
         "paused": _BOOL,
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
-        "idempotency_keys": {**_INTEGER, "description": "Idempotency-Keys the topic holds"},
-        "log_first_position": {**_INTEGER, "description": "position (file << 40 | offset) of the first record kept"},
-        "log_end_position": {**_INTEGER, "description": "position the next record is written at"},
-        "log_messages": {**_INTEGER, "description": "records the topic's log keeps"},
-        "log_bytes": {**_INTEGER, "description": "bytes of the topic's log on disk"},
+        **_integers("topic"),
     }}
     memory = {"type": "object", "properties": {k: _INTEGER for k in (
         "heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes", "gc_pause_usec_100",
