@@ -65,7 +65,7 @@ def test_topics_aggregate_over_the_nodes_with_a_row_per_node(cluster):
     # nsqadmin's keys in nsqadmin's order, then trio-nsqd's log figures
     assert list(topic) == ["node", "hostname", "topic_name", "depth", "memory_depth", "backend_depth",
                            "message_count", "nodes", "channels", "paused", "e2e_processing_latency",
-                           "log_messages", "log_bytes", "message"]
+                           "log_messages", "log_bytes", "settings", "message"]
     assert topic["log_messages"] == 0  # at default flags the messages went through memory
     assert topic["channels"][0]["lag_messages"] == 8
 
@@ -130,6 +130,25 @@ def test_channel_and_topic_actions_reach_every_broker(cluster):
     bad = admin.http.post("/api/topics/act/ch", json={"action": "seek"})
     assert (bad.status_code, bad.json()) == (400, {"message": "INVALID_ARG_TO"})
     assert admin.http.post("/api/topics/act", json={"action": "seek", "to": "earliest"}).status_code == 400
+
+    # trio-nsqd's settings, on every broker; a refusal in the broker's own words, nothing changed
+    assert admin.http.post("/api/topics/act/ch", json={"action": "config", "settings": {
+        "max_depth": 100, "depth_policy": "drop-oldest", "message_ttl": ""}}).json() == {"message": ""}
+    for broker in (b1, b2):
+        assert broker.http.get("/channel/config?topic=act&channel=ch").json()["config"] == {
+            "max_depth": 100, "depth_policy": "drop-oldest"}
+    settings = admin.get("/api/topics/act/ch").json()["settings"]
+    assert settings["config"] == {"max_depth": 100, "depth_policy": "drop-oldest"}
+    assert settings["effective"]["dead_letter_topic"] == "act-ch-dlq"
+    refused = admin.http.post("/api/topics/act/ch", json={"action": "config", "settings": {"max_depth": "lots"}}).json()
+    assert refused["message"].count("400 INVALID_ARG_MAX_DEPTH") == 2
+    assert admin.http.post("/api/topics/act", json={"action": "config", "settings": {"max_attempts": 3}}).json() == {
+        "message": ""}
+    assert b2.http.get("/topic/config?topic=act").json()["config"] == {"max_attempts": 3}
+    assert admin.get("/api/topics/act").json()["settings"]["config"] == {"max_attempts": 3}
+    assert admin.http.post("/api/topics/act/ch", json={"action": "redrive"}).json() == {"moved": 0, "message": ""}
+    bad = admin.http.post("/api/topics/act/ch", json={"action": "config", "settings": ["max_depth"]})
+    assert (bad.status_code, bad.json()) == (400, {"message": "INVALID_ARG_SETTINGS"})
 
     assert admin.http.delete("/api/topics/act/ch").json() == {"message": ""}
     assert channel_on(b1, "act", "ch") is None and channel_on(b2, "act", "ch") is None

@@ -138,6 +138,40 @@ def test_the_channel_page_seeks_and_shows_the_lag(cluster, browser):
     assert "sought to earliest" in text_of(browser, "#status")
 
 
+def test_the_channel_page_sets_max_attempts_shows_dead_letters_and_redrives(cluster, browser):
+    """Max attempts typed into the channel's settings form reach the broker; a message requeued past them
+    shows as dead-lettered on the page, and the page's re-drive brings it back to the channel."""
+    lookupd, broker, admin = cluster
+    broker.http.post("/topic/create?topic=poison")
+    broker.http.post("/channel/create?topic=poison&channel=w")
+    wait_for(lambda: lookupd.get("/lookup?topic=poison").status_code == 200, timeout=10, message="lookupd knows poison")
+    browser.get(f"{admin.http_url}/topics/poison/w")
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, 'form[data-settings] input[name="max_attempts"]'),
+             timeout=15, message="the settings form")
+    field = browser.find_element(By.CSS_SELECTOR, 'form[data-settings] input[name="max_attempts"]')
+    assert field.get_attribute("placeholder") == "0"  # the flag's, shown while nothing is set
+    time.sleep(2.5)  # a redraw between: what is typed into the form stays
+    field = browser.find_element(By.CSS_SELECTOR, 'form[data-settings] input[name="max_attempts"]')
+    field.send_keys("2")
+    browser.find_element(By.CSS_SELECTOR, "button[data-save-settings]").click()
+    wait_for(lambda: broker.http.get("/channel/config?topic=poison&channel=w").json()["config"] == {"max_attempts": 2},
+             timeout=10, message="the broker's channel set")
+    wait_for(lambda: "settings saved" in text_of(browser, "#status"), timeout=10, message="the save on the page")
+    publish(broker, "poison", 1)
+    with RawNSQ(broker.tcp_address) as conn:
+        conn.sub("poison", "w")
+        conn.rdy(1)
+        for _ in range(2):
+            [msg] = conn.expect_messages(1, timeout=10)
+            conn.req(msg.id, 0)
+        conn.nop()
+    wait_for(lambda: text_of(browser, "[data-dead-letters] tr.total td.dead") == "1", timeout=15,
+             message="the dead letter on the page")
+    browser.find_element(By.CSS_SELECTOR, "button[data-redrive]").click()
+    wait_for(lambda: "re-drove 1 messages" in text_of(browser, "#status"), timeout=10, message="the re-drive's result")
+    wait_for(lambda: text_of(browser, "tr.total td.depth") == "1", timeout=10, message="the message back in its channel")
+
+
 def test_the_nodes_page_marks_each_broker(cluster, browser):
     _, broker, admin = cluster
     browser.get(f"{admin.http_url}/nodes")

@@ -23,6 +23,7 @@ import trio
 from trio_nsq.lookupd.admin.cluster import (
     Cluster,
     Errors,
+    NodeRefused,
     aggregate_channel,
     aggregate_topic,
     node_topic_rows,
@@ -85,7 +86,9 @@ class Admin:
         rows, _ = await self._topic_rows(params["topic"], errors)
         if not rows:
             raise HTTPError(404, "TOPIC_NOT_FOUND" if not errors.failed else f"UPSTREAM_ERROR: {errors.message()}")
-        return _ok(aggregate_topic(rows), errors)
+        out = aggregate_topic(rows)
+        out["settings"] = await self._settings(rows, f"/topic/config?topic={_q(params['topic'])}")
+        return _ok(out, errors)
 
     async def channel(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
@@ -93,7 +96,22 @@ class Admin:
         channel_rows = [c for r in rows for c in r["channels"] if c["channel_name"] == params["channel"]]
         if not channel_rows:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
-        return _ok(aggregate_channel(channel_rows), errors)
+        out = aggregate_channel(channel_rows)
+        query = f"topic={_q(params['topic'])}&channel={_q(params['channel'])}"
+        out["settings"] = await self._settings(channel_rows, f"/channel/config?{query}")
+        return _ok(out, errors)
+
+    async def _settings(self, rows: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
+        """trio-nsqd's settings of the topic or channel, as the first node that has them answers (a Go
+        nsqd has none: 404); None when no node does. Each node keeps its own: the page edits them all."""
+        for node in sorted({r["node"] for r in rows}):
+            try:
+                answer = await self.cluster.get_json(node, path)
+            except (httpx.HTTPError, ValueError):
+                continue
+            if isinstance(answer, dict) and "effective" in answer:
+                return {"config": answer.get("config", {}), "effective": answer["effective"]}
+        return None
 
     async def nodes(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
@@ -215,6 +233,8 @@ class Admin:
         args = await self._json_body(req)
         action = args.get("action")
         extra = ""
+        if action == "config" or (action == "redrive" and kind == "channel"):
+            return await self._settings_action(req, params, kind, args, user)
         if action == "seek" and kind == "channel":
             to = args.get("to")
             if not isinstance(to, (str, int)) or isinstance(to, bool) or str(to) == "":
@@ -228,6 +248,40 @@ class Admin:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
         self._notify(req, f"{action}_{kind}", user, topic, params.get("channel", ""))
         return _ok({}, errors)
+
+    async def _settings_action(self, req: Request, params: Mapping[str, str], kind: str, args: dict[str, Any],
+                               user: str) -> Reply:
+        """{"action": "config", "settings": {key: value or ""}} (trio-nsqd's /topic/config and
+        /channel/config, on every nsqd that has the topic) or, on a channel, {"action": "redrive"}
+        (/channel/redrive: `moved` is the sum over the nodes). A node's refusal is reported in `message`
+        with its own words; a Go nsqd answers 404."""
+        action = args["action"]
+        topic = params["topic"]
+        query = f"topic={_q(topic)}" + (f"&channel={_q(params['channel'])}" if kind == "channel" else "")
+        if action == "config":
+            settings = args.get("settings")
+            if not isinstance(settings, dict) or not all(isinstance(v, (str, int, bool)) for v in settings.values()):
+                raise HTTPError(400, "INVALID_ARG_SETTINGS")
+            query += "".join(f"&{_q(str(k))}={_q(str(v).lower() if isinstance(v, bool) else str(v))}"
+                             for k, v in settings.items())
+            path = f"/{kind}/config?{query}"
+        else:
+            path = f"/channel/redrive?{query}"
+        errors = Errors()
+        rows, _ = await self._topic_rows(topic, errors)
+        moved, done = 0, 0
+        for node in sorted({r["node"] for r in rows}):
+            try:
+                answer = await self.cluster.post_json(node, path)
+            except (httpx.HTTPError, NodeRefused) as exc:
+                errors.add(node, exc)
+                continue
+            done += 1
+            moved += int(answer.get("moved", 0))
+        if not done and not errors.failed:
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        self._notify(req, f"{action}_{kind}", user, topic, params.get("channel", ""))
+        return _ok({"moved": moved} if action == "redrive" else {}, errors)
 
     async def delete_topic(self, req: Request, params: Mapping[str, str]) -> Reply:
         user = self._admin(req)
@@ -376,3 +430,8 @@ def admin_site(admin: Admin, nursery: trio.Nursery) -> Site:
     from `nursery`."""
     admin.nursery = nursery
     return Site(Router(routes(admin)), log, base_path=admin.options.base_path, max_body=MAX_BODY)
+
+
+def _q(text: str) -> str:
+    """A query value, escaped (names are checked by nsqd; a setting's value may hold anything)."""
+    return urllib.parse.quote(text, safe="")

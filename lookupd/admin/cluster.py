@@ -22,8 +22,12 @@ CHANNEL_SUMS = ("depth", "memory_depth", "backend_depth", "in_flight_count", "de
                 "timeout_count", "message_count", "client_count")
 TOPIC_SUMS = ("depth", "memory_depth", "backend_depth", "message_count")
 # trio-nsqd's figures, after nsqadmin's fields (a client of nsqadmin's shape finds those where they were)
-CHANNEL_EXTRA_SUMS = ("lag_messages",)
+CHANNEL_EXTRA_SUMS = ("lag_messages", "dead_lettered_count", "expired_count", "refused_count", "dropped_count")
 TOPIC_EXTRA_SUMS = ("log_messages", "log_bytes")
+
+
+class NodeRefused(Exception):
+    """An nsqd answered an action with an error: its status and message."""
 
 
 @attrs.define
@@ -62,6 +66,20 @@ class Cluster:
     async def post(self, address: str, path: str) -> None:
         response = await self.client.post(f"http://{address}{path}")
         response.raise_for_status()
+
+    async def post_json(self, address: str, path: str) -> dict[str, Any]:
+        """POST path and its JSON answer; a refusal raises NodeRefused with the node's `message`."""
+        response = await self.client.post(f"http://{address}{path}")
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {}
+        if response.is_error:
+            raise NodeRefused(f"{response.status_code} {answer.get('message', response.reason_phrase)}")
+        return answer if isinstance(answer, dict) else {}
+
+    async def get_json(self, address: str, path: str) -> Any:
+        return await self._get_json(address, path)
 
     async def _each(self, addresses: list[str], path: str, errors: Errors) -> dict[str, Any]:
         """GET path on every address at once; the answers by address (failures go to errors)."""
@@ -151,6 +169,8 @@ def channel_row(node: str, hostname: str, topic: str, c: dict[str, Any]) -> dict
         # trio-nsqd's (Go nsqd has none): how far behind the channel is
         "lag_messages": c.get("lag_messages", c["depth"] + c["in_flight_count"] + c["deferred_count"]),
         "oldest_unfinished_age_ms": c.get("oldest_unfinished_age_ms", 0),
+        # what its settings did (trio-nsqd's /channel/config)
+        **{key: c.get(key, 0) for key in ("dead_lettered_count", "expired_count", "refused_count", "dropped_count")},
     }
 
 

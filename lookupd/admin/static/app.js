@@ -113,6 +113,49 @@ function wireSeek(path, name) {
   };
 }
 
+// a topic's or channel's settings (trio-nsqd's /topic/config, /channel/config; a Go nsqd has none): the
+// form is kept across the page's redraws, so what is being typed stays; an empty field unsets
+const SETTINGS = [
+  ["max_depth", "Max depth", "number"], ["depth_policy", "When full", ["", "refuse", "drop-oldest"]],
+  ["message_ttl", "Message TTL", "text"], ["expired_to_dead_letter", "Expired to dead letters", ["", "true", "false"]],
+  ["max_attempts", "Max attempts", "number"], ["dead_letter_topic", "Dead-letter topic", "text"],
+  ["mem_queue_size", "Memory queue size", "number"],
+];
+let settingsForm = null; // {key, el}
+
+function settingsFormFor(key, settings, path, name) {
+  if (settingsForm && settingsForm.key === key) return settingsForm.el;
+  if (!settings) return null;
+  const el = document.createElement("form");
+  el.className = "settings";
+  el.dataset.settings = key;
+  const fields = SETTINGS.map(([k, label, type]) => {
+    const set = settings.config[k];
+    const value = set === undefined ? "" : String(set);
+    const shown = esc(String(settings.effective[k]));
+    const input = Array.isArray(type)
+      ? `<select name="${k}">${type.map((o) => `<option value="${o}"${o === value ? " selected" : ""}>${o ? esc(o) : `(${shown})`}</option>`).join("")}</select>`
+      : `<input name="${k}" ${type === "number" ? 'type="number" min="0"' : 'type="text"'} value="${esc(value)}" placeholder="${shown}">`;
+    return `<label>${label} ${input}</label>`;
+  });
+  el.innerHTML = `<h2>Settings</h2>${fields.join("")}
+    <button type="submit" data-save-settings>Save settings</button> <span class="muted">empty: the topic's or the flag's (shown)</span>`;
+  el.onsubmit = (e) => {
+    e.preventDefault();
+    const values = {};
+    for (const [k] of SETTINGS) values[k] = el.elements[k].value;
+    settingsForm = null; // drawn again from what the brokers now say
+    act("POST", path, { action: "config", settings: values }, `${name} settings saved`);
+  };
+  settingsForm = { key, el };
+  return el;
+}
+
+function placeSettings(el) {
+  const slot = $("#settings-slot");
+  if (slot && el) slot.replaceWith(el);
+}
+
 function wire(path, name, back) {
   for (const b of document.querySelectorAll("[data-act]")) {
     b.onclick = () => {
@@ -156,10 +199,12 @@ async function topicView(topic) {
     <h2>Nodes</h2>
     <table><thead><tr><th>Node</th><th>Depth</th><th>Memory + Disk</th><th>Messages</th><th>Channels</th><th>Log (messages / bytes)</th><th>Log positions</th></tr></thead>
       <tbody><tr class="total"><td>Total</td><td>${num(t.depth)}</td><td>${num(t.memory_depth)} + ${num(t.backend_depth)}</td><td>${num(t.message_count)}</td><td>${t.channels.length}</td><td class="log">${num(t.log_messages)} / ${bytes(t.log_bytes)}</td><td></td></tr>${nodeRows.join("")}</tbody></table>
+    <div id="settings-slot"></div>
     <h2>Channels</h2>
     <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th></tr></thead>
       <tbody>${chanRows.join("") || '<tr><td class="muted" colspan="11">no channels</td></tr>'}</tbody></table>`;
   wire(`/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`, "");
+  placeSettings(settingsFormFor(`t:${topic}`, t.settings, `/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`));
   if (t.message) status(t.message, true);
 }
 
@@ -179,11 +224,30 @@ async function channelView(topic, channel) {
     <h2>Nodes</h2>
     <table><thead><tr><th>Node</th><th>Depth</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th></tr></thead>
       <tbody><tr class="total"><td>Total</td><td class="depth">${num(c.depth)}</td><td>${num(c.in_flight_count)}</td><td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td><td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td></tr>${nodeRows.join("")}</tbody></table>
+    <h2>Dead letters and limits</h2>
+    <table data-dead-letters><thead><tr><th>Node</th><th>Dead-lettered</th><th>Expired</th><th>Refused</th><th>Dropped</th></tr></thead>
+      <tbody><tr class="total"><td>Total</td><td class="dead">${num(c.dead_lettered_count)}</td><td class="expired">${num(c.expired_count)}</td><td class="refused">${num(c.refused_count)}</td><td class="dropped">${num(c.dropped_count)}</td></tr>${c.nodes.map((n) => `<tr><td>${esc(n.node)}</td><td>${num(n.dead_lettered_count)}</td><td>${num(n.expired_count)}</td><td>${num(n.refused_count)}</td><td>${num(n.dropped_count)}</td></tr>`).join("")}</tbody></table>
+    ${c.settings ? `<div class="actions"><button data-redrive>Re-drive dead letters</button> <span class="muted">from ${esc(c.settings.effective.dead_letter_topic || "(no dead-letter topic)")}</span></div>` : ""}
+    <div id="settings-slot"></div>
     <h2>Clients</h2>
     <table><thead><tr><th>Client</th><th>Node</th><th>User agent</th><th>RDY</th><th>In flight</th><th>Finished</th><th>Requeued</th><th>Messages</th></tr></thead>
       <tbody>${clientRows.join("") || '<tr><td class="muted" colspan="8">no clients</td></tr>'}</tbody></table>`;
   wire(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, `channel ${topic}/${channel}`, `topics/${encodeURIComponent(topic)}`);
   wireSeek(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, `channel ${topic}/${channel}`);
+  const channelPath = `/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`;
+  placeSettings(settingsFormFor(`c:${topic}:${channel}`, c.settings, channelPath, `channel ${topic}/${channel}`));
+  const redrive = $("[data-redrive]");
+  if (redrive) {
+    redrive.onclick = async () => {
+      try {
+        const answer = await api(channelPath, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ action: "redrive" }) });
+        status(`re-drove ${num(answer.moved)} messages into ${topic}/${channel}${answer.message ? " — " + answer.message : ""}`);
+      } catch (e) {
+        status(`re-drive failed: ${e.message}`, true);
+      }
+      refresh();
+    };
+  }
   if (chosen) { const form = $("form[data-seek]"); form.to.value = chosen.to; form.time.value = chosen.time; }
   if (c.message) status(c.message, true);
 }
