@@ -59,7 +59,8 @@ def _channel(c: ChannelStats) -> str:
             f'"message_count":{c.message_count},"requeue_count":{c.requeue_count},'
             f'"timeout_count":{c.timeout_count},"client_count":{c.client_count},"clients":{clients},'
             f'"paused":{_bool(c.paused)},"e2e_processing_latency":{_latency(c.e2e_processing_latency)},'
-            f'"lag_messages":{c.lag_messages},"oldest_unfinished_age_ms":{c.oldest_unfinished_age_ms}}}')
+            f'"lag_messages":{c.lag_messages},"oldest_unfinished_age_ms":{c.oldest_unfinished_age_ms},'
+            f'"delivery_to_fin_latency":{_latency(c.delivery_to_fin_latency)}}}')
 
 
 def _latency(latency: E2eLatency) -> str:

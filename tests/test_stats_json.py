@@ -46,7 +46,8 @@ def channel_doc(c: ChannelStats, e2e: dict = NO_E2E) -> dict:
     return {"channel_name": c.channel_name, "depth": 1, "backend_depth": 2, "in_flight_count": 3, "deferred_count": 4,
             "message_count": 5, "requeue_count": 6, "timeout_count": 7, "client_count": c.client_count,
             "clients": None if c.clients is None else [client_doc(x) for x in c.clients], "paused": True,
-            "e2e_processing_latency": e2e, "lag_messages": 8, "oldest_unfinished_age_ms": 9}
+            "e2e_processing_latency": e2e, "lag_messages": 8, "oldest_unfinished_age_ms": 9,
+            "delivery_to_fin_latency": NO_E2E}
 
 
 def topic(name: str, channels: tuple[ChannelStats, ...], e2e: E2eLatency = E2eLatency()) -> TopicStats:
@@ -104,3 +105,19 @@ def test_percentiles_are_written_as_go_writes_float64():
                                          "topics": [topic_doc(t, [channel_doc(ch, e2e_doc)], e2e_doc)],
                                          "producers": None})
     assert b'"percentiles":[{"quantile":1,"value":59815304},{"quantile":0.5,"value":1234.5}]' in stats_json(stats)
+
+
+def test_delivery_to_fin_latency_follows_the_other_channel_keys():
+    """trio-nsqd's channel keys come after nsqd's, in the order they were added; the delivery-to-FIN
+    figures are written as the e2e ones (nanoseconds, as Go writes float64)."""
+    fin = E2eLatency(12, (Percentile(0.5, 2000000.0), Percentile(0.9, 1500.5), Percentile(0.99, 9.0),
+                          Percentile(0.999, 10.0)))
+    ch = ChannelStats("ch", 1, 2, 3, 4, 5, 6, 7, 0, None, False, E2eLatency(), 8, 9, fin)
+    text = stats_json(NsqdStats("OK", 1, (topic("t", (ch,)),), None, None))
+    assert text.endswith(b'"lag_messages":8,"oldest_unfinished_age_ms":9,"delivery_to_fin_latency":{"count":12,'
+                         b'"percentiles":[{"quantile":0.5,"value":2000000},{"quantile":0.9,"value":1500.5},'
+                         b'{"quantile":0.99,"value":9},{"quantile":0.999,"value":10}]}}],"depth":10,'
+                         b'"backend_depth":11,"message_count":12,"message_bytes":13,"paused":false,'
+                         b'"e2e_processing_latency":{"count":0,"percentiles":null},"idempotency_keys":14,'
+                         b'"log_first_position":1099511627776,"log_end_position":2199023255557,"log_messages":15,'
+                         b'"log_bytes":16}],"producers":null}')

@@ -66,6 +66,8 @@ def _schemas() -> dict:
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
         "lag_messages": {**_INTEGER, "description": "messages not finished: queued, in flight, deferred"},
         "oldest_unfinished_age_ms": {**_INTEGER, "description": "age of the oldest unfinished message (0: none)"},
+        "delivery_to_fin_latency": {"allOf": [{"$ref": "#/components/schemas/Latency"}], "description":
+                                    "delivery to FIN over the last 5-10 minutes: p50, p90, p99, p99.9 (nanoseconds)"},
     }}
     topic = {"type": "object", "properties": {
         "topic_name": {"type": "string"},
