@@ -30,6 +30,7 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/config/:opt": Route(api.config),
             "/metrics": Route(api.metrics),
             "/openapi.json": Route(api.openapi),
+            "/channel/messages": Route(api.channel_messages),
         },
         "POST": {
             "/pub": Route(api.pub, api.pub_now, logged=False),
