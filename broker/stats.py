@@ -278,9 +278,15 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
 
 
 def fin_latency(channel: Channel) -> E2eLatency:
-    """The channel's delivery-to-FIN figures: the FINs of the window and the latency at QUANTILES."""
+    """The channel's delivery-to-FIN figures: the FINs of the window and the latency at QUANTILES (one
+    shared record for every channel without FINs: /stats may list thousands)."""
     count, values = channel.fin_latency.figures(trio.current_time())
+    if not count:
+        return NO_FINS
     return E2eLatency(count, tuple([Percentile(q, float(value)) for q, value in zip(QUANTILES, values)]))
+
+
+NO_FINS = E2eLatency(0, tuple([Percentile(q, 0.0) for q in QUANTILES]))
 
 
 def _age_ms(timestamp_ns: int | None) -> int:

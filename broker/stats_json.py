@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from trio_nsq.broker.stats import ChannelStats, ClientStats, E2eLatency, NsqdStats, TopicStats
+from trio_nsq.broker.stats import NO_FINS, ChannelStats, ClientStats, E2eLatency, NsqdStats, TopicStats
 from trio_nsq.shared.http_api import go_json, go_number
 
 # go_number returns 1 for 1.0; typed float, its answer would be made a float again where mypyc compiles
@@ -66,6 +66,8 @@ def _channel(c: ChannelStats) -> str:
 def _latency(latency: E2eLatency) -> str:
     if latency.percentiles is None:
         return f'{{"count":{latency.count},"percentiles":null}}'
+    if latency is NO_FINS:  # every channel without FINs: written once
+        return _NO_FINS_JSON
     percentiles = [{"quantile": _go_number(p.quantile), "value": _go_number(p.value)} for p in latency.percentiles]
     return go_json({"count": latency.count, "percentiles": percentiles}).decode()
 
@@ -105,3 +107,6 @@ def client_json(client: ClientStats) -> dict[str, Any]:
     if client.pub_counts:
         out["pub_counts"] = [{"topic": p.topic, "count": p.count} for p in client.pub_counts]
     return out
+
+
+_NO_FINS_JSON = _latency(E2eLatency(NO_FINS.count, NO_FINS.percentiles))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trio_nsq.broker.stats import (
-    ChannelStats, ClientStats, E2eLatency, MemStats, NsqdStats, Percentile, PubCount, TopicStats,
+    NO_FINS, ChannelStats, ClientStats, E2eLatency, MemStats, NsqdStats, Percentile, PubCount, TopicStats,
 )
 from trio_nsq.broker.stats_json import stats_json
 from trio_nsq.shared.http_api import go_json
@@ -121,3 +121,13 @@ def test_delivery_to_fin_latency_follows_the_other_channel_keys():
                          b'"e2e_processing_latency":{"count":0,"percentiles":null},"idempotency_keys":14,'
                          b'"log_first_position":1099511627776,"log_end_position":2199023255557,"log_messages":15,'
                          b'"log_bytes":16}],"producers":null}')
+
+
+def test_a_channel_without_fins_has_zero_percentiles_written_once():
+    idle = ChannelStats("idle", 1, 2, 3, 4, 5, 6, 7, 0, None, True, E2eLatency(), 8, 9, NO_FINS)
+    zeros = {"count": 0, "percentiles": [{"quantile": q, "value": 0} for q in (0.5, 0.9, 0.99, 0.999)]}
+    stats = NsqdStats("OK", 1, (topic("t", (idle,)),), None, None)
+    doc = channel_doc(idle)
+    doc["delivery_to_fin_latency"] = zeros
+    assert stats_json(stats) == go_json({"version": "1.3.0", "health": "OK", "start_time": 1,
+                                         "topics": [topic_doc(topic("t", (idle,)), [doc])], "producers": None})
