@@ -24,6 +24,7 @@ import trio
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.cursor import FINISHED_LIMIT
+from trio_nsq.broker.latency import LatencyHistogram
 from trio_nsq.broker.log_reader import LogReader
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
@@ -114,6 +115,8 @@ class Channel:
 
         # e2e processing latency (FIN time - publish time), when percentiles are configured
         self.e2e: Quantile | None = None
+        # delivery-to-FIN latency (FIN time - delivery time), always kept: a fixed-size histogram
+        self.fin_latency = LatencyHistogram()
         # consumers whose pump waits for messages; woken on put
         self.waiters: set[Consumer] = set()
         self._reclaim_after = 0  # reclaim looks again past this many waiting finished positions
@@ -424,6 +427,8 @@ class Channel:
         if self.e2e is not None:
             for msg in msgs:
                 self.e2e.insert(msg.timestamp)
+        if msgs:
+            self.fin_latency.record_many(msgs, trio.current_time())
         positions = [msg.pos for msg in msgs if msg.pos >= 0]  # those read from a log
         if positions:
             self._finish(positions)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from itertools import islice, takewhile
 from typing import Any
@@ -95,6 +95,15 @@ class Cursor:
             self._ahead_count -= ahead.pop(0)[2]
         self._finished.add(pos)
         return True
+
+    def finished_ahead(self, pos: int) -> bool:
+        """Whether the record at `pos`, past the read position, was finished before a restart: skip()
+        without its bookkeeping, a look that changes nothing (/channel/messages)."""
+        ahead = self._ahead
+        if not ahead:
+            return False
+        at = bisect_right(ahead, pos, key=_first) - 1
+        return at >= 0 and pos <= ahead[at][1]
 
     def handed(self, positions: list[int], next_pos: int, next_index: int) -> None:
         """The reader read the records at `positions` (in order, skipped ones included) and is now at
@@ -367,6 +376,10 @@ class Cursor:
         cursor.held = {pos: st for pos, st in held.items() if pos >= mark}
         cursor._delta_bytes = at
         return cursor, at
+
+
+def _first(entry: list[int]) -> int:
+    return entry[0]
 
 
 def _block(body: bytes) -> bytes:

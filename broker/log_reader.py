@@ -60,6 +60,13 @@ class DeferredIndex:
         """Deferred records at positions in [lo, hi)."""
         return bisect_left(self.positions, hi) - bisect_left(self.positions, lo)
 
+    def deadline_at(self, pos: int) -> float:
+        """The deadline of the deferred publish at `pos` (0: it is none)."""
+        at = bisect_left(self.positions, pos)
+        if at < len(self.positions) and self.positions[at] == pos:
+            return self.deadlines[at]
+        return 0.0
+
     def prune_before(self, pos: int) -> None:
         """Every reader has read what is before `pos` (a restart reads the files again)."""
         cut = bisect_left(self.positions, pos)
@@ -222,6 +229,48 @@ class LogReader:
                         if left > msg.deferred:
                             msg.deferred = left
                 out.append(msg)
+        return out
+
+    def peek(self, limit: int, upto: int) -> list[Message]:
+        """Up to `limit` of the records not read yet before position `upto` that would be queued once read
+        (not finished before a restart, no deadline ahead), decoded with their attempts: a look that moves
+        nothing (/channel/messages), through a SegmentReader of its own. At most 4 x limit + 64 records
+        are read, so where more than that are skipped fewer are returned. (A bad record it meets cuts
+        its file as the reader would on getting there: SegmentReader.read.)"""
+        out: list[Message] = []
+        if limit <= 0:
+            return out
+        cursor = self.cursor
+        held = cursor.held
+        deferred = self.deadlines if self.deadlines is not None and len(self.deadlines) else None
+        now = self.clock()
+        budget = 4 * limit + 64
+        reader = self.segments.reader(self.reader.position, self.reader.index)
+        try:
+            while len(out) < limit and budget > 0:
+                positions: list[int] = []
+                records = reader.read(min(budget, limit - len(out)), upto, positions)
+                if not records:
+                    break
+                budget -= len(records)
+                for data, pos in zip(records, positions):
+                    if cursor.finished_ahead(pos):
+                        continue
+                    state = held.get(pos) if held else None
+                    if state is not None and state[1] > now:
+                        continue  # deferred when read
+                    if deferred is not None and deferred.deadline_at(pos) > now:
+                        continue  # a deferred publish still ahead
+                    try:
+                        msg = Message.decode(data)
+                    except ValueError:
+                        continue  # the reader logs it and finishes it when it gets there
+                    msg.pos = pos | self.tag
+                    if state is not None:
+                        msg.attempts = state[0]
+                    out.append(msg)
+        finally:
+            reader.close()
         return out
 
     def skip_to_lag(self, end_index: int, upto: int, max_lag: int) -> None:

@@ -199,6 +199,44 @@ class MessagePQueue:
                     break
         return out
 
+    def earliest(self, limit: int) -> list[Message]:
+        """Up to `limit` messages held, nearest deadline first, left where they are (a look inside:
+        /channel/messages). The lanes are in deadline order already and the heap's tree is walked from
+        its root, so the cost is bounded by `limit`, not by how many are held: at most 4 x limit + 64
+        entries are looked at (where more of them than that are stale, finished out of order and not
+        compacted yet, fewer are returned)."""
+        out: list[Message] = []
+        if limit <= 0:
+            return out
+        budget = 4 * limit + 64
+        heap = self._heap
+        fifos = list(self._lanes.values())
+        # the next entry of each source, by (deadline, tie, source, index): source -1 is the heap (index:
+        # the entry's place in its tree, whose children are 2i+1 and 2i+2), n >= 0 the n-th lane
+        frontier: list[tuple[float, int, int, int]] = []
+        if heap:
+            frontier.append((heap[0][0], heap[0][1], -1, 0))
+        for n, fifo in enumerate(fifos):
+            if fifo:
+                frontier.append((fifo[0][0], -1, n, 0))
+        heapq.heapify(frontier)
+        while frontier and len(out) < limit and budget > 0:
+            _, _, source, at = heapq.heappop(frontier)
+            budget -= 1
+            if source < 0:
+                _, _, generation, msg = heap[at]
+                for child in (2 * at + 1, 2 * at + 2):
+                    if child < len(heap):
+                        heapq.heappush(frontier, (heap[child][0], heap[child][1], -1, child))
+            else:
+                fifo = fifos[source]
+                _, generation, msg = fifo[at]  # near the deque's front: a few blocks' walk at most
+                if at + 1 < len(fifo):
+                    heapq.heappush(frontier, (fifo[at + 1][0], -1, source, at + 1))
+            if self._live(generation, msg):
+                out.append(msg)
+        return out
+
     def drain(self) -> list[Message]:
         """Remove and return everything (shutdown, empty)."""
         out = list(self._items.values())

@@ -27,7 +27,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
+from trio_nsq.broker.latency import QUANTILES
 from trio_nsq.broker.quantile import aggregate
 from trio_nsq.shared.names import is_ephemeral
 from trio_nsq.shared.version import VERSION
@@ -132,6 +134,8 @@ class ChannelStats:
     # the age of its oldest unfinished message (0: none)
     lag_messages: int = 0
     oldest_unfinished_age_ms: int = 0
+    # not in nsqd: delivery-to-FIN latency over the last 5-10 minutes (broker/latency.py), nanoseconds
+    delivery_to_fin_latency: E2eLatency = NO_LATENCY
     # not in nsqd: what the channel's settings did (broker/queue_settings.py)
     dead_lettered_count: int = 0
     expired_count: int = 0
@@ -274,11 +278,24 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str = "
         e2e_processing_latency=NO_LATENCY if channel.e2e is None else E2eLatency.from_result(channel.e2e.result()),
         lag_messages=depth + in_flight + deferred,
         oldest_unfinished_age_ms=_age_ms(channel.oldest_unfinished_timestamp()),
+        delivery_to_fin_latency=fin_latency(channel),
         dead_lettered_count=channel.dead_lettered_count,
         expired_count=channel.expired_count,
         refused_count=channel.refused_count,
         dropped_count=channel.dropped_count,
     )
+
+
+def fin_latency(channel: Channel) -> E2eLatency:
+    """The channel's delivery-to-FIN figures: the FINs of the window and the latency at QUANTILES (one
+    shared record for every channel without FINs: /stats may list thousands)."""
+    count, values = channel.fin_latency.figures(trio.current_time())
+    if not count:
+        return NO_FINS
+    return E2eLatency(count, tuple([Percentile(q, float(value)) for q, value in zip(QUANTILES, values)]))
+
+
+NO_FINS = E2eLatency(0, tuple([Percentile(q, 0.0) for q in QUANTILES]))
 
 
 def _age_ms(timestamp_ns: int | None) -> int:

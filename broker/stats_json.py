@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from trio_nsq.broker.stats import ChannelStats, ClientStats, E2eLatency, NsqdStats, TopicStats
+from trio_nsq.broker.stats import NO_FINS, ChannelStats, ClientStats, E2eLatency, NsqdStats, TopicStats
 from trio_nsq.shared.http_api import go_json, go_number
 
 # go_number returns 1 for 1.0; typed float, its answer would be made a float again where mypyc compiles
@@ -60,6 +60,7 @@ def _channel(c: ChannelStats) -> str:
             f'"timeout_count":{c.timeout_count},"client_count":{c.client_count},"clients":{clients},'
             f'"paused":{_bool(c.paused)},"e2e_processing_latency":{_latency(c.e2e_processing_latency)},'
             f'"lag_messages":{c.lag_messages},"oldest_unfinished_age_ms":{c.oldest_unfinished_age_ms},'
+            f'"delivery_to_fin_latency":{_latency(c.delivery_to_fin_latency)},'
             f'"dead_lettered_count":{c.dead_lettered_count},"expired_count":{c.expired_count},'
             f'"refused_count":{c.refused_count},"dropped_count":{c.dropped_count}}}')
 
@@ -67,6 +68,8 @@ def _channel(c: ChannelStats) -> str:
 def _latency(latency: E2eLatency) -> str:
     if latency.percentiles is None:
         return f'{{"count":{latency.count},"percentiles":null}}'
+    if latency is NO_FINS:  # every channel without FINs: written once
+        return _NO_FINS_JSON
     percentiles = [{"quantile": _go_number(p.quantile), "value": _go_number(p.value)} for p in latency.percentiles]
     return go_json({"count": latency.count, "percentiles": percentiles}).decode()
 
@@ -106,3 +109,6 @@ def client_json(client: ClientStats) -> dict[str, Any]:
     if client.pub_counts:
         out["pub_counts"] = [{"topic": p.topic, "count": p.count} for p in client.pub_counts]
     return out
+
+
+_NO_FINS_JSON = _latency(E2eLatency(NO_FINS.count, NO_FINS.percentiles))

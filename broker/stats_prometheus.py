@@ -121,6 +121,8 @@ def prometheus_text(nsqd: NSQD) -> str:
                   "Age of the channel's oldest unfinished message (0: none).", c.oldest_unfinished_age_ms / 1000, cl)
             _latency(m, "nsq_channel_e2e_processing_latency_seconds",
                      "End-to-end processing latency (publish to FIN) of the channel.", c.e2e_processing_latency, cl)
+            _latency(m, "nsq_channel_delivery_to_fin_latency_seconds",
+                     "Delivery-to-FIN latency of the channel over the last 5-10 minutes.", c.delivery_to_fin_latency, cl)
             for client in c.clients or ():
                 _add_all(m, "client", client, {**cl, **_client_labels(client)})
     for client in stats.producers or ():

@@ -25,6 +25,17 @@ def _e2e_text(latency: E2eLatency) -> str:
     return ", ".join(nanoseconds_to_human(p.value) for p in latency.percentiles or ())
 
 
+def _look_inside_text(c: ChannelStats) -> str:
+    """Not in nsqd, after its line: the delivery-to-FIN percentiles (p50, p90, p99, p99.9) once there are
+    FINs, and the age of the oldest unfinished message while there is one."""
+    out = ""
+    if c.delivery_to_fin_latency.count:
+        out += f" fin%: {_e2e_text(c.delivery_to_fin_latency)}"
+    if c.oldest_unfinished_age_ms:
+        out += f" oldest: {nanoseconds_to_human(c.oldest_unfinished_age_ms * 1e6)}"
+    return out
+
+
 def _queue_text(name: str, width: int, record: TopicStats | ChannelStats, counts: str) -> str:
     """A topic's or a channel's line, from the name on: what they both show around the channel's counts."""
     return (f"[{name:<{width}}] depth: {record.depth:<5} be-depth: {record.backend_depth:<5} {counts}"
@@ -77,7 +88,7 @@ def stats_text(stats: NsqdStats) -> str:
             extra = "".join(f" {label}: {value}" for label, value in (
                 ("dead-lettered", c.dead_lettered_count), ("expired", c.expired_count),
                 ("refused", c.refused_count), ("dropped", c.dropped_count)) if value)
-            out += f"{'   *P ' if c.paused else '      '}{_queue_text(c.channel_name, 25, c, counts)}{extra}\n"
+            out += f"{'   *P ' if c.paused else '      '}{_queue_text(c.channel_name, 25, c, counts)}{_look_inside_text(c)}{extra}\n"
             for client in c.clients or ():
                 out += f"        {_client_text(client, now)}\n"
     if not stats.producers:

@@ -13,7 +13,9 @@ import threading
 import httpx
 import pytest
 
+from nsq_raw import RawNSQ
 from processes import AdminProcess, BrokerProcess, LookupdProcess, free_port, wait_for
+from trio_nsq.lookupd.admin.cluster import worst_latency
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,38 @@ def test_topics_aggregate_over_the_nodes_with_a_row_per_node(cluster):
     counter = admin.get("/api/counter").json()["stats"]
     assert counter[f"agg:ch:{b2.http_address}"] == {"node": b2.http_address, "topic_name": "agg",
                                                     "channel_name": "ch", "message_count": 5}
+
+
+def test_delivery_to_fin_latency_per_node_and_in_total(cluster):
+    """trio-nsqd's delivery-to-FIN figures in the channel rows: each node's as it reports them, the total
+    with the FINs summed and each percentile the worst node's (here the only node with FINs)."""
+    lookupd, (b1, b2), admin = cluster
+    publish(b1, "fin", "ch", 3)
+    publish(b2, "fin", "ch", 2)
+    registered(lookupd, "fin", 2)
+    with RawNSQ(b1.tcp_address) as conn:
+        conn.sub("fin", "ch")
+        conn.rdy(3)
+        for msg in conn.expect_messages(3, timeout=10):
+            conn.fin(msg.id)
+        conn.nop()
+    wait_for(lambda: admin.get("/api/topics/fin/ch").json()["delivery_to_fin_latency"]["count"] == 3,
+             message="the three FINs in the total")
+    channel = admin.get("/api/topics/fin/ch").json()
+    nodes = {row["node"]: row["delivery_to_fin_latency"] for row in channel["nodes"]}
+    assert nodes[b2.http_address] == {"count": 0, "percentiles": [{"quantile": q, "value": 0}
+                                                                   for q in (0.5, 0.9, 0.99, 0.999)]}
+    assert nodes[b1.http_address]["count"] == 3 and all(p["value"] > 0 for p in nodes[b1.http_address]["percentiles"])
+    assert channel["delivery_to_fin_latency"] == nodes[b1.http_address]
+    [row] = admin.get("/api/topics/fin").json()["channels"]  # the topic page's channel row: the same total
+    assert row["delivery_to_fin_latency"] == nodes[b1.http_address]
+
+
+def test_worst_latency_sums_the_fins_and_takes_each_quantiles_worst():
+    def latency(count, *values):
+        return {"count": count, "percentiles": [{"quantile": q, "value": v} for q, v in zip((0.5, 0.99), values)]}
+    assert worst_latency([latency(3, 10, 500), latency(5, 20, 90), latency(0, 0, 0)]) == latency(8, 20, 500)
+    assert worst_latency([latency(0, 0, 0), {"count": 0, "percentiles": None}]) == {"count": 0, "percentiles": None}
 
 
 def test_nodes_and_one_node(cluster):

@@ -8,6 +8,7 @@ without them these tests say so and do not run.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -80,6 +81,9 @@ def test_the_topic_page_shows_depth_pauses_the_broker_and_draws_graphs(cluster, 
     wait_for(lambda: text_of(browser, 'tr[data-channel="web-ch"] td.depth') == "7", timeout=15,
              message="the channel row with depth 7")
     assert text_of(browser, "[data-topic]") == "web"
+    # nothing finished yet: no delivery-to-FIN figures, and the oldest of the seven waiting has an age
+    assert text_of(browser, 'tr[data-channel="web-ch"] td.fin') == "— / —"
+    assert re.fullmatch(r"[0-9.]+ (s|min|h)", text_of(browser, 'tr[data-channel="web-ch"] td.age'))
 
     # live graphs: keep publishing while the page polls; the published-rate line gets points and a height
     def drawn() -> bool:
@@ -127,6 +131,10 @@ def test_the_channel_page_seeks_and_shows_the_lag(cluster, browser):
     browser.get(f"{admin.http_url}/topics/again/r")
     wait_for(lambda: text_of(browser, "[data-channel-name]") == "r", timeout=15, message="the channel page")
     assert text_of(browser, "tr.total td.lag") == "0"
+    # the six FINs' delivery-to-FIN figures: their count and each percentile
+    assert text_of(browser, "tr.total td.fins") == "6"
+    for cell in ("fin-p5", "fin-p9", "fin-p99", "fin-p999"):
+        assert re.fullmatch(r"[0-9.]+ (ns|µs|ms|s)", text_of(browser, f"tr.total td.{cell}")), cell
     browser.find_element(By.CSS_SELECTOR, "button[data-act-seek]").click()  # "the earliest message kept"
     browser.switch_to.alert.accept()
 

@@ -16,10 +16,12 @@ import time
 
 import httpx
 import pytest
+import trio
 
 from http_helpers import consume
 from processes import BrokerProcess, free_port, wait_for
 from nsq_raw import RawNSQ, publish, subscribe
+from trio_nsq.client import Consumer
 
 NSQ_HEADER = "nsq; version=1.0"
 _names = itertools.count(1)
@@ -504,6 +506,101 @@ def test_topic_and_channel_errors(http, path, params, status, message):
     assert_error(resp, status, message)
 
 
+# --- /channel/messages and the delivery-to-FIN latency -----------------------------------------
+
+
+def test_channel_messages_shows_what_a_consumer_holds_and_its_fin_latency(http, broker):
+    """Our Trio client holds two messages (its handler waits) and requeues one for 10 s: the broker
+    lists them in flight (with the consumer) and deferred, the rest queued; once the handlers return
+    (FIN), /stats, its text and /metrics have the channel's delivery-to-FIN percentiles."""
+    topic = unique()
+    http.post("/topic/create", params={"topic": topic})
+    http.post("/channel/create", params={"topic": topic, "channel": "c"})
+    assert http.post("/mpub", params={"topic": topic}, content=b"m0\nm1\nm2\nm3\nm4").text == "OK"
+
+    def listing(state: str, **params: str) -> dict:
+        resp = http.get("/channel/messages", params={"topic": topic, "channel": "c", "state": state, **params})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def held() -> bool:
+        return listing("in_flight")["count"] == 2 and listing("deferred")["count"] == 1
+
+    looked: dict[str, dict] = {}
+
+    async def scenario() -> None:
+        release = trio.Event()
+
+        async def handler(message) -> None:
+            if message.body == b"m0":
+                await message.requeue(delay_ms=10_000, backoff=False)  # --max-req-timeout
+                return
+            await release.wait()  # held: in flight until it returns (FIN)
+
+        async with Consumer(topic, "c", handler, nsqd_tcp_addresses=[broker.tcp_address], max_in_flight=2):
+            await trio.to_thread.run_sync(lambda: wait_for(held, timeout=10, message="two in flight, one deferred"))
+            for state in ("in_flight", "deferred", "queued"):
+                looked[state] = await trio.to_thread.run_sync(listing, state)
+            looked["one queued"] = await trio.to_thread.run_sync(lambda: listing("queued", limit="1"))
+            looked["stats"] = await trio.to_thread.run_sync(lambda: topic_stats(http, topic))
+            release.set()
+            await trio.to_thread.run_sync(lambda: wait_for(
+                lambda: listing("in_flight")["count"] == 0 and listing("queued")["count"] == 0, timeout=10,
+                message="m1-m4 finished"))
+
+    started = time.time_ns()
+    trio.run(scenario)
+    in_flight, deferred, queued = looked["in_flight"], looked["deferred"], looked["queued"]
+    assert sorted(m["body_preview"] for m in in_flight["messages"]) == ["m1", "m2"]
+    [client] = looked["stats"]["channels"][0]["clients"]
+    for m in in_flight["messages"]:
+        assert (m["attempts"], m["body_size"], len(m["id"])) == (1, 2, 16)
+        assert (m["client_id"], m["client_address"]) == (client["client_id"], client["remote_address"])
+        assert m["deadline"] - m["delivered_at"] == pytest.approx(60e9, abs=1e6)  # --msg-timeout: 60 s
+        assert m["timestamp"] <= m["delivered_at"] <= time.time_ns()
+    assert [(m["body_preview"], m["attempts"]) for m in deferred["messages"]] == [("m0", 1)]
+    # due 10 s after the REQ, which came between the start and now
+    assert started + 10e9 <= deferred["messages"][0]["deadline"] <= time.time_ns() + 10e9
+    assert (queued["count"], [m["body_preview"] for m in queued["messages"]]) == (2, ["m3", "m4"])
+    assert all(m["age_ms"] >= 0 and m["attempts"] == 0 for m in queued["messages"])
+    assert [m["body_preview"] for m in looked["one queued"]["messages"]] == ["m3"]
+
+    # the two held ones were FIN'd when released, m3 and m4 delivered and FIN'd after them
+    channel = topic_stats(http, topic)["channels"][0]
+    assert channel["delivery_to_fin_latency"]["count"] == 4
+    fin = channel["delivery_to_fin_latency"]
+    assert [p["quantile"] for p in fin["percentiles"]] == [0.5, 0.9, 0.99, 0.999]
+    assert all(p["value"] > 0 for p in fin["percentiles"])
+    assert list(channel)[-7:] == ["lag_messages", "oldest_unfinished_age_ms", "delivery_to_fin_latency",
+                                  "dead_lettered_count", "expired_count", "refused_count", "dropped_count"]
+    assert channel["oldest_unfinished_age_ms"] > 0  # m0, deferred
+    text = http.get("/stats", params={"topic": topic}).text
+    assert re.search(r"\[c +\] depth: 0 .* fin%: [0-9.]+[mun]?s, [0-9.]+[mun]?s, [0-9.]+[mun]?s, [0-9.]+[mun]?s "
+                     r"oldest: [0-9.]+[mun]?s\n", text), text
+    types, samples = parse_prometheus(http.get("/metrics").text)
+    assert types["nsq_channel_delivery_to_fin_latency_seconds"] == "summary"
+    labels = f'topic="{topic}",channel="c"'
+    assert samples[f"nsq_channel_delivery_to_fin_latency_seconds_count{{{labels}}}"] == 4
+    assert samples[f'nsq_channel_delivery_to_fin_latency_seconds{{{labels},quantile="0.5"}}'] > 0
+    assert samples[f"nsq_channel_oldest_unfinished_age_seconds{{{labels}}}"] > 0
+
+
+@pytest.mark.parametrize("params, status, message", [
+    ({"channel": "c", "state": "queued"}, 400, "MISSING_ARG_TOPIC"),
+    ({"topic": "bad!", "channel": "c", "state": "queued"}, 400, "INVALID_ARG_TOPIC"),
+    ({"topic": "missing-topic", "channel": "c", "state": "queued"}, 404, "TOPIC_NOT_FOUND"),
+    ({"topic": "existing", "channel": "missing", "state": "queued"}, 404, "CHANNEL_NOT_FOUND"),
+    ({"topic": "existing", "channel": "c"}, 400, "MISSING_ARG_STATE"),
+    ({"topic": "existing", "channel": "c", "state": "stuck"}, 400, "INVALID_ARG_STATE"),
+    ({"topic": "existing", "channel": "c", "state": "queued", "limit": "100000"}, 400, "INVALID_ARG_LIMIT"),
+])
+def test_channel_messages_errors(http, params, status, message):
+    http.post("/topic/create", params={"topic": "existing"})
+    http.post("/channel/create", params={"topic": "existing", "channel": "c"})
+    assert_error(http.get("/channel/messages", params=params), status, message)
+    assert http.post("/channel/messages", params=params).status_code == 405
+
+
 # --- /config ------------------------------------------------------------------------------------
 
 
@@ -658,8 +755,9 @@ def test_openapi_document_covers_every_endpoint(http):
     expected = {"/ping": "get", "/info": "get", "/pub": "post", "/mpub": "post", "/stats": "get",
                 "/metrics": "get", "/openapi.json": "get", "/config/{opt}": "put"}
     expected.update({f"/topic/{a}": "post" for a in ("create", "delete", "empty", "pause", "unpause")})
-    expected.update({f"/channel/{a}": "post" for a in ("create", "delete", "empty", "pause", "unpause", "redrive")})
+    expected.update({f"/channel/{a}": "post" for a in ("create", "delete", "empty", "pause", "unpause", "seek", "redrive")})
     expected.update({"/topic/config": "post", "/channel/config": "post"})
+    expected["/channel/messages"] = "get"
     for path, method in expected.items():
         assert method in doc["paths"][path], path
         responses = doc["paths"][path][method]["responses"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trio_nsq.broker.stats import (
-    ChannelStats, ClientStats, E2eLatency, MemStats, NsqdStats, Percentile, PubCount, TopicStats,
+    NO_FINS, ChannelStats, ClientStats, E2eLatency, MemStats, NsqdStats, Percentile, PubCount, TopicStats,
 )
 from trio_nsq.broker.stats_json import stats_json
 from trio_nsq.shared.http_api import go_json
@@ -39,7 +39,7 @@ def client_doc(c: ClientStats) -> dict:
 
 
 def channel(name: str, clients: tuple[ClientStats, ...] | None, e2e: E2eLatency = E2eLatency()) -> ChannelStats:
-    return ChannelStats(name, 1, 2, 3, 4, 5, 6, 7, len(clients or ()), clients, True, e2e, 8, 9, 10, 11, 12, 13)
+    return ChannelStats(name, 1, 2, 3, 4, 5, 6, 7, len(clients or ()), clients, True, e2e, 8, 9, E2eLatency(), 10, 11, 12, 13)
 
 
 def channel_doc(c: ChannelStats, e2e: dict = NO_E2E) -> dict:
@@ -47,7 +47,9 @@ def channel_doc(c: ChannelStats, e2e: dict = NO_E2E) -> dict:
             "message_count": 5, "requeue_count": 6, "timeout_count": 7, "client_count": c.client_count,
             "clients": None if c.clients is None else [client_doc(x) for x in c.clients], "paused": True,
             "e2e_processing_latency": e2e, "lag_messages": 8, "oldest_unfinished_age_ms": 9,
-            "dead_lettered_count": 10, "expired_count": 11, "refused_count": 12, "dropped_count": 13}
+            "delivery_to_fin_latency": NO_E2E,
+            "dead_lettered_count": c.dead_lettered_count, "expired_count": c.expired_count,
+            "refused_count": c.refused_count, "dropped_count": c.dropped_count}
 
 
 def topic(name: str, channels: tuple[ChannelStats, ...], e2e: E2eLatency = E2eLatency()) -> TopicStats:
@@ -105,3 +107,30 @@ def test_percentiles_are_written_as_go_writes_float64():
                                          "topics": [topic_doc(t, [channel_doc(ch, e2e_doc)], e2e_doc)],
                                          "producers": None})
     assert b'"percentiles":[{"quantile":1,"value":59815304},{"quantile":0.5,"value":1234.5}]' in stats_json(stats)
+
+
+def test_delivery_to_fin_latency_follows_the_other_channel_keys():
+    """trio-nsqd's channel keys come after nsqd's, in the order they were added; the delivery-to-FIN
+    figures are written as the e2e ones (nanoseconds, as Go writes float64)."""
+    fin = E2eLatency(12, (Percentile(0.5, 2000000.0), Percentile(0.9, 1500.5), Percentile(0.99, 9.0),
+                          Percentile(0.999, 10.0)))
+    ch = ChannelStats("ch", 1, 2, 3, 4, 5, 6, 7, 0, None, False, E2eLatency(), 8, 9, fin)
+    text = stats_json(NsqdStats("OK", 1, (topic("t", (ch,)),), None, None))
+    assert text.endswith(b'"lag_messages":8,"oldest_unfinished_age_ms":9,"delivery_to_fin_latency":{"count":12,'
+                         b'"percentiles":[{"quantile":0.5,"value":2000000},{"quantile":0.9,"value":1500.5},'
+                         b'{"quantile":0.99,"value":9},{"quantile":0.999,"value":10}]},"dead_lettered_count":0,"expired_count":0,'
+                         b'"refused_count":0,"dropped_count":0}],"depth":10,'
+                         b'"backend_depth":11,"message_count":12,"message_bytes":13,"paused":false,'
+                         b'"e2e_processing_latency":{"count":0,"percentiles":null},"idempotency_keys":14,'
+                         b'"log_first_position":1099511627776,"log_end_position":2199023255557,"log_messages":15,'
+                         b'"log_bytes":16}],"producers":null}')
+
+
+def test_a_channel_without_fins_has_zero_percentiles_written_once():
+    idle = ChannelStats("idle", 1, 2, 3, 4, 5, 6, 7, 0, None, True, E2eLatency(), 8, 9, NO_FINS)
+    zeros = {"count": 0, "percentiles": [{"quantile": q, "value": 0} for q in (0.5, 0.9, 0.99, 0.999)]}
+    stats = NsqdStats("OK", 1, (topic("t", (idle,)),), None, None)
+    doc = channel_doc(idle)
+    doc["delivery_to_fin_latency"] = zeros
+    assert stats_json(stats) == go_json({"version": "1.3.0", "health": "OK", "start_time": 1,
+                                         "topics": [topic_doc(topic("t", (idle,)), [doc])], "producers": None})

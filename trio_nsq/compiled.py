@@ -24,6 +24,7 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.message",
     "trio_nsq.broker.pqueue",
     "trio_nsq.broker.channel",
+    "trio_nsq.broker.latency",  # Channel.finish_messages records every run of FINs there
     "trio_nsq.broker.topic",
     "trio_nsq.broker.segment_log",
     "trio_nsq.broker.cursor",

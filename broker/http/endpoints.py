@@ -17,6 +17,7 @@ import trio
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.channel import Channel
+from trio_nsq.broker.channel_messages import ListingError, list_messages, listing_args
 from trio_nsq.broker.http.openapi import openapi_bytes
 from trio_nsq.broker.idempotency import valid_key
 from trio_nsq.broker.stats import get_stats, health
@@ -405,6 +406,17 @@ class Api:
         log.info("CHANNEL(%s:%s): seek to %s: position %d", topic.name, channel.name, texts[0], pos)
         await self._persisted(topic, f"CHANNEL({channel.name})")
         return ok_json({"position": pos, "depth": channel.depth()})
+
+    async def channel_messages(self, req: Request, params: Mapping[str, str]) -> Reply:
+        """Not in nsqd: a look at a channel's messages in one state (in_flight, deferred, queued), at most
+        `limit` of them (default 100, at most 1000): broker/channel_messages.py."""
+        channel = self._existing_channel(req)
+        states, limits = self._params(req).get("state"), self._params(req).get("limit")
+        try:
+            state, limit = listing_args(states[0] if states else None, limits[0] if limits else None)
+        except ListingError as exc:
+            raise HTTPError(400, str(exc)) from None
+        return ok_json(list_messages(channel, state, limit))
 
     async def channel_pause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return self._set_paused(self._existing_channel(req), True)

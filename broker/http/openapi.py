@@ -129,6 +129,8 @@ def _schemas() -> dict:
         "paused": _BOOL,
         "e2e_processing_latency": {"$ref": "#/components/schemas/Latency"},
         **_integers("channel"),
+        "delivery_to_fin_latency": {"allOf": [{"$ref": "#/components/schemas/Latency"}], "description":
+                                    "delivery to FIN over the last 5-10 minutes: p50, p90, p99, p99.9 (nanoseconds)"},
     }}
     topic = {"type": "object", "properties": {
         "topic_name": {"type": "string"},
@@ -158,9 +160,29 @@ def _schemas() -> dict:
         "topology_region": {"type": "string", "description": "only with --topology-region"},
         "idempotent_publish": {"type": "boolean"},
     }}
+    unix_ns = {**_INTEGER, "description": "unix nanoseconds"}
+    listed = {"type": "object", "properties": {
+        "id": {"type": "string", "description": "the message's 16-character id"},
+        "timestamp": {**_INTEGER, "description": "publish time, unix nanoseconds"},
+        "attempts": {"type": "integer"},
+        "body_size": {"type": "integer", "description": "bytes"},
+        "body_preview": {"type": "string", "description": "the body's first 64 bytes as UTF-8 text, a byte that "
+                                                          "is not UTF-8 written \\xNN"},
+        "delivered_at": {**unix_ns, "description": "in_flight: when it was sent to its consumer (unix ns)"},
+        "deadline": {**unix_ns, "description": "in_flight: when it times out; deferred: when it is due (unix ns)"},
+        "client_id": {"type": "string", "description": "in_flight: its consumer's client_id, as /stats shows it"},
+        "client_address": {"type": "string", "description": "in_flight: its consumer's remote address"},
+        "age_ms": {**_INTEGER, "description": "queued: since it was published"},
+    }}
+    messages = {"type": "object", "properties": {
+        "topic": {"type": "string"}, "channel": {"type": "string"},
+        "state": {"type": "string", "enum": ["in_flight", "deferred", "queued"]},
+        "count": _INTEGER,
+        "messages": {"type": "array", "items": listed},
+    }}
     error = {"type": "object", "required": ["message"], "properties": {"message": {"type": "string"}}}
     return {"Error": error, "Info": info, "Stats": stats, "TopicStats": topic, "ChannelStats": channel,
-            "Client": client, "Latency": latency, "Memory": memory}
+            "Client": client, "Latency": latency, "Memory": memory, "ChannelMessages": messages}
 
 
 def openapi_spec() -> dict:
@@ -284,6 +306,22 @@ def openapi_spec() -> dict:
                                      "TOPIC_HAS_NO_LOG", "TIME_BEFORE_RETENTION", bad_query),
          "404": _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND"), "500": _err("INTERNAL_ERROR")},
         [_TOPIC, _CHANNEL, to])}
+    paths["/channel/messages"] = {"get": op(
+        "Not in nsqd: a look at a channel's messages in one state (at most `limit`; what it costs is bounded "
+        "by it, not by the channel's size)",
+        {"200": {"description": "count: how many the channel has in that state (as /stats counts them); "
+                                "messages: in flight and deferred nearest deadline first, queued in memory "
+                                "then in the logs (deferred publishes not read from the log yet are counted, "
+                                "not listed)",
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChannelMessages"}}}},
+         "400": _err("MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", "MISSING_ARG_CHANNEL", "INVALID_ARG_CHANNEL",
+                     "MISSING_ARG_STATE", "INVALID_ARG_STATE", "INVALID_ARG_LIMIT", bad_query),
+         "404": _err("TOPIC_NOT_FOUND", "CHANNEL_NOT_FOUND")},
+        [_TOPIC, _CHANNEL,
+         _param("state", "in_flight, deferred or queued", required=True,
+                schema={"type": "string", "enum": ["in_flight", "deferred", "queued"]}),
+         _param("limit", "at most this many messages", schema={"type": "integer", "minimum": 0, "maximum": 1000,
+                                                               "default": 100})])}
     _settings_paths(paths, op, bad_query)
     return {
         "openapi": "3.0.3",

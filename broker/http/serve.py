@@ -32,6 +32,7 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/openapi.json": Route(api.openapi),
             "/topic/config": Route(api.topic_config),
             "/channel/config": Route(api.channel_config),
+            "/channel/messages": Route(api.channel_messages),
         },
         "POST": {
             "/pub": Route(api.pub, api.pub_now, logged=False),

@@ -169,6 +169,8 @@ def channel_row(node: str, hostname: str, topic: str, c: dict[str, Any]) -> dict
         # trio-nsqd's (Go nsqd has none): how far behind the channel is
         "lag_messages": c.get("lag_messages", c["depth"] + c["in_flight_count"] + c["deferred_count"]),
         "oldest_unfinished_age_ms": c.get("oldest_unfinished_age_ms", 0),
+        # trio-nsqd's: delivery to FIN, p50/p90/p99/p99.9 in ns over its last 5-10 minutes
+        "delivery_to_fin_latency": c.get("delivery_to_fin_latency") or {"count": 0, "percentiles": None},
         # what its settings did (trio-nsqd's /channel/config)
         **{key: c.get(key, 0) for key in ("dead_lettered_count", "expired_count", "refused_count", "dropped_count")},
     }
@@ -217,7 +219,20 @@ def aggregate_channel(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in CHANNEL_EXTRA_SUMS:
         out[key] = sum(r[key] for r in rows)
     out["oldest_unfinished_age_ms"] = max(r["oldest_unfinished_age_ms"] for r in rows)
+    out["delivery_to_fin_latency"] = worst_latency([r["delivery_to_fin_latency"] for r in rows])
     return out
+
+
+def worst_latency(latencies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several nodes' latency figures as one: the FINs summed and, percentiles not being mergeable, each
+    quantile's worst value among the nodes that had FINs (an upper bound)."""
+    worst: dict[float, float] = {}
+    for latency in latencies:
+        if latency.get("count") and latency.get("percentiles"):
+            for p in latency["percentiles"]:
+                worst[p["quantile"]] = max(worst.get(p["quantile"], 0), p["value"])
+    percentiles = [{"quantile": q, "value": v} for q, v in sorted(worst.items())] if worst else None
+    return {"count": sum(latency.get("count", 0) for latency in latencies), "percentiles": percentiles}
 
 
 def aggregate_topic(rows: list[dict[str, Any]]) -> dict[str, Any]:

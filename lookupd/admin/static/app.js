@@ -17,6 +17,16 @@ const bytes = (n) => (n >= 1 << 30 ? `${(n / (1 << 30)).toFixed(1)} GiB` : n >= 
 const age = (ms) => (!ms ? "—" : ms >= 3600000 ? `${(ms / 3600000).toFixed(1)} h` : ms >= 60000 ? `${(ms / 60000).toFixed(1)} min`
   : `${(ms / 1000).toFixed(1)} s`);
 
+// trio-nsqd's delivery-to-FIN percentiles (ns): one quantile's value, or "—" without FINs (or from Go nsqd)
+const dur = (ns) => (ns >= 1e9 ? `${(ns / 1e9).toFixed(1)} s` : ns >= 1e6 ? `${(ns / 1e6).toFixed(1)} ms`
+  : ns >= 1e3 ? `${(ns / 1e3).toFixed(1)} µs` : `${Math.round(ns)} ns`);
+function finAt(latency, q) {
+  const p = latency && latency.count ? (latency.percentiles || []).find((x) => x.quantile === q) : null;
+  return p ? dur(p.value) : "—";
+}
+const finCells = (latency) => `<td class="fins">${num(latency ? latency.count : 0)}</td>`
+  + [0.5, 0.9, 0.99, 0.999].map((q) => `<td class="fin-p${String(q).slice(2)}">${finAt(latency, q)}</td>`).join("");
+
 function status(text, error = false) {
   $("#status").innerHTML = text ? `<div class="msg${error ? " error" : ""}">${esc(text)}</div>` : "";
 }
@@ -188,7 +198,8 @@ async function topicView(topic) {
     return `<tr data-channel="${esc(c.channel_name)}"><td><a href="${BASE}topics/${encodeURIComponent(topic)}/${encodeURIComponent(c.channel_name)}" data-nav>${esc(c.channel_name)}</a>${pausedTag(c.paused)}${behind(cl, c) ? '<span class="tag behind">falling behind</span>' : ""}</td>
       <td class="depth">${num(c.depth)}</td><td>${num(c.memory_depth)} + ${num(c.backend_depth)}</td><td>${num(c.in_flight_count)}</td>
       <td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td>
-      <td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td></tr>`;
+      <td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td>
+      <td class="fin">${finAt(c.delivery_to_fin_latency, 0.5)} / ${finAt(c.delivery_to_fin_latency, 0.99)}</td></tr>`;
   });
   const nodeRows = t.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.memory_depth)} + ${num(n.backend_depth)}</td><td>${num(n.message_count)}</td><td>${n.channels.length}</td>
     <td class="log">${num(n.log_messages)} / ${bytes(n.log_bytes)}</td><td class="muted">${num(n.log_first_position)} – ${num(n.log_end_position)}</td></tr>`);
@@ -201,8 +212,8 @@ async function topicView(topic) {
       <tbody><tr class="total"><td>Total</td><td>${num(t.depth)}</td><td>${num(t.memory_depth)} + ${num(t.backend_depth)}</td><td>${num(t.message_count)}</td><td>${t.channels.length}</td><td class="log">${num(t.log_messages)} / ${bytes(t.log_bytes)}</td><td></td></tr>${nodeRows.join("")}</tbody></table>
     <div id="settings-slot"></div>
     <h2>Channels</h2>
-    <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th></tr></thead>
-      <tbody>${chanRows.join("") || '<tr><td class="muted" colspan="11">no channels</td></tr>'}</tbody></table>`;
+    <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th><th title="delivery to FIN over the last 5-10 minutes">Delivery→FIN p50 / p99</th></tr></thead>
+      <tbody>${chanRows.join("") || '<tr><td class="muted" colspan="12">no channels</td></tr>'}</tbody></table>`;
   wire(`/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`, "");
   placeSettings(settingsFormFor(`t:${topic}`, t.settings, `/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`));
   if (t.message) status(t.message, true);
@@ -216,14 +227,15 @@ async function channelView(topic, channel) {
   const clients = c.nodes.flatMap((n) => n.clients || []);
   const clientRows = clients.map((k) => `<tr><td>${esc(k.hostname)} <span class="muted">${esc(k.remote_address)}</span></td><td>${esc(k.node)}</td><td>${esc(k.user_agent)}</td>
     <td>${num(k.ready_count)}</td><td>${num(k.in_flight_count)}</td><td>${num(k.finish_count)}</td><td>${num(k.requeue_count)}</td><td>${num(k.message_count)}</td></tr>`);
-  const nodeRows = c.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.in_flight_count)}</td><td>${num(n.deferred_count)}</td><td>${num(n.requeue_count)}</td><td>${num(n.timeout_count)}</td><td>${num(n.message_count)}</td><td>${num(n.client_count)}</td><td>${num(n.lag_messages)}</td><td>${age(n.oldest_unfinished_age_ms)}</td></tr>`);
+  const nodeRows = c.nodes.map((n) => `<tr><td>${esc(n.node)}${pausedTag(n.paused)}</td><td>${num(n.depth)}</td><td>${num(n.in_flight_count)}</td><td>${num(n.deferred_count)}</td><td>${num(n.requeue_count)}</td><td>${num(n.timeout_count)}</td><td>${num(n.message_count)}</td><td>${num(n.client_count)}</td><td>${num(n.lag_messages)}</td><td>${age(n.oldest_unfinished_age_ms)}</td>${finCells(n.delivery_to_fin_latency)}</tr>`);
   $("#view").innerHTML = `<h1><a href="${BASE}topics/${encodeURIComponent(topic)}" data-nav>${esc(topic)}</a> / <span data-channel-name>${esc(channel)}</span>${pausedTag(c.paused)}${behind(list, c) ? '<span class="tag behind">falling behind</span>' : ""}</h1>
     ${buttons("channel", `/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, c.paused)}
     ${seekForm()}
     <div class="graphs">${graph("delivered /s", rates(list, "processed"), "msg/s")}${graph("depth", list.map((s) => s.depth), "msgs")}</div>
     <h2>Nodes</h2>
-    <table><thead><tr><th>Node</th><th>Depth</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th></tr></thead>
-      <tbody><tr class="total"><td>Total</td><td class="depth">${num(c.depth)}</td><td>${num(c.in_flight_count)}</td><td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td><td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td></tr>${nodeRows.join("")}</tbody></table>
+    <table><thead><tr><th>Node</th><th>Depth</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th><th title="FINs over the last 5-10 minutes">FINs</th><th title="delivery to FIN">p50</th><th>p90</th><th>p99</th><th>p99.9</th></tr></thead>
+      <tbody><tr class="total"><td>Total</td><td class="depth">${num(c.depth)}</td><td>${num(c.in_flight_count)}</td><td>${num(c.deferred_count)}</td><td>${num(c.requeue_count)}</td><td>${num(c.timeout_count)}</td><td>${num(c.message_count)}</td><td>${num(c.client_count)}</td><td class="lag">${num(c.lag_messages)}</td><td class="age">${age(c.oldest_unfinished_age_ms)}</td>${finCells(c.delivery_to_fin_latency)}</tr>${nodeRows.join("")}</tbody></table>
+    <p class="muted">Delivery→FIN: how long consumers took from delivery to FIN over the last 5-10 minutes (the total: each percentile's worst node).</p>
     <h2>Dead letters and limits</h2>
     <table data-dead-letters><thead><tr><th>Node</th><th>Dead-lettered</th><th>Expired</th><th>Refused</th><th>Dropped</th></tr></thead>
       <tbody><tr class="total"><td>Total</td><td class="dead">${num(c.dead_lettered_count)}</td><td class="expired">${num(c.expired_count)}</td><td class="refused">${num(c.refused_count)}</td><td class="dropped">${num(c.dropped_count)}</td></tr>${c.nodes.map((n) => `<tr><td>${esc(n.node)}</td><td>${num(n.dead_lettered_count)}</td><td>${num(n.expired_count)}</td><td>${num(n.refused_count)}</td><td>${num(n.dropped_count)}</td></tr>`).join("")}</tbody></table>
