@@ -30,7 +30,7 @@ from trio_nsq.shared.protocol import MESSAGE_HEADER
 log = logging.getLogger("nsqd")
 
 
-class DeferredIndex:
+class Deadlines:
     """The deadlines of a log's deferred publishes, for the records some reader has not read yet (TopicLog
     keeps it, from its files): a reader defers a record it finds here; /stats counts the records ahead of
     a reader that are deferred. Two arrays in position order (16 bytes an entry, nothing for the garbage
@@ -76,7 +76,7 @@ class LogReader:
         *,
         start: tuple[int, int],
         tag: int = 0,
-        deadlines: DeferredIndex | None = None,
+        deadlines: Deadlines | None = None,
         owns_log: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
