@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 
 from trio_nsq.broker.cursor import Cursor, CursorFileError
+from trio_nsq.broker.deferred_index import DeferredIndex
 from trio_nsq.broker.files import remove_quietly
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.segment_log import POS_SHIFT, SegmentLog
@@ -172,9 +173,11 @@ class LogReader:
             return 0
         return self.deadlines.count_between(self.cursor.read_pos, end)
 
-    def read(self, limit: int, upto: int) -> list[Message]:
+    def read(self, limit: int, upto: int, later: DeferredIndex | None = None) -> list[Message]:
         """Up to `limit` messages before position `upto`: skips what was finished before a restart, gives
-        a held record its attempts, and a record with a deadline still ahead `deferred` (seconds left)."""
+        a held record its attempts. A record with a deadline still ahead (a deferred publish, a held one)
+        goes to `later` as its position and deadline, not a Message (the channel reads it back when it is
+        due); without `later` it comes with `deferred` set (seconds left)."""
         cursor = self.cursor
         reader = self.reader
         out: list[Message] = []
@@ -194,31 +197,85 @@ class LogReader:
             if deferred is not None and len(deferred):
                 at = bisect_left(deferred.positions, positions[0])
                 end = bisect_left(deferred.positions, positions[-1] + 1)
+            if not held and at == end:
+                # nothing held, nothing deferred among them: the plain path
+                for data, pos in zip(records, positions):
+                    if skipping and cursor.skip(pos):
+                        continue
+                    try:
+                        msg = decode(data)
+                    except ValueError as exc:
+                        self._undecodable(pos, exc)
+                        continue
+                    msg.pos = pos | tag
+                    out.append(msg)
+                continue
+            now = self.clock()
+            shift = later.clock() - now if later is not None else 0.0  # to the index's clock
             for data, pos in zip(records, positions):
                 if skipping and cursor.skip(pos):
                     continue
-                try:
-                    msg = decode(data)
-                except ValueError as exc:
-                    log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
-                    self.finish_many([pos | tag])
-                    continue
-                msg.pos = pos | tag
+                attempts = -1
+                deadline = 0.0
                 if held:
                     state = held.get(pos)
                     if state is not None:
-                        msg.attempts = state[0]
-                        if state[1] > 0:
-                            msg.deferred = state[1] - self.clock()
+                        attempts, deadline = state
                 if at < end:
                     assert deferred is not None
                     while at < end and deferred.positions[at] < pos:
                         at += 1
-                    if at < end and deferred.positions[at] == pos:
-                        left = deferred.deadlines[at] - self.clock()
-                        if left > msg.deferred:
-                            msg.deferred = left
+                    if at < end and deferred.positions[at] == pos and deferred.deadlines[at] > deadline:
+                        deadline = deferred.deadlines[at]
+                if deadline > now and later is not None:
+                    later.add(deadline + shift, pos | tag)
+                    continue
+                try:
+                    msg = decode(data)
+                except ValueError as exc:
+                    self._undecodable(pos, exc)
+                    continue
+                msg.pos = pos | tag
+                if attempts >= 0:
+                    msg.attempts = attempts
+                if deadline > now:
+                    msg.deferred = deadline - now
                 out.append(msg)
+        return out
+
+    def _undecodable(self, pos: int, exc: ValueError) -> None:
+        log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
+        self.finish_many([pos | self.tag])
+
+    def read_back(self, positions: list[int]) -> list[Message]:
+        """The records at `positions` (this reader's, tag included) read again: deferred records that are
+        due (DeferredIndex). A held one gets its attempts; one that cannot be read is logged and finished."""
+        out: list[Message] = []
+        if not positions:
+            return out
+        held = self.cursor.held
+        tag = self.tag
+        fetcher = self.segments.reader(positions[0] & ~tag, 0)
+        bad: list[int] = []
+        try:
+            for pos in positions:
+                at = pos & ~tag
+                try:
+                    msg = Message.decode(fetcher.fetch(at))
+                except (OSError, ValueError) as exc:
+                    log.error("CURSOR(%s): failed to read deferred message at %d - %s", self.name, at, exc)
+                    bad.append(pos)
+                    continue
+                msg.pos = pos
+                if held:
+                    state = held.get(at)
+                    if state is not None:
+                        msg.attempts = state[0]
+                out.append(msg)
+        finally:
+            fetcher.close()
+        if bad:
+            self.finish_many(bad)
         return out
 
     def skip_to_lag(self, end_index: int, upto: int, max_lag: int) -> None:
