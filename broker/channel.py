@@ -359,6 +359,9 @@ class Channel:
             cursor = reader.cursor
             if cursor.waiting_at_most() > max(FINISHED_LIMIT, self._reclaim_after) and \
                     cursor.finished_waiting() > max(FINISHED_LIMIT, self._reclaim_after):
+                # back off: look again once twice as many wait (set here, not by the look a segment
+                # change makes: one that fails on the batch being read must not put this one off)
+                self._reclaim_after = 2 * cursor.finished_waiting()
                 self._reclaim(cursor.middle())
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
@@ -398,7 +401,6 @@ class Channel:
         reader = self.reader
         assert reader is not None
         cursor = reader.cursor
-        self._reclaim_after = 2 * cursor.finished_waiting()  # back off: look again once twice as many wait
         if self.ephemeral or self.exiting:
             return
         pinning = set(cursor.unfinished_before(cutoff))
