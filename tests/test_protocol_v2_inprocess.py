@@ -439,6 +439,26 @@ async def test_req_with_a_delay_redelivers_after_it(start, autojump_clock):
     assert (third.id, third.attempts) == (msg.id, 3)
 
 
+async def test_max_defer_time_lets_dpub_wait_past_max_req_timeout_which_still_caps_req(start, autojump_clock):
+    """--max-defer-time (not in nsqd, whose --max-req-timeout caps DPUB too): a DPUB waits up to it, past
+    --max-req-timeout, which still caps REQ; past it a DPUB is refused with nsqd's error, its maximum in it."""
+    broker = await start(max_req_timeout=1.0, max_defer_time=5.0)
+    peer = await broker.consumer("t", 1)
+    pub = await broker.connect()
+    sent = trio.current_time()
+    await pub.send(encode_dpub("t", 5000, b"later"))
+    assert await pub.frames(1) == [response(OK)]
+    msg = await peer.message()
+    # (its deadline is kept in wall-clock seconds, and read into the channel's clock: within 10 ms)
+    assert 5.0 - 0.01 <= peer.at - sent < 5.0 + broker.nsqd.options.queue_scan_interval + 0.01
+    requeued = peer.at
+    await peer.send(encode_req(msg.id, 5000))  # clamped to --max-req-timeout
+    again = await peer.message()
+    assert swept(broker, peer.at - requeued, 1.0) and again.id == msg.id
+    await pub.send(encode_dpub("t", 5001, b"never"))
+    assert await pub.until_closed() == [error("E_INVALID DPUB timeout 5001 out of range 0-5000")]
+
+
 # --- RDY ------------------------------------------------------------------------------------------
 
 
