@@ -265,13 +265,13 @@ class LogReader:
                 except (OSError, ValueError) as exc:
                     log.error("CURSOR(%s): failed to read deferred message at %d - %s", self.name, at, exc)
                     bad.append(pos)
-                    continue
-                msg.pos = pos
-                if held:
-                    state = held.get(at)
-                    if state is not None:
-                        msg.attempts = state[0]
-                out.append(msg)
+                else:
+                    msg.pos = pos
+                    if held:
+                        state = held.get(at)
+                        if state is not None:
+                            msg.attempts = state[0]
+                    out.append(msg)
         finally:
             fetcher.close()
         if bad:
