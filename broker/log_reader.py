@@ -183,12 +183,15 @@ class LogReader:
         out: list[Message] = []
         decode = Message.decode
         tag = self.tag
+        ahead = 0  # after a batch that went to `later`: read this many at least, and give back the surplus
         while len(out) < limit:
+            want = limit - len(out)
+            size = ahead if ahead > want else want
+            start = (reader.position, reader.index)
             positions: list[int] = []
-            records = reader.read(limit - len(out), upto, positions)
+            records = reader.read(size, upto, positions)
             if not records:
                 break
-            cursor.handed(positions, reader.position, reader.index)
             skipping = cursor.hidden() > 0
             held = cursor.held
             # the deferred publishes among these records: walked beside them (both in position order)
@@ -197,8 +200,9 @@ class LogReader:
             if deferred is not None and len(deferred):
                 at = bisect_left(deferred.positions, positions[0])
                 end = bisect_left(deferred.positions, positions[-1] + 1)
-            if not held and at == end:
+            if not held and at == end and size == want:
                 # nothing held, nothing deferred among them: the plain path
+                cursor.handed(positions, reader.position, reader.index)
                 for data, pos in zip(records, positions):
                     if skipping and cursor.skip(pos):
                         continue
@@ -212,7 +216,14 @@ class LogReader:
                 continue
             now = self.clock()
             shift = later.clock() - now if later is not None else 0.0  # to the index's clock
-            for data, pos in zip(records, positions):
+            used = len(records)
+            deferring = 0
+            bad: list[int] = []
+            for i in range(len(records)):
+                if len(out) >= limit:
+                    used = i  # read ahead and not needed: given back below
+                    break
+                pos = positions[i]
                 if skipping and cursor.skip(pos):
                     continue
                 attempts = -1
@@ -229,11 +240,13 @@ class LogReader:
                         deadline = deferred.deadlines[at]
                 if deadline > now and later is not None:
                     later.add(deadline + shift, pos | tag)
+                    deferring += 1
                     continue
                 try:
-                    msg = decode(data)
+                    msg = decode(records[i])
                 except ValueError as exc:
-                    self._undecodable(pos, exc)
+                    log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
+                    bad.append(pos | tag)
                     continue
                 msg.pos = pos | tag
                 if attempts >= 0:
@@ -241,7 +254,30 @@ class LogReader:
                 if deadline > now:
                     msg.deferred = deadline - now
                 out.append(msg)
+            if used < len(records):
+                self._give_back(positions, used, start)
+            cursor.handed(positions, reader.position, reader.index)
+            if bad:
+                self.finish_many(bad)
+            # a run of deferred records is read in batches that double (up to 4,096), whatever `limit` is
+            ahead = min(2 * size, 4096) if deferring else 0
         return out
+
+    def _give_back(self, positions: list[int], used: int, start: tuple[int, int]) -> None:
+        """The records read from positions[used] on are not needed now: the reader goes back to the first
+        of them (with its index: counted in its segment, from where the batch started or the segment's
+        first record), and they are not reported read."""
+        pos = positions[used]
+        num = pos >> POS_SHIFT
+        first = used
+        while first > 0 and positions[first - 1] >> POS_SHIFT == num:
+            first -= 1
+        if first == 0 and start[0] >> POS_SHIFT == num:
+            index = start[1] + used
+        else:
+            index = self.segments.index_of_file(num) + used - first
+        self.reader.rewind(pos, index)
+        del positions[used:]
 
     def _undecodable(self, pos: int, exc: ValueError) -> None:
         log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)

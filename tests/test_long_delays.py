@@ -121,6 +121,65 @@ async def test_deferred_records_through_kill_9(tmp_path, mock_clock):
     kill(topic)
 
 
+async def test_taking_one_at_a_time_past_runs_of_deferred_records(tmp_path, mock_clock):
+    """A consumer with RDY 1 over runs of deferred records in small segments: each take gives one message,
+    in publish order; a run is read in growing batches, and what a batch read past the one message is
+    given back (in its segment or across segments) and counted right: the depth after each take, the
+    index the cursor is at, and after a kill -9 the same again."""
+    topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, max_bytes_per_file=1024)
+    channel = topic.get_channel("c")
+    plain: list[bytes] = []
+    later = 0
+    for i in range(40):
+        topic.publish([b"d%02d-%03d" % (i, j) for j in range(i * 37 % 300)], 600.0)
+        later += i * 37 % 300
+        plain += [b"p%02d-%d" % (i, j) for j in range(i % 3 + 1)]
+        topic.publish(plain[-(i % 3 + 1):])
+    got: list[bytes] = []
+    while msgs := channel.take(1):
+        assert len(msgs) == 1
+        channel.start_in_flight_many(msgs, CLIENT, trio.current_time(), 60.0)
+        channel.finish_messages(CLIENT, [msgs[0].id])
+        got.append(msgs[0].body)
+        assert channel.depth() == len(plain) - len(got)
+    assert got == plain
+    assert channel.deferred_count() == later
+    assert channel.reader is not None and channel.reader.cursor.read_index == topic.log.segments.tail_index  # type: ignore[union-attr]
+    await topic.group.sync_round()
+    kill(topic)
+
+    topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, max_bytes_per_file=1024)
+    channel = topic.get_channel("c")
+    assert (channel.depth(), channel.deferred_count()) == (0, later)
+    assert channel.take(1) == [] and len(channel.deferred_records) == later
+    mock_clock.jump(600)
+    due(channel)
+    assert len({m.body for m in deliver(channel)}) == later
+    kill(topic)
+
+
+async def test_a_read_ahead_past_a_cut_segment_gives_back_with_the_right_index(tmp_path, mock_clock):
+    """A batch read ahead through a run of deferred records crosses a segment a bad record cut (its
+    rest is lost, so the index jumps past it) and is given back in a later segment: the index it goes
+    back to is counted from that segment's first record, so the depth stays true."""
+    topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, max_bytes_per_file=1024)
+    channel = topic.get_channel("c")
+    topic.publish([b"d-%03d" % j for j in range(200)], 600.0)  # ~30 records a segment
+    topic.publish([b"p-%d" % j for j in range(5)])
+    assert topic.log is not None and topic.log.segments.write_file_num >= 6
+    # the first record of segment 5 (read in the batch of 128 that reaches the plain ones): all of it lost
+    with open(topic.log.segments.file_name(5), "r+b") as fh:
+        fh.write(b"\xff\xff\xff\xff")
+    got = []
+    while msgs := channel.take(1):
+        channel.start_in_flight_many(msgs, CLIENT, trio.current_time(), 60.0)
+        channel.finish_messages(CLIENT, [msgs[0].id])
+        got.append(msgs[0].body)
+        assert channel.depth() == 5 - len(got)
+    assert got == [b"p-%d" % j for j in range(5)]
+    kill(topic)
+
+
 async def test_empty_and_seek_drop_deferred_records(tmp_path, mock_clock):
     topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, retention_time=DAY)
     channel = topic.get_channel("c")
