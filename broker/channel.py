@@ -274,14 +274,17 @@ class Channel:
         the memory queue, so neither starves. Records read with a deadline still ahead go to the index of
         deferred records instead."""
         out: list[Message] = []
-        self._read(out, (n + 1) // 2)
+        turn_over = self._read(out, (n + 1) // 2)
         memory = self.memory
         while memory and len(out) < n:
             out.append(memory.popleft())
-        self._read(out, n)
+        if not turn_over:
+            self._read(out, n)
         return out
 
-    def _read(self, out: list[Message], limit: int) -> None:
+    def _read(self, out: list[Message], limit: int) -> bool:
+        """Up to `limit` messages into `out` from the logs; True when a long run of deferred records
+        stopped it (the rest is read in the event loop's next turn)."""
         records = self.deferred_records
         if records.ready_count() and len(out) < limit:
             self._read_due(out, records.take_ready(limit - len(out)))
@@ -297,9 +300,16 @@ class Channel:
         for reader, upto in ((self.own, -1), (self.reader, self.topic.dispatched_position())):
             while reader is not None and len(out) < limit:
                 msgs = reader.read(limit - len(out), reader.segments.tail if upto < 0 else upto, records)
+                out.extend(msgs)
+                if reader.more:
+                    # a long run of deferred records: the rest in the loop's next turn (a pump that got
+                    # nothing waits on the channel: woken then)
+                    if not out:
+                        trio.lowlevel.current_trio_token().run_sync_soon(self._wake_waiters)
+                    return True
                 if not msgs:
                     break
-                out.extend(msgs)
+        return False
 
     def _read_due(self, out: list[Message], positions: list[int]) -> None:
         """Deferred records that are due, read back from their logs (own queue positions carry OWN)."""

@@ -30,6 +30,10 @@ from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")
 
+# deferred records one read() puts in its DeferredIndex at most: a run of a million is read in turns
+# of the event loop (~0.1 s each in pure Python), not in one
+DEFERRED_PER_READ = 65536
+
 
 class Deadlines:
     """The deadlines of a log's deferred publishes, for the records some reader has not read yet (TopicLog
@@ -95,6 +99,8 @@ class LogReader:
         self.clock = clock
         self.deleted = False
         self.dropped = 0  # records an ephemeral reader skipped because it fell too far behind
+        self.deferred_per_read = DEFERRED_PER_READ
+        self.more = False  # the last read() stopped at deferred_per_read: there is more to read
         self._snapshot_due = True  # no file of ours yet (or one that is not ours): write it whole
         self._taken: list[str] = []  # segments a round fsyncs, again if it fails
         self._removing: list[tuple[str, bool, str]] = []
@@ -177,14 +183,20 @@ class LogReader:
         """Up to `limit` messages before position `upto`: skips what was finished before a restart, gives
         a held record its attempts. A record with a deadline still ahead (a deferred publish, a held one)
         goes to `later` as its position and deadline, not a Message (the channel reads it back when it is
-        due); without `later` it comes with `deferred` set (seconds left)."""
+        due); without `later` it comes with `deferred` set (seconds left). It stops once deferred_per_read
+        records went to `later` (`more` says so: the caller reads on later)."""
         cursor = self.cursor
         reader = self.reader
         out: list[Message] = []
         decode = Message.decode
         tag = self.tag
         ahead = 0  # after a batch that went to `later`: read this many at least, and give back the surplus
+        budget = self.deferred_per_read
+        self.more = False
         while len(out) < limit:
+            if budget <= 0:
+                self.more = True
+                break
             want = limit - len(out)
             size = ahead if ahead > want else want
             start = (reader.position, reader.index)
@@ -260,7 +272,8 @@ class LogReader:
             if bad:
                 self.finish_many(bad)
             # a run of deferred records is read in batches that double (up to 4,096), whatever `limit` is
-            ahead = min(2 * size, 4096) if deferring else 0
+            ahead = min(2 * size, 4096, budget) if deferring else 0
+            budget -= deferring
         return out
 
     def _give_back(self, positions: list[int], used: int, start: tuple[int, int]) -> None:

@@ -63,7 +63,8 @@ async def test_many_messages_deferred_for_a_day_hold_no_bodies_and_all_come_afte
         await topic.group.sync_round()
     gc.collect()
     blocks = sys.getallocatedblocks()
-    assert channel.take(100) == []
+    assert channel.take(100) == [] and channel.reader is not None and channel.reader.more  # 65,536 a turn
+    assert channel.take(100) == [] and not channel.reader.more
     gc.collect()
     # the objects reading 100,000 deferred records left: one a record (its position in the cursor's list
     # of records read); before, a Message, its body and its id (and a deadline entry), 4 and more
@@ -85,6 +86,38 @@ async def test_many_messages_deferred_for_a_day_hold_no_bodies_and_all_come_afte
     assert all(seen) and channel.depth() == 0
     await topic.group.sync_round()
     assert os.path.getsize(tmp_path / "t:c.cursor.dat") < 1024
+    kill(topic)
+
+
+class Waiter:
+    """A consumer's pump waiting on the channel."""
+
+    id = 7
+    woken = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+async def test_a_long_run_of_deferred_records_is_read_in_turns(tmp_path, mock_clock):
+    """A take reads at most LogReader.deferred_per_read deferred records (here 1,000 of 3,500): when that
+    gives nothing, the pumps waiting on the channel are woken in the event loop's next turn to read on,
+    and the message behind the run comes."""
+    topic = open_topic(tmp_path, mock_clock, mem_queue_size=0)
+    channel = topic.get_channel("c")
+    assert channel.reader is not None
+    channel.reader.deferred_per_read = 1000
+    topic.publish([b"d%d" % i for i in range(3500)], 600.0)
+    topic.publish([b"behind"])
+    waiter = Waiter()
+    turns = 0
+    while not (msgs := channel.take(1)):
+        turns += 1
+        channel.waiters.add(waiter)  # what the pump does when it got nothing
+        await trio.testing.wait_all_tasks_blocked()
+        assert waiter.woken == turns and not channel.waiters
+    assert [m.body for m in msgs] == [b"behind"] and turns == 3
+    assert len(channel.deferred_records) == 3500
     kill(topic)
 
 

@@ -459,6 +459,20 @@ async def test_max_defer_time_lets_dpub_wait_past_max_req_timeout_which_still_ca
     assert await pub.until_closed() == [error("E_INVALID DPUB timeout 5001 out of range 0-5000")]
 
 
+async def test_a_message_behind_a_long_run_of_deferred_records_comes_to_a_waiting_pump(start, autojump_clock):
+    """The channel reads a long run of deferred records in turns of the event loop (here 100 records a
+    turn): the consumer's pump, woken each turn, gets the message behind the run."""
+    broker = await start(mem_queue_size=0)
+    peer = await broker.consumer("t", 1)
+    reader = broker.channel("t", "c").reader
+    reader.deferred_per_read = 100
+    pub = await broker.connect()
+    await pub.send(*(encode_dpub("t", 3_600_000, b"d%d" % i) for i in range(1000)), encode_pub("t", b"behind"))
+    assert await pub.frames(1001) == [response(OK)] * 1001
+    assert (await peer.message()).body == b"behind"
+    assert broker.channel("t", "c").deferred_count() == 1000
+
+
 # --- RDY ------------------------------------------------------------------------------------------
 
 
