@@ -9,7 +9,8 @@ until the last answer, then until /stats counts every message in the channel (de
 (linearly), and stay within Go nsqd's.
 
 Then a consumer subscribes (RDY 1), so the channel reads every deferred record it was handed (the time
-until it has, and the RSS with all of them held deferred: what a channel keeps per deferred message);
+until a DPUB due at once published behind them comes, and the RSS with all of them held deferred: what a
+channel keeps per deferred message);
 and, on a second topic, as many `DPUB t2 <short>` (a delay past the time publishing took), a consumer
 subscribed once they are all published, every message delivered when due and FIN'd: the time from the
 first delivery to the last, and the broker's peak RSS (VmHWM) over the whole run.
@@ -82,21 +83,31 @@ def _subscribe(broker: Broker, topic: str, rdy: int) -> tuple[socket.socket, Fra
 
 
 def _read_all(broker: Broker, topic: str) -> float:
-    """A consumer subscribes with RDY 1 (the channel reads what it was handed; every record is deferred,
-    so none is sent): the seconds until it has. The FIN of an id never sent is answered E_FIN_FAILED once
-    the broker has done what the RDY asked for (it reads a connection's commands in order)."""
+    """A consumer subscribes with RDY 1 to a channel whose log holds the deferred records and, behind them,
+    one `DPUB <topic> 1` (due at once): the seconds until that one comes, when the channel has read every
+    deferred record (none is sent) and reached it."""
+    with socket.create_connection(broker.tcp) as pub:
+        pub.sendall(MAGIC_V2 + encode_dpub(topic, 1, b"marker"))
+        parser = FrameParser()
+        while (frame := parser.next_frame()) is None:
+            parser.feed(pub.recv(1 << 16))
+        if frame != (0, b"OK"):
+            raise RuntimeError(f"DPUB refused: {frame!r}")
     started = time.perf_counter()
     sock, parser = _subscribe(broker, topic, 1)
     with sock:
-        sock.sendall(b"FIN " + b"0" * 16 + b"\n")
-        while (frame := parser.next_frame()) is None or frame[1] == b"_heartbeat_":
-            if frame is not None:
+        sock.settimeout(600)
+        while True:
+            frame = parser.next_frame()
+            if frame is None:
+                parser.feed(sock.recv(1 << 16))
+            elif frame[1] == b"_heartbeat_":
                 sock.sendall(b"NOP\n")
-                continue
-            parser.feed(sock.recv(1 << 16))
-        if not frame[1].startswith(b"E_FIN_FAILED"):
-            raise RuntimeError(f"unexpected answer {frame!r}")
-        return time.perf_counter() - started
+            elif frame[0] == 2 and frame[1].endswith(b"marker"):
+                sock.sendall(b"FIN " + frame[1][10:26] + b"\n")
+                return time.perf_counter() - started
+            else:
+                raise RuntimeError(f"unexpected frame {frame!r}")
 
 
 def _consume(broker: Broker, topic: str, count: int, timeout: float) -> tuple[float, float]:
