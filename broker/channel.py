@@ -3,9 +3,11 @@
 A channel holds a bounded memory queue (messages its topic's pump handed over in memory, and requeued
 ones), its reader of the topic's log (a LogReader: where it is, what it finished, what it holds), maybe
 its own queue (another LogReader, over the go-diskqueue files `<topic>:<channel>.diskqueue.*`), the
-in-flight table of messages sent to consumers and not yet FIN'd, and the deferred queue (DPUB, REQ with a
-delay). Its consumers' message pumps take messages in batches with take(); queue-scan workers move
-timed-out and due messages back with process_in_flight_queue()/process_deferred_queue().
+in-flight table of messages sent to consumers and not yet FIN'd, the deferred queue (REQ with a delay, an
+ephemeral topic's DPUB) and the index of deferred records read from its logs (a DeferredIndex: a DPUB's
+record, or one held with a deadline, stays in its log until due, and is read back then). Its consumers'
+message pumps take messages in batches with take(); queue-scan workers move timed-out and due messages
+back with process_in_flight_queue()/process_deferred_queue().
 
 A message read from a log keeps its position (`Message.pos`; the own queue's carry OWN): FIN finishes it
 there, REQ and a timeout hold it there with its attempts (and deadline), so a restart finds it again as
@@ -25,6 +27,7 @@ import trio
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.cursor import FINISHED_LIMIT
 from trio_nsq.broker.latency import LatencyHistogram
+from trio_nsq.broker.deferred_index import DeferredIndex
 from trio_nsq.broker.log_reader import LogReader
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
@@ -44,6 +47,8 @@ RETRY_DELAY = 1.0
 OWN = 1 << 62
 # reclaim copies records that pin the topic's log only when that frees this many times what it writes
 RECLAIM_RATIO = 4
+# deferred records reclaim reads back at a time
+RECLAIM_CHUNK = 4096
 _OFFSET_MASK = (1 << POS_SHIFT) - 1
 
 
@@ -93,6 +98,8 @@ class Channel:
         self.clock = clock  # unix seconds: a deadline kept across a restart is one of these
         self.in_flight = MessagePQueue()
         self.deferred = MessagePQueue()
+        # deferred records read from its logs, by deadline: read back when due
+        self.deferred_records = DeferredIndex(trio.current_time)
         self.clients: dict[int, Consumer] = {}
         self.paused = False
         self.exiting = False
@@ -141,7 +148,7 @@ class Channel:
     # --- depth --------------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return len(self.memory) + self.backend_depth()
+        return len(self.memory) + self.deferred_records.ready_count() + self.backend_depth()
 
     def backend_depth(self) -> int:
         """Messages waiting in the logs (the topic's and its own), not read yet: deferred publishes among
@@ -155,9 +162,10 @@ class Channel:
         return depth
 
     def deferred_count(self) -> int:
-        """Deferred messages: in the deferred queue, and deferred publishes in the log not read yet."""
+        """Deferred messages: in the deferred queue, deferred records read, and deferred publishes in the log
+        not read yet."""
         ahead = self.reader.deferred_ahead(self.topic.dispatched_position()) if self.reader is not None else 0
-        return len(self.deferred) + ahead
+        return len(self.deferred) + len(self.deferred_records) + ahead
 
     def oldest_unfinished_timestamp(self) -> int | None:
         """The publish time (unix ns) of the oldest message the channel has not finished, if any: the
@@ -329,14 +337,16 @@ class Channel:
     # --- taking (consumer message pumps) -------------------------------------------------------
 
     def take(self, n: int) -> list[Message]:
-        """Up to n messages: from the logs (its own queue first) and from the memory queue, so neither
-        starves. Records read with a deadline still ahead go to the deferred queue instead."""
+        """Up to n messages: from the logs (deferred records now due, its own queue, the topic's) and from
+        the memory queue, so neither starves. Records read with a deadline still ahead go to the index of
+        deferred records instead."""
         out: list[Message] = []
-        self._read(out, (n + 1) // 2)
+        turn_over = self._read(out, (n + 1) // 2)
         memory = self.memory
         while memory and len(out) < n:
             out.append(memory.popleft())
-        self._read(out, n)
+        if not turn_over:
+            self._read(out, n)
         if self.ttl_ns and out:
             out = self._unexpired(out, n)
         return out
@@ -372,7 +382,12 @@ class Channel:
                 out.append(memory.popleft())
         return fresh
 
-    def _read(self, out: list[Message], limit: int) -> None:
+    def _read(self, out: list[Message], limit: int) -> bool:
+        """Up to `limit` messages into `out` from the logs; True when a long run of deferred records
+        stopped it (the rest is read in the event loop's next turn)."""
+        records = self.deferred_records
+        if records.ready_count() and len(out) < limit:
+            self._read_due(out, records.take_ready(limit - len(out)))
         reader = self.reader
         if reader is not None:
             if self.ephemeral:
@@ -384,15 +399,25 @@ class Channel:
                     self._reclaim(self._read_file << POS_SHIFT)
         for reader, upto in ((self.own, -1), (self.reader, self.topic.dispatched_position())):
             while reader is not None and len(out) < limit:
-                msgs = reader.read(limit - len(out), reader.segments.tail if upto < 0 else upto)
+                msgs = reader.read(limit - len(out), reader.segments.tail if upto < 0 else upto, records)
+                out.extend(msgs)
+                if reader.more:
+                    # a long run of deferred records: the rest in the loop's next turn (a pump that got
+                    # nothing waits on the channel: woken then)
+                    if not out:
+                        trio.lowlevel.current_trio_token().run_sync_soon(self._wake_waiters)
+                    return True
                 if not msgs:
                     break
-                for msg in msgs:
-                    if msg.deferred > 0:
-                        self.start_deferred_timeout(msg, msg.deferred)
-                        msg.deferred = 0.0
-                    else:
-                        out.append(msg)
+        return False
+
+    def _read_due(self, out: list[Message], positions: list[int]) -> None:
+        """Deferred records that are due, read back from their logs (own queue positions carry OWN)."""
+        if any(pos & OWN for pos in positions):
+            out.extend(self._reader_of(OWN).read_back([pos for pos in positions if pos & OWN]))
+            positions = [pos for pos in positions if not pos & OWN]
+        if positions:
+            out.extend(self._reader_of(0).read_back(positions))
 
     # --- in flight ----------------------------------------------------------------------------
 
@@ -446,6 +471,9 @@ class Channel:
             cursor = reader.cursor
             if cursor.waiting_at_most() > max(FINISHED_LIMIT, self._reclaim_after) and \
                     cursor.finished_waiting() > max(FINISHED_LIMIT, self._reclaim_after):
+                # back off: look again once twice as many wait (set here, not by the look a segment
+                # change makes: one that fails on the batch being read must not put this one off)
+                self._reclaim_after = 2 * cursor.finished_waiting()
                 self._reclaim(cursor.middle())
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
@@ -523,13 +551,12 @@ class Channel:
         """A few records deferred or requeued long ago keep the topic's log from being dropped behind them
         (a message deferred for an hour, a poison message requeued again and again), and keep thousands
         of finished positions waiting behind them: move those before `cutoff` to the channel's own queue
-        (held there with their attempts and deadline, read back into memory from there), so the topic's
-        log is free. Only when that frees RECLAIM_RATIO times what it writes: a consumer's in-flight
-        window is not copied around, and in-flight messages are not moved (their timeout ends the wait)."""
+        (held there with their attempts and deadline, read back from there), so the topic's log is free.
+        Only when that frees RECLAIM_RATIO times what it writes: a consumer's in-flight window is not
+        copied around, and in-flight messages are not moved (their timeout ends the wait)."""
         reader = self.reader
         assert reader is not None
         cursor = reader.cursor
-        self._reclaim_after = 2 * cursor.finished_waiting()  # back off: look again once twice as many wait
         if self.ephemeral or self.exiting:
             return
         pinning = set(cursor.unfinished_before(cutoff))
@@ -541,31 +568,59 @@ class Channel:
         moved = [msg for msg in self.deferred.messages() if msg.pos in pinning]
         moved.extend(msg for msg in self.memory if msg.pos in pinning)
         size = sum(34 + len(msg.body) for msg in moved)
-        if len(moved) < len(pinning) or size * RECLAIM_RATIO > freed:
+        now_wall = self.clock()
+        now = trio.current_time()
+        # deferred records read from the log (due or not): a position and a deadline each, read back here
+        index = self.deferred_records
+        records = [(pos, now_wall + max(0.001, deadline - now) if deadline else 0.0)
+                   for pos, deadline in index.entries_in(pinning)] if len(index) or index.ready_count() else []
+        if len(moved) + len(records) < len(pinning) or (size + 34 * len(records)) * RECLAIM_RATIO > freed:
             return  # some are in flight, or it would not pay
+        for at in range(0, len(records), RECLAIM_CHUNK):
+            size += sum(34 + len(msg.body) for msg in reader.read_back([pos for pos, _ in records[at:at + RECLAIM_CHUNK]]))
+            if size * RECLAIM_RATIO > freed:
+                return
         own = self._own()
         if own is None:
             return
-        positions: list[int] = []
-        try:
-            own.append([msg.encode() for msg in moved], positions)
-        except BackendError:
-            return  # logged; tried again later
-        moved = moved[:len(positions)]
-        log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
-                 self.name, len(moved))
-        now_wall = self.clock()
-        now = trio.current_time()
+        deadlines = [now_wall + max(0.001, msg.pri - now) if msg.id in self.deferred else 0.0 for msg in moved]
+        stored = self._move_to_own(own, moved, deadlines)
+        all_stored = stored == len(moved)
+        moved = moved[:stored]
         ids = {msg.id for msg in moved}
         if any(msg.id in ids for msg in self.memory):
             self.memory = deque(msg for msg in self.memory if msg.id not in ids)
-        for msg, new in zip(moved, positions):
-            deadline = 0.0
-            if self.deferred.pop(msg.id) is not None:
-                deadline = now_wall + max(0.001, msg.pri - now)
-            own.hold(new | OWN, msg.attempts, deadline)
-        reader.finish_many([msg.pos for msg in moved])
+        for msg in moved:
+            self.deferred.pop(msg.id)
+        done = [msg.pos for msg in moved]
+        gone: set[int] = set()
+        if all_stored and records:
+            for at in range(0, len(records), RECLAIM_CHUNK):
+                chunk = dict(records[at:at + RECLAIM_CHUNK])
+                msgs = reader.read_back(list(chunk))
+                stored = self._move_to_own(own, msgs, [chunk[msg.pos] for msg in msgs])
+                gone.update(msg.pos for msg in msgs[:stored])
+                if stored < len(msgs):
+                    break
+            index.remove(gone)
+            done.extend(gone)
+        if done:
+            log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
+                     self.name, len(done))
+            reader.finish_many(done)
         self._reclaim_after = 0
+
+    def _move_to_own(self, own: LogReader, msgs: list[Message], deadlines: list[float]) -> int:
+        """Copy messages to the channel's own queue, each held there with its attempts and deadline (unix
+        seconds, 0: none): how many were (the first ones; the rest stay where they are)."""
+        positions: list[int] = []
+        try:
+            own.append([msg.encode() for msg in msgs], positions)
+        except BackendError:
+            pass  # logged; tried again later
+        for msg, deadline, new in zip(msgs, deadlines, positions):
+            own.hold(new | OWN, msg.attempts, deadline)
+        return len(positions)
 
     # --- queue scan ---------------------------------------------------------------------------
 
@@ -595,7 +650,13 @@ class Channel:
                 self._dead_letter([msg], "deferred")  # its move was put off: not delivered again
             else:
                 self._requeue(msg)
-        return bool(due)
+        # deferred records read from a log (no hold is written when they are due: a restart finds the
+        # deadline past and delivers them, as it would now)
+        records = self.deferred_records
+        moved = records.due(now) if len(records) else 0
+        if moved and self.waiters:
+            self._wake_waiters()
+        return bool(due) or moved > 0
 
     # --- clients ------------------------------------------------------------------------------
 
@@ -636,6 +697,7 @@ class Channel:
         self.memory.clear()
         self.in_flight.drain()
         self.deferred.drain()
+        self.deferred_records.clear()
         for client in self.clients.values():
             client.empty()
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from trio_nsq.broker.channel import OWN
 from trio_nsq.broker.message import Message
 
 if TYPE_CHECKING:
@@ -74,9 +75,9 @@ def list_messages(channel: Channel, state: str, limit: int) -> dict[str, Any]:
             rows.append(row)
     elif state == "deferred":
         count = channel.deferred_count()
-        for msg in channel.deferred.earliest(limit):
+        for deadline, msg in deferred(channel, limit):
             row = _row(msg)
-            row["deadline"] = wall(msg.pri)
+            row["deadline"] = wall(deadline)
             rows.append(row)
     else:
         count = channel.depth()
@@ -86,6 +87,20 @@ def list_messages(channel: Channel, state: str, limit: int) -> dict[str, Any]:
             rows.append(row)
     return {"topic": channel.topic_name, "channel": channel.name, "state": state, "count": count,
             "messages": rows}
+
+
+def deferred(channel: Channel, limit: int) -> list[tuple[float, Message]]:
+    """Up to `limit` deferred messages, nearest deadline first (a trio clock time): the deferred queue's
+    (REQ with a delay) and the records read from the logs with a deadline ahead, read back for a look."""
+    out = [(msg.pri, msg) for msg in channel.deferred.earliest(limit)]
+    entries = channel.deferred_records.earliest(limit)
+    for tag, reader in ((OWN, channel.own), (0, channel.reader)):
+        positions = [pos for _, pos in entries if (pos & OWN) == tag]
+        if reader is not None and positions:
+            deadline_of = dict((pos, deadline) for deadline, pos in entries)
+            out.extend((deadline_of[msg.pos], msg) for msg in reader.read_back(positions))
+    out.sort(key=lambda pair: pair[0])
+    return out[:limit]
 
 
 def queued(channel: Channel, limit: int) -> list[Message]:

@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 
 from trio_nsq.broker.cursor import Cursor, CursorFileError
+from trio_nsq.broker.deferred_index import DeferredIndex
 from trio_nsq.broker.files import remove_quietly
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.segment_log import POS_SHIFT, SegmentLog
@@ -29,8 +30,12 @@ from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")
 
+# deferred records one read() puts in its DeferredIndex at most: a run of a million is read in turns
+# of the event loop (~0.1 s each in pure Python), not in one
+DEFERRED_PER_READ = 65536
 
-class DeferredIndex:
+
+class Deadlines:
     """The deadlines of a log's deferred publishes, for the records some reader has not read yet (TopicLog
     keeps it, from its files): a reader defers a record it finds here; /stats counts the records ahead of
     a reader that are deferred. Two arrays in position order (16 bytes an entry, nothing for the garbage
@@ -83,7 +88,7 @@ class LogReader:
         *,
         start: tuple[int, int],
         tag: int = 0,
-        deadlines: DeferredIndex | None = None,
+        deadlines: Deadlines | None = None,
         owns_log: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -101,6 +106,8 @@ class LogReader:
         self.clock = clock
         self.deleted = False
         self.dropped = 0  # records an ephemeral reader skipped because it fell too far behind
+        self.deferred_per_read = DEFERRED_PER_READ
+        self.more = False  # the last read() stopped at deferred_per_read: there is more to read
         self._snapshot_due = True  # no file of ours yet (or one that is not ours): write it whole
         self._taken: list[str] = []  # segments a round fsyncs, again if it fails
         self._removing: list[tuple[str, bool, str]] = []
@@ -182,20 +189,31 @@ class LogReader:
             return 0
         return self.deadlines.count_between(self.cursor.read_pos, end)
 
-    def read(self, limit: int, upto: int) -> list[Message]:
+    def read(self, limit: int, upto: int, later: DeferredIndex | None = None) -> list[Message]:
         """Up to `limit` messages before position `upto`: skips what was finished before a restart, gives
-        a held record its attempts, and a record with a deadline still ahead `deferred` (seconds left)."""
+        a held record its attempts. A record with a deadline still ahead (a deferred publish, a held one)
+        goes to `later` as its position and deadline, not a Message (the channel reads it back when it is
+        due); without `later` it comes with `deferred` set (seconds left). It stops once deferred_per_read
+        records went to `later` (`more` says so: the caller reads on later)."""
         cursor = self.cursor
         reader = self.reader
         out: list[Message] = []
         decode = Message.decode
         tag = self.tag
+        ahead = 0  # after a batch that went to `later`: read this many at least, and give back the surplus
+        budget = self.deferred_per_read
+        self.more = False
         while len(out) < limit:
+            if budget <= 0:
+                self.more = True
+                break
+            want = limit - len(out)
+            size = ahead if ahead > want else want
+            start = (reader.position, reader.index)
             positions: list[int] = []
-            records = reader.read(limit - len(out), upto, positions)
+            records = reader.read(size, upto, positions)
             if not records:
                 break
-            cursor.handed(positions, reader.position, reader.index)
             skipping = cursor.hidden() > 0
             held = cursor.held
             # the deferred publishes among these records: walked beside them (both in position order)
@@ -204,31 +222,119 @@ class LogReader:
             if deferred is not None and len(deferred):
                 at = bisect_left(deferred.positions, positions[0])
                 end = bisect_left(deferred.positions, positions[-1] + 1)
-            for data, pos in zip(records, positions):
+            if not held and at == end and size == want:
+                # nothing held, nothing deferred among them: the plain path
+                cursor.handed(positions, reader.position, reader.index)
+                for data, pos in zip(records, positions):
+                    if skipping and cursor.skip(pos):
+                        continue
+                    try:
+                        msg = decode(data)
+                    except ValueError as exc:
+                        self._undecodable(pos, exc)
+                        continue
+                    msg.pos = pos | tag
+                    out.append(msg)
+                continue
+            now = self.clock()
+            shift = later.clock() - now if later is not None else 0.0  # to the index's clock
+            used = len(records)
+            deferring = 0
+            bad: list[int] = []
+            for i in range(len(records)):
+                if len(out) >= limit:
+                    used = i  # read ahead and not needed: given back below
+                    break
+                pos = positions[i]
                 if skipping and cursor.skip(pos):
                     continue
-                try:
-                    msg = decode(data)
-                except ValueError as exc:
-                    log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
-                    self.finish_many([pos | tag])
-                    continue
-                msg.pos = pos | tag
+                attempts = -1
+                deadline = 0.0
                 if held:
                     state = held.get(pos)
                     if state is not None:
-                        msg.attempts = state[0]
-                        if state[1] > 0:
-                            msg.deferred = state[1] - self.clock()
+                        attempts, deadline = state
                 if at < end:
                     assert deferred is not None
                     while at < end and deferred.positions[at] < pos:
                         at += 1
-                    if at < end and deferred.positions[at] == pos:
-                        left = deferred.deadlines[at] - self.clock()
-                        if left > msg.deferred:
-                            msg.deferred = left
+                    if at < end and deferred.positions[at] == pos and deferred.deadlines[at] > deadline:
+                        deadline = deferred.deadlines[at]
+                if deadline > now and later is not None:
+                    later.add(deadline + shift, pos | tag)
+                    deferring += 1
+                    continue
+                try:
+                    msg = decode(records[i])
+                except ValueError as exc:
+                    log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
+                    bad.append(pos | tag)
+                    continue
+                msg.pos = pos | tag
+                if attempts >= 0:
+                    msg.attempts = attempts
+                if deadline > now:
+                    msg.deferred = deadline - now
                 out.append(msg)
+            if used < len(records):
+                self._give_back(positions, used, start)
+            cursor.handed(positions, reader.position, reader.index)
+            if bad:
+                self.finish_many(bad)
+            # a run of deferred records is read in batches that double (up to 4,096), whatever `limit` is
+            ahead = min(2 * size, 4096, budget) if deferring else 0
+            budget -= deferring
+        return out
+
+    def _give_back(self, positions: list[int], used: int, start: tuple[int, int]) -> None:
+        """The records read from positions[used] on are not needed now: the reader goes back to the first
+        of them (with its index: counted in its segment, from where the batch started or the segment's
+        first record), and they are not reported read."""
+        pos = positions[used]
+        num = pos >> POS_SHIFT
+        first = used
+        while first > 0 and positions[first - 1] >> POS_SHIFT == num:
+            first -= 1
+        if first == 0 and start[0] >> POS_SHIFT == num:
+            index = start[1] + used
+        else:
+            index = self.segments.index_of_file(num) + used - first
+        self.reader.rewind(pos, index)
+        del positions[used:]
+
+    def _undecodable(self, pos: int, exc: ValueError) -> None:
+        log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
+        self.finish_many([pos | self.tag])
+
+    def read_back(self, positions: list[int]) -> list[Message]:
+        """The records at `positions` (this reader's, tag included) read again: deferred records that are
+        due (DeferredIndex). A held one gets its attempts; one that cannot be read is logged and finished."""
+        out: list[Message] = []
+        if not positions:
+            return out
+        held = self.cursor.held
+        tag = self.tag
+        fetcher = self.segments.reader(positions[0] & ~tag, 0)
+        bad: list[int] = []
+        try:
+            for pos in positions:
+                at = pos & ~tag
+                try:
+                    msg = Message.decode(fetcher.fetch(at))
+                except (OSError, ValueError) as exc:
+                    log.error("CURSOR(%s): failed to read deferred message at %d - %s", self.name, at, exc)
+                    bad.append(pos)
+                else:
+                    msg.pos = pos
+                    if held:
+                        state = held.get(at)
+                        if state is not None:
+                            msg.attempts = state[0]
+                    out.append(msg)
+        finally:
+            fetcher.close()
+        if bad:
+            self.finish_many(bad)
         return out
 
     def peek(self, limit: int, upto: int) -> list[Message]:

@@ -57,6 +57,11 @@ class Options:
     max_msg_size: int = option(1024 * 1024, "maximum size of a single message in bytes")
     max_body_size: int = option(5 * 1024 * 1024, "maximum size of a single command body")
     max_req_timeout: float = option(3600.0, "maximum requeuing timeout for a message", kind="duration")
+    # not in Go nsqd, which caps DPUB at --max-req-timeout: a deferred publish waits in its topic's log,
+    # not in memory, so it may wait for days
+    max_defer_time: float = option(
+        0.0, "maximum delay of a deferred publish (DPUB, /pub?defer=) (0: --max-req-timeout)", kind="duration"
+    )
     client_timeout: float = option(60.0, "default heartbeat interval basis for clients", kind="duration")
 
     max_heartbeat_interval: float = option(60.0, "maximum client configurable duration of time between client heartbeats", kind="duration")
@@ -119,6 +124,12 @@ class Options:
         # nsqd: HeartbeatInterval = ClientTimeout / 2
         return self.client_timeout / 2
 
+    @property
+    def max_defer(self) -> float:
+        """The longest delay a deferred publish may ask for: --max-defer-time, or nsqd's cap
+        (--max-req-timeout) when it is 0."""
+        return self.max_defer_time or self.max_req_timeout
+
 
     def check(self) -> None:
         """What nsqd's New() refuses at start, with its messages; raises ValueError."""
@@ -128,6 +139,8 @@ class Options:
             raise ValueError("--node-id must be [0,1024)")
         if self.idempotency_window <= 0:
             raise ValueError("--idempotency-window must be > 0")
+        if self.max_defer_time < 0:
+            raise ValueError("--max-defer-time must be >= 0")
         if self.retention_time < 0:
             raise ValueError("--retention-time must be >= 0")
         if self.retention_bytes < 0:

@@ -691,9 +691,9 @@ class ProtocolV2:
             timeout_ms = _parse_signed(raw)
         except ValueError:
             raise FatalClientError("E_INVALID", f"DPUB could not parse timeout {raw.decode(errors='replace')}") from None
-        max_req_ms = int(self.options.max_req_timeout * 1000)
-        if timeout_ms < 0 or timeout_ms > max_req_ms:
-            raise FatalClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_req_ms}")
+        max_ms = int(self.options.max_defer * 1000)
+        if timeout_ms < 0 or timeout_ms > max_ms:
+            raise FatalClientError("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
         return timeout_ms / 1000
 
     def _publish(self, client: ClientV2, command: str, topic_name: str, bodies: list[bytes],

@@ -671,6 +671,29 @@ class SegmentReader:
             self.index += 1
         return out
 
+    def rewind(self, pos: int, index: int) -> None:
+        """Back to `pos` (read before, not used after all), the record with index `index`: in the same
+        segment the open file and its block are kept."""
+        if pos >> POS_SHIFT != self.file_num:
+            self.seek(pos, index)
+            return
+        self.pos = pos & OFFSET_MASK
+        self.index = index
+
+    def fetch(self, pos: int) -> bytes:
+        """The record at `pos`, out of order (a deferred record read back when it is due), through this
+        reader's block, so records near each other cost one pread. For a reader that reads nothing else
+        (its index is not kept). Raises OSError or ValueError."""
+        num = pos >> POS_SHIFT
+        if num != self.file_num:
+            self.close()
+            self.file_num = num
+        self.pos = pos & OFFSET_MASK
+        data = self._read_one(num)
+        if data is None:
+            raise ValueError(f"no record at {num}:{self.pos}")
+        return data
+
     def _next_file(self, num: int) -> None:
         self.close()
         self.file_num = num

@@ -7,7 +7,7 @@ What it holds, in the data directory:
 - the deadlines of deferred publishes (DPUB, /pub?defer=), per segment:
   `<topic>.diskqueue.deadlines.%06d.dat`, entries (position, unix deadline, message id) appended after
   their records. A channel reading such a record defers it; a restart reads the deadline again. They go
-  with their segment; in memory only those of records some channel has not read are kept (DeferredIndex);
+  with their segment; in memory only those of records some channel has not read are kept (Deadlines);
 - after Go's three lines of the metadata, how far the topic has handed its log to its channels
   (`dispatched`, "all" when up to the end): a channel created later starts there, as nsqd's new channel
   gets only what its topic still holds. While the topic has channels and is not paused, everything
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.backend import BackendError
 from trio_nsq.broker.files import close_quietly, remove_quietly
-from trio_nsq.broker.log_reader import DeferredIndex, LogReader
+from trio_nsq.broker.log_reader import Deadlines, LogReader
 from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog, numbered_files
 from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
@@ -74,7 +74,7 @@ class TopicLog:
         self.durable: list[LogReader] = []  # those with a cursor file
         # how far the log is handed to the channels: (position, index)
         self.dispatched = self._load_dispatched()
-        self.deadlines = DeferredIndex()
+        self.deadlines = Deadlines()
         self._deadline_fds: dict[int, int] = {}
         self._deadline_unsynced: set[int] = set()
         self._removing: list[tuple[str, bool, str]] = []

@@ -61,6 +61,16 @@ class Entry:
         self.since_round.append(state)
 
 
+def deferred_messages(channel: Channel) -> list[tuple[bytes, int, float]]:
+    """(id, attempts, deadline) of what the channel holds deferred: messages in its deferred queue, and the
+    records its index of deferred records points at (read back from their log to see them)."""
+    out = [(msg.id, msg.attempts, msg.pri) for msg in channel.deferred.messages()]
+    for pos, deadline in channel.deferred_records.entries():
+        [msg] = channel._reader_of(pos).read_back([pos])
+        out.append((msg.id, msg.attempts, deadline))
+    return out
+
+
 class DeliveryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -249,23 +259,24 @@ class DeliveryMachine(RuleBasedStateMachine):
         self._open()
         now = self.now()
         for ch, channel in self.channels.items():
-            def recover() -> tuple[list[Any], list[Any]]:
+            def recover() -> tuple[list[Any], list[tuple[bytes, int, float]]]:
                 taken = []
                 while msgs := channel.take(64):
                     taken.extend(msgs)
-                return taken, list(channel.deferred._items.values())
+                return taken, deferred_messages(channel)
             taken, deferred = self.run(recover)
             self._check(ch, channel, taken, deferred, now)
 
-    def _check(self, ch: str, channel: Channel, taken: list[Any], deferred: list[Any], now: float) -> None:
+    def _check(self, ch: str, channel: Channel, taken: list[Any], deferred: list[tuple[bytes, int, float]],
+               now: float) -> None:
         seen: dict[bytes, State] = {}
         for msg in taken:
             assert msg.id not in seen, f"{ch}: {msg.id!r} delivered twice after a restart"
             seen[msg.id] = (msg.attempts, None)
-        for msg in deferred:
-            assert msg.id not in seen, f"{ch}: {msg.id!r} both deferred and delivered after a restart"
-            seen[msg.id] = (msg.attempts, msg.pri)
-        assert len(deferred) == len({m.id for m in deferred})
+        for msg_id, attempts, deadline in deferred:
+            assert msg_id not in seen, f"{ch}: {msg_id!r} both deferred and delivered after a restart"
+            seen[msg_id] = (attempts, deadline)
+        assert len(deferred) == len({msg_id for msg_id, _, _ in deferred})
         for msg_id, entry in self.model[ch].items():
             allowed = {self._norm(s, now) for s in entry.since_round}
             got = seen.pop(msg_id, None)

@@ -177,6 +177,40 @@ def test_sigterm_keeps_memory_in_flight_and_deferred_messages(broker_factory):
     assert channel["deferred_count"] == len(deferred)
 
 
+def test_dpub_past_max_req_timeout_with_max_defer_time_survives_kill_9(broker_factory):
+    """--max-defer-time caps DPUB apart from --max-req-timeout (nsqd's one cap for both): a delay past the
+    latter is accepted over TCP and HTTP, one past the former refused with nsqd's error and maximum; the
+    deferred messages survive a kill -9 and come at their deadline, not before."""
+    broker = broker_factory(max_req_timeout="1s", max_defer_time="3s")
+    assert broker.get("/config/max_defer_time").text == "3000000000"  # as nsqd shows a duration
+    _create_channel(broker, "long", "ch")
+    sent: dict[bytes, float] = {}
+    with _connect(broker) as pub:
+        parser = FrameParser()
+        sent[b"tcp"] = time.monotonic()
+        pub.sendall(encode_dpub("long", 2500, b"tcp"))
+        assert _read_frame(pub, parser) == (0, b"OK")
+        pub.sendall(encode_dpub("long", 3001, b"never"))
+        assert _read_frame(pub, parser) == (1, b"E_INVALID DPUB timeout 3001 out of range 0-3000")
+        assert _read_frame(pub, parser) is None  # fatal: closed
+    sent[b"http"] = time.monotonic()
+    assert broker.http.post("/pub?topic=long&defer=2500", content=b"http").text == "OK"
+    refused = broker.http.post("/pub?topic=long&defer=3001", content=b"never")
+    assert (refused.status_code, refused.json()) == (400, {"message": "INVALID_DEFER"})
+    broker.kill()
+    broker.start()
+    came: dict[bytes, float] = {}
+    with _connect(broker) as sock:
+        sock.sendall(encode_identify({"heartbeat_interval": 5000}) + encode_sub("long", "ch") + encode_rdy(10))
+        deadline = time.monotonic() + 30
+        for msg in fin_each(sock, FrameParser(), lambda: len(came) < 2 and time.monotonic() < deadline, 1):
+            assert msg.body not in came, msg.body
+            came[msg.body] = time.monotonic()
+    assert came.keys() == sent.keys()
+    # each at its deadline, past --max-req-timeout, not before
+    assert all(came[body] - sent[body] >= 2.5 for body in sent), {body: came[body] - sent[body] for body in sent}
+
+
 def _diskqueue_files(data_path: Path, name: str) -> list[Path]:
     return sorted(data_path.glob(f"{name}.diskqueue.*.dat"))
 

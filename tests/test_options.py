@@ -511,3 +511,17 @@ def test_config_file_reads_like_go_options(tmp_path):
     # an integer duration is milliseconds, and a key of no option is ignored, as go-options does
     cfg.write_text("msg_timeout = 30000\nno_such_key = 1\n")
     assert parse_options([f"--config={cfg}"]).msg_timeout == 30.0
+
+
+def test_max_defer_time_caps_dpub_apart_from_max_req_timeout(tmp_path):
+    """Not in nsqd (DPUB is capped by --max-req-timeout there): 0, the default, means nsqd's cap; days
+    are allowed; the config file takes it as every duration (a string, or an integer of milliseconds)."""
+    o = parse_options([])
+    assert (o.max_defer_time, o.max_defer) == (0.0, 3600.0)
+    assert parse_options(["--max-req-timeout=2h"]).max_defer == 7200.0
+    o = parse_options(["--max-defer-time=168h"])
+    assert (o.max_defer_time, o.max_defer, o.max_req_timeout) == (604800.0, 604800.0, 3600.0)
+    assert parse_options([_config(tmp_path, 'max_defer_time = "72h"\n')]).max_defer == 259200.0
+    assert parse_options([_config(tmp_path, "max_defer_time = 90000\n")]).max_defer == 90.0
+    with pytest.raises(ValueError, match=re.escape("--max-defer-time must be >= 0")):
+        parse_options(["--max-defer-time=-1s"]).check()

@@ -417,6 +417,40 @@ async def test_req_with_a_delay_redelivers_after_it(start, autojump_clock):
     assert (third.id, third.attempts) == (msg.id, 3)
 
 
+async def test_max_defer_time_lets_dpub_wait_past_max_req_timeout_which_still_caps_req(start, autojump_clock):
+    """--max-defer-time (not in nsqd, whose --max-req-timeout caps DPUB too): a DPUB waits up to it, past
+    --max-req-timeout, which still caps REQ; past it a DPUB is refused with nsqd's error, its maximum in it."""
+    broker = await start(max_req_timeout=1.0, max_defer_time=5.0)
+    peer = await broker.consumer("t", 1)
+    pub = await broker.connect()
+    sent = trio.current_time()
+    await pub.send(protocol.encode_dpub("t", 5000, b"later"))
+    assert await pub.frames(1) == [response(protocol.OK)]
+    msg = await peer.message()
+    # (its deadline is kept in wall-clock seconds, and read into the channel's clock: within 10 ms)
+    assert 5.0 - 0.01 <= peer.at - sent < 5.0 + broker.nsqd.options.queue_scan_interval + 0.01
+    requeued = peer.at
+    await peer.send(protocol.encode_req(msg.id, 5000))  # clamped to --max-req-timeout
+    again = await peer.message()
+    assert swept(broker, peer.at - requeued, 1.0) and again.id == msg.id
+    await pub.send(protocol.encode_dpub("t", 5001, b"never"))
+    assert await pub.until_closed() == [error("E_INVALID DPUB timeout 5001 out of range 0-5000")]
+
+
+async def test_a_message_behind_a_long_run_of_deferred_records_comes_to_a_waiting_pump(start, autojump_clock):
+    """The channel reads a long run of deferred records in turns of the event loop (here 100 records a
+    turn): the consumer's pump, woken each turn, gets the message behind the run."""
+    broker = await start(mem_queue_size=0)
+    peer = await broker.consumer("t", 1)
+    reader = broker.channel("t", "c").reader
+    reader.deferred_per_read = 100
+    pub = await broker.connect()
+    await pub.send(*(protocol.encode_dpub("t", 3_600_000, b"d%d" % i) for i in range(1000)), protocol.encode_pub("t", b"behind"))
+    assert await pub.frames(1001) == [response(protocol.OK)] * 1001
+    assert (await peer.message()).body == b"behind"
+    assert broker.channel("t", "c").deferred_count() == 1000
+
+
 # --- RDY ------------------------------------------------------------------------------------------
 
 

@@ -269,7 +269,9 @@ async def test_a_deferred_publish_is_written_once_and_keeps_its_deadline_across_
     topic.publish([b"now"])
     await topic.group.sync_round()
     for channel in (a, b):
-        assert [m.body for m in drain(channel)] == [b"now"] and len(channel.deferred) == 20
+        # read, and held as positions and deadlines (the bodies stay in the log)
+        assert [m.body for m in drain(channel)] == [b"now"] and len(channel.deferred_records) == 20
+        assert len(channel.deferred) == 0 and channel.deferred_count() == 20
     await topic.group.sync_round()
     assert len(files(tmp_path, "t.diskqueue.deadlines.*.dat")) == 1
     assert not files(tmp_path, "t:*.diskqueue.*")  # nothing written per channel
@@ -277,10 +279,11 @@ async def test_a_deferred_publish_is_written_once_and_keeps_its_deadline_across_
     clock.jump(1800)
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=2048)
     a = topic.get_channel("a")
-    assert drain(a) == [] and len(a.deferred) == 20
-    assert {round(m.pri, 3) for m in a.deferred._items.values()} == {3600.0}  # the same deadline
+    assert drain(a) == [] and len(a.deferred_records) == 20
+    assert {round(d, 3) for _, d in a.deferred_records.entries()} == {3600.0}  # the same deadline
     clock.jump(1801)
     assert a.process_deferred_queue(trio.current_time())
+    assert a.deferred_count() == 0 and a.depth() == 20
     assert sorted(m.body for m in drain(a)) == sorted(b"later-%d" % i for i in range(20))
     kill(topic)
 
@@ -289,7 +292,7 @@ async def test_a_message_deferred_for_an_hour_does_not_pin_the_log(tmp_path, moc
     """One message requeued for an hour while 20,000 flow through (read and FIN'd): the topic's log does
     not keep every segment behind it, and a kill -9 still finds the held message with its attempts and
     deadline."""
-    clock = trio.testing.MockClock()
+    clock = mock_clock
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=16 * 1024)
     channel = topic.get_channel("c")
     topic.publish([b"poison"])
@@ -309,9 +312,12 @@ async def test_a_message_deferred_for_an_hour_does_not_pin_the_log(tmp_path, moc
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=16 * 1024)
     channel = topic.get_channel("c")
     assert drain(channel) == []
-    [held] = channel.deferred._items.values()
-    assert (held.body, held.attempts) == (b"poison", 1)
-    assert held.pri == pytest.approx(3600.0, abs=1e-3)
+    [(_, deadline)] = channel.deferred_records.entries()
+    assert deadline == pytest.approx(3600.0, abs=1e-3)  # the deadline the REQ gave it
+    clock.jump(3600)
+    channel.process_deferred_queue(trio.current_time())
+    [held] = drain(channel)
+    assert (held.body, held.attempts) == (b"poison", 2)  # its first delivery's and this one
     kill(topic)
 
 

@@ -29,6 +29,7 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.segment_log",
     "trio_nsq.broker.cursor",
     "trio_nsq.broker.log_reader",
+    "trio_nsq.broker.deferred_index",
     "trio_nsq.broker.topic_log",
     "trio_nsq.broker.sync_group",
     "trio_nsq.broker.client_v2",

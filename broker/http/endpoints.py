@@ -196,7 +196,7 @@ class Api:
                 ms = parse_go_int(defer[0])
             except ValueError:
                 raise HTTPError(400, "INVALID_DEFER") from None
-            if ms < 0 or ms > self.options.max_req_timeout * 1000:
+            if ms < 0 or ms > self.options.max_defer * 1000:
                 raise HTTPError(400, "INVALID_DEFER")
             deferred = ms / 1000
         if req.query in self._queries:  # kept parsed, so bounded as that table is

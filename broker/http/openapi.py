@@ -218,8 +218,8 @@ def openapi_spec() -> dict:
                 "413": _err("MSG_TOO_BIG"),
                 "500": _err("INTERNAL_ERROR"),
                 "503": _err("EXITING")},
-            [_TOPIC, _param("defer", "delay delivery by this many milliseconds (0 to --max-req-timeout)",
-                            schema=_INTEGER)],
+            [_TOPIC, _param("defer", "delay delivery by this many milliseconds (0 to --max-defer-time, by default "
+                            "--max-req-timeout)", schema=_INTEGER)],
             binary_body, "The body is the message (1 byte to --max-msg-size)."),
         },
         "/mpub": {"post": op(

@@ -112,6 +112,6 @@ class Producer(ConnectOptions):
         await self._command(encode_mpub(topic, bodies))
 
     async def dpub(self, topic: str, delay_ms: int, body: bytes) -> None:
-        """Publish one message that consumers get only after `delay_ms` (at most nsqd's --max-req-timeout:
-        E_INVALID beyond it). Raises as pub() does."""
+        """Publish one message that consumers get only after `delay_ms` (at most nsqd's --max-req-timeout,
+        or trio-nsqd's --max-defer-time when set: E_INVALID beyond it). Raises as pub() does."""
         await self._command(encode_dpub(topic, int(delay_ms), body))
