@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from nsq_raw import RawNSQ
+from nsq_raw import take
 from processes import AdminProcess, BrokerProcess, LookupdProcess, free_port, wait_for
 from trio_nsq.lookupd.admin.cluster import worst_latency
 
@@ -90,12 +90,7 @@ def test_delivery_to_fin_latency_per_node_and_in_total(cluster):
     publish(b1, "fin", "ch", 3)
     publish(b2, "fin", "ch", 2)
     registered(lookupd, "fin", 2)
-    with RawNSQ(b1.tcp_address) as conn:
-        conn.sub("fin", "ch")
-        conn.rdy(3)
-        for msg in conn.expect_messages(3, timeout=10):
-            conn.fin(msg.id)
-        conn.nop()
+    take(b1.tcp_address, "fin", "ch", 3)
     wait_for(lambda: admin.get("/api/topics/fin/ch").json()["delivery_to_fin_latency"]["count"] == 3,
              message="the three FINs in the total")
     channel = admin.get("/api/topics/fin/ch").json()

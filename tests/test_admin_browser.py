@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nsq_raw import RawNSQ
+from nsq_raw import RawNSQ, take
 from processes import AdminProcess, BrokerProcess, LookupdProcess, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -119,12 +119,7 @@ def test_the_channel_page_seeks_and_shows_the_lag(cluster, browser):
     broker.http.post("/topic/create?topic=again")
     broker.http.post("/channel/create?topic=again&channel=r")
     publish(broker, "again", 6)
-    with RawNSQ(broker.tcp_address) as conn:
-        conn.sub("again", "r")
-        conn.rdy(6)
-        for msg in conn.expect_messages(6, timeout=10):
-            conn.fin(msg.id)
-        conn.nop()
+    take(broker.tcp_address, "again", "r", 6)
     wait_for(lambda: broker.http.get("/stats?format=json&topic=again").json()["topics"][0]["channels"][0]["lag_messages"] == 0,
              timeout=10, message="the channel drained")
     wait_for(lambda: lookupd.get("/lookup?topic=again").status_code == 200, timeout=10, message="lookupd knows again")

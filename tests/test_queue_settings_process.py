@@ -210,3 +210,39 @@ def test_the_flags_give_every_channel_its_limit_and_dead_letter_topic(broker_fac
     assert channel_stats(broker, "t-c-dlq", "dead-letters")["depth"] == 1
     reply = broker.get("/channel/config?topic=t&channel=c").json()
     assert reply["config"] == {} and reply["effective"]["max_attempts"] == 2
+
+
+def test_our_client_requeueing_a_poison_message_hands_it_to_the_broker_limit(broker_factory):
+    """trio_nsq.client with its own limit off (max_attempts=0): the broker's attempt limit moves the
+    message, and the consumer then sees the good messages only."""
+    import trio
+
+    from trio_nsq.client import Consumer
+
+    broker = broker_factory()
+    post(broker, "/topic/create", topic="jobs").raise_for_status()
+    post(broker, "/channel/create", topic="jobs", channel="w").raise_for_status()
+    post(broker, "/channel/config", topic="jobs", channel="w", max_attempts=4).raise_for_status()
+    post(broker, "/mpub", topic="jobs", content=b"ok-1\npoison\nok-2").raise_for_status()
+    seen: list[tuple[bytes, int]] = []
+
+    async def consume() -> None:
+        done = trio.Event()
+
+        async def handler(message) -> None:
+            seen.append((message.body, message.attempts))
+            if message.body == b"poison":
+                await message.requeue(delay_ms=0, backoff=False)
+            if len(seen) == 6:
+                done.set()
+
+        async with Consumer("jobs", "w", handler, nsqd_tcp_addresses=[broker.tcp_address], max_attempts=0):
+            with trio.fail_after(15):
+                await done.wait()
+            await trio.sleep(0.3)  # nothing more comes
+
+    trio.run(consume)
+    assert [a for body, a in seen if body == b"poison"] == [1, 2, 3, 4]
+    assert sorted(body for body, _ in seen if body != b"poison") == [b"ok-1", b"ok-2"]
+    wait_for(lambda: channel_stats(broker, "jobs-w-dlq", "dead-letters")["depth"] == 1)
+    assert channel_stats(broker, "jobs", "w")["dead_lettered_count"] == 1
