@@ -82,10 +82,11 @@ def _subscribe(broker: Broker, topic: str, rdy: int) -> tuple[socket.socket, Fra
     return sock, parser
 
 
-def _read_all(broker: Broker, topic: str) -> float:
+def _read_all(broker: Broker, topic: str) -> tuple[float, int]:
     """A consumer subscribes with RDY 1 to a channel whose log holds the deferred records and, behind them,
     one `DPUB <topic> 1` (due at once): the seconds until that one comes, when the channel has read every
-    deferred record (none is sent) and reached it."""
+    deferred record (none is sent) and reached it; and how many deferred records came early instead (Go
+    nsqd's disk queue drops their delay: each is FIN'd and counted)."""
     with socket.create_connection(broker.tcp) as pub:
         pub.sendall(MAGIC_V2 + encode_dpub(topic, 1, b"marker"))
         parser = FrameParser()
@@ -94,6 +95,7 @@ def _read_all(broker: Broker, topic: str) -> float:
         if frame != (0, b"OK"):
             raise RuntimeError(f"DPUB refused: {frame!r}")
     started = time.perf_counter()
+    early = 0
     sock, parser = _subscribe(broker, topic, 1)
     with sock:
         sock.settimeout(600)
@@ -103,9 +105,11 @@ def _read_all(broker: Broker, topic: str) -> float:
                 parser.feed(sock.recv(1 << 16))
             elif frame[1] == b"_heartbeat_":
                 sock.sendall(b"NOP\n")
-            elif frame[0] == 2 and frame[1].endswith(b"marker"):
+            elif frame[0] == 2:
                 sock.sendall(b"FIN " + frame[1][10:26] + b"\n")
-                return time.perf_counter() - started
+                if frame[1].endswith(b"marker"):
+                    return time.perf_counter() - started, early
+                early += 1
             else:
                 raise RuntimeError(f"unexpected frame {frame!r}")
 
@@ -157,7 +161,7 @@ def run_once(side: str, reference: str | None, flags: tuple[str, ...], count: in
             time.sleep(0.05)
         in_channel = time.perf_counter() - started
         rss = broker.rss_mb()
-        read_s = _read_all(broker, "t")
+        read_s, early = _read_all(broker, "t")
         held_rss = broker.rss_mb()
         # deliveries: a delay the publishing cannot outlast, so every record is read before it is due
         delay = int(published * 2 + 5)
@@ -165,7 +169,7 @@ def run_once(side: str, reference: str | None, flags: tuple[str, ...], count: in
         _dpub(broker, "t2", delay * 1000, count)
         first, delivering = _consume(broker, "t2", count, timeout=delay + 60)
         return {"publish_s": published, "deferred_s": in_channel, "deferred": held[0], "rss_mb": rss,
-                "read_s": read_s, "held_rss_mb": held_rss, "delay_s": delay,
+                "read_s": read_s, "early": early, "held_rss_mb": held_rss, "delay_s": delay,
                 "late_s": first - (started + delay), "deliver_s": delivering,
                 "peak_rss_mb": broker.memory()["VmHWM"] / (1024 * 1024), "cpu_s": broker.cpu_seconds()}
     finally:
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"DPUB x {count:>9,} {title:<20} {side:<5} answered in {figures['publish_s']:7.2f} s, "
                           f"all in the channel in {figures['deferred_s']:7.2f} s ({figures['deferred']:,.0f} "
                           f"deferred), RSS {figures['rss_mb']:5.0f} MB; read by the channel in "
-                          f"{figures['read_s']:6.2f} s, RSS {figures['held_rss_mb']:5.0f} MB; "
+                          f"{figures['read_s']:6.2f} s ({figures['early']:,} of them delivered early), "
+                          f"RSS {figures['held_rss_mb']:5.0f} MB; "
                           f"DPUB {figures['delay_s']:.0f} s delivered in {figures['deliver_s']:6.2f} s "
                           f"(the first {figures['late_s']:+.2f} s after due), peak RSS {figures['peak_rss_mb']:5.0f} MB",
                           flush=True)
