@@ -45,6 +45,8 @@ log = logging.getLogger("nsqd")
 RETRY_DELAY = 1.0
 # the tag of positions in a channel's own queue (a topic log position is below it)
 OWN = 1 << 62
+# messages a take() may find expired before it lets the event loop run (the rest in its next turn)
+EXPIRED_PER_TURN = 65_536
 # reclaim copies records that pin the topic's log only when that frees this many times what it writes
 RECLAIM_RATIO = 4
 # deferred records reclaim reads back at a time
@@ -353,9 +355,11 @@ class Channel:
 
     def _unexpired(self, out: list[Message], n: int) -> list[Message]:
         """A message older than the TTL is not delivered: finished here, or dead-lettered, and counted;
-        more are taken in its place."""
+        more are taken in its place, up to EXPIRED_PER_TURN a call (a backlog of a million expired ones is
+        gone through a turn of the event loop at a time: a pump that got nothing is woken for the next)."""
         cutoff = int(self.clock() * 1e9) - self.ttl_ns
         fresh: list[Message] = []
+        expired_now = 0
         while out:
             expired: list[Message] = []
             for msg in out:
@@ -366,6 +370,7 @@ class Channel:
             if not expired:
                 break
             self.expired_count += len(expired)
+            expired_now += len(expired)
             if self.expired_to_dead_letter and self.dead_letter_topic:
                 self._dead_letter(expired, "expired")
             else:
@@ -374,6 +379,10 @@ class Channel:
                     self._finish(positions)
             want = n - len(fresh)
             if want <= 0:
+                break
+            if expired_now >= EXPIRED_PER_TURN:
+                if not fresh:
+                    trio.lowlevel.current_trio_token().run_sync_soon(self._wake_waiters)
                 break
             out = []
             self._read(out, want)

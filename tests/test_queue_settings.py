@@ -231,6 +231,24 @@ async def test_an_expired_message_is_not_delivered_and_is_counted(tmp_path, mock
     kill(topic)
 
 
+async def test_a_backlog_of_expired_messages_is_gone_through_a_turn_at_a_time(tmp_path, mock_clock):
+    """70,000 expired messages and one fresh one: a take finds at most EXPIRED_PER_TURN expired before it
+    returns (nothing, the pump woken for the next turn); the next finds the rest and the fresh one."""
+    topic = Topic(owner(tmp_path, mock_clock, mem_queue_size=0), "t")  # type: ignore[arg-type]
+    channel = topic.get_channel("c")
+    configure(topic, channel, message_ttl="1m")
+    for at in range(0, 70_000, 5_000):
+        topic.publish([b"old"] * 5_000)
+    mock_clock.jump(61)
+    topic.publish([b"new"])
+    takes = []
+    while not (msgs := channel.take(100)) or msgs[0].body != b"new":
+        takes.append(len(msgs))
+        assert len(takes) < 5
+    assert takes == [0] and channel.expired_count == 70_000 and channel.depth() == 0
+    kill(topic)
+
+
 # --- maximum depth --------------------------------------------------------------------------------------
 
 
