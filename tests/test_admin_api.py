@@ -186,6 +186,28 @@ def test_channel_and_topic_actions_reach_every_broker(cluster):
     assert admin.get("/api/topics/act").status_code == 404
 
 
+def test_a_channels_messages_from_every_broker(cluster):
+    """/api/topics/:topic/:channel/messages: each broker's /channel/messages with its node beside each
+    row, the counts summed; bad arguments refused as nsqd refuses them."""
+    lookupd, (b1, b2), admin = cluster
+    publish(b1, "look", "ch", 2)
+    publish(b2, "look", "ch", 3)
+    registered(lookupd, "look", 2)
+    queued = admin.get("/api/topics/look/ch/messages?state=queued&limit=10").json()
+    assert (queued["state"], queued["count"], queued["message"]) == ("queued", 5, "")
+    assert sorted((m["node"], m["body_preview"]) for m in queued["messages"]) == sorted(
+        [(b1.http_address, "m0"), (b1.http_address, "m1"), (b2.http_address, "m0"), (b2.http_address, "m1"),
+         (b2.http_address, "m2")])
+    assert admin.get("/api/topics/look/ch/messages").json()["count"] == 0  # in flight: none
+    assert admin.get("/api/topics/look/ch/messages?limit=1&state=queued").json()["count"] == 5
+    assert len(admin.get("/api/topics/look/ch/messages?limit=1&state=queued").json()["messages"]) == 2  # one a node
+    for query, message in (("state=gone", "INVALID_ARG_STATE"), ("limit=101", "INVALID_ARG_LIMIT"),
+                           ("limit=x", "INVALID_ARG_LIMIT")):
+        bad = admin.get(f"/api/topics/look/ch/messages?{query}")
+        assert (bad.status_code, bad.json()) == (400, {"message": message})
+    assert admin.get("/api/topics/look/nope/messages").status_code == 404
+
+
 def test_create_and_tombstone(cluster):
     lookupd, (b1, b2), admin = cluster
     publish(b1, "made", "old", 1)

@@ -173,6 +173,11 @@ def test_the_channel_page_sets_max_attempts_shows_dead_letters_and_redrives(clus
     browser.find_element(By.CSS_SELECTOR, "button[data-redrive]").click()
     wait_for(lambda: "re-drove 1 messages" in text_of(browser, "#status"), timeout=10, message="the re-drive's result")
     wait_for(lambda: text_of(browser, "tr.total td.depth") == "1", timeout=10, message="the message back in its channel")
+    # the page's look at the channel's messages: the re-driven one queued, attempts reset
+    browser.find_element(By.CSS_SELECTOR, '[data-message-states] button[data-state="queued"]').click()
+    wait_for(lambda: "m0" in text_of(browser, "table[data-messages] tbody"), timeout=10,
+             message="the queued message listed on the page")
+    assert text_of(browser, "table[data-messages] tbody td:nth-child(3)") == "0"
 
 
 def test_the_nodes_page_marks_each_broker(cluster, browser):

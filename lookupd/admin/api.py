@@ -47,6 +47,7 @@ log = logging.getLogger("nsqadmin")
 STATIC = Path(__file__).parent / "static"
 STATIC_TYPES = {".html": HTML_TYPE, ".js": "application/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
 MAX_BODY = 1 << 20  # an action's JSON body
+MESSAGES_LIMIT = 100  # rows a node gives the channel page's look at its messages
 
 
 def _client_host(request: Request) -> str:
@@ -100,6 +101,36 @@ class Admin:
         query = f"topic={_q(params['topic'])}&channel={_q(params['channel'])}"
         out["settings"] = await self._settings(channel_rows, f"/channel/config?{query}")
         return _ok(out, errors)
+
+    async def channel_messages(self, req: Request, params: Mapping[str, str]) -> Reply:
+        """trio-nsqd's /channel/messages on every node that has the channel (`state`: in_flight, deferred or
+        queued; `limit`, at most MESSAGES_LIMIT a node): the rows with their node, `count` summed. A Go
+        nsqd has no such endpoint: its 404 is reported in `message`."""
+        query = urllib.parse.parse_qs(req.query.decode("latin-1"))
+        state = (query.get("state") or ["in_flight"])[-1]
+        if state not in ("in_flight", "deferred", "queued"):
+            raise HTTPError(400, "INVALID_ARG_STATE")
+        limit_text = (query.get("limit") or [str(MESSAGES_LIMIT)])[-1]
+        if not limit_text.isdigit() or int(limit_text) > MESSAGES_LIMIT:
+            raise HTTPError(400, "INVALID_ARG_LIMIT")
+        topic, channel = params["topic"], params["channel"]
+        errors = Errors()
+        rows, _ = await self._topic_rows(topic, errors)
+        nodes = sorted({r["node"] for r in rows for c in r["channels"] if c["channel_name"] == channel})
+        if not nodes:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        path = f"/channel/messages?topic={_q(topic)}&channel={_q(channel)}&state={state}&limit={limit_text}"
+        count = 0
+        messages: list[dict[str, Any]] = []
+        for node in nodes:
+            try:
+                answer = await self.cluster.get_json(node, path)
+            except (httpx.HTTPError, ValueError) as exc:
+                errors.add(node, exc)
+                continue
+            count += int(answer.get("count", 0))
+            messages.extend(dict(m, node=node) for m in answer.get("messages") or [])
+        return _ok({"state": state, "count": count, "messages": messages}, errors)
 
     async def _settings(self, rows: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
         """trio-nsqd's settings of the topic or channel, as the first node that has them answers (a Go
@@ -405,6 +436,7 @@ def routes(admin: Admin) -> dict[str, dict[str, Route]]:
             "/api/topics": Route(admin.topics),
             "/api/topics/:topic": Route(admin.topic),
             "/api/topics/:topic/:channel": Route(admin.channel),
+            "/api/topics/:topic/:channel/messages": Route(admin.channel_messages),
             "/api/nodes": Route(admin.nodes),
             "/api/nodes/:node": Route(admin.node),
             "/api/counter": Route(admin.counter),

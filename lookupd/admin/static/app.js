@@ -219,8 +219,29 @@ async function topicView(topic) {
   if (t.message) status(t.message, true);
 }
 
+// a look at a channel's messages (trio-nsqd's /channel/messages): which, since when, until when
+const MESSAGE_STATES = [["in_flight", "In flight"], ["deferred", "Deferred"], ["queued", "Queued"]];
+let messagesState = "in_flight";
+
+function messagesTable(m) {
+  if (!m) return "";
+  const nowMs = Date.now();
+  const when = (row) => (row.deadline !== undefined
+    ? `${row.deadline / 1e6 >= nowMs ? "in" : "past"} ${age(Math.abs(row.deadline / 1e6 - nowMs))}`
+    : `${age(row.age_ms)} old`);
+  const rows = m.messages.map((row) => `<tr><td>${esc(row.id)}</td><td>${esc(row.node)}</td><td>${num(row.attempts)}</td>
+    <td>${esc(when(row))}</td><td class="body">${esc(row.body_preview)}${row.body_size > 64 ? "…" : ""}</td></tr>`);
+  return `<h2>Messages</h2>
+    <div class="actions" data-message-states>${MESSAGE_STATES.map(([k, label]) => `<button data-state="${k}"${k === m.state ? ' class="on"' : ""}>${label}</button>`).join("")}
+      <span class="muted">${num(m.count)} ${m.state.replace("_", " ")}${m.messages.length < m.count ? `, the first ${m.messages.length} shown` : ""}</span></div>
+    <table data-messages><thead><tr><th>Id</th><th>Node</th><th>Attempts</th><th>${m.state === "in_flight" ? "Times out" : m.state === "deferred" ? "Due" : "Age"}</th><th>Body</th></tr></thead>
+      <tbody>${rows.join("") || '<tr><td class="muted" colspan="5">none</td></tr>'}</tbody></table>`;
+}
+
 async function channelView(topic, channel) {
   const c = await api(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`);
+  // only where a broker has settings (trio-nsqd): a Go nsqd has no listing either
+  const m = c.settings ? await api(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}/messages?state=${messagesState}&limit=20`).catch(() => null) : null;
   const before = $("form[data-seek]");  // the page is drawn again every poll: keep what was chosen
   const chosen = before ? { to: before.to.value, time: before.time.value } : null;
   const list = record(`c:${topic}:${channel}`, c);
@@ -241,6 +262,7 @@ async function channelView(topic, channel) {
       <tbody><tr class="total"><td>Total</td><td class="dead">${num(c.dead_lettered_count)}</td><td class="expired">${num(c.expired_count)}</td><td class="refused">${num(c.refused_count)}</td><td class="dropped">${num(c.dropped_count)}</td></tr>${c.nodes.map((n) => `<tr><td>${esc(n.node)}</td><td>${num(n.dead_lettered_count)}</td><td>${num(n.expired_count)}</td><td>${num(n.refused_count)}</td><td>${num(n.dropped_count)}</td></tr>`).join("")}</tbody></table>
     ${c.settings ? `<div class="actions"><button data-redrive>Re-drive dead letters</button> <span class="muted">from ${esc(c.settings.effective.dead_letter_topic || "(no dead-letter topic)")}</span></div>` : ""}
     <div id="settings-slot"></div>
+    ${messagesTable(m)}
     <h2>Clients</h2>
     <table><thead><tr><th>Client</th><th>Node</th><th>User agent</th><th>RDY</th><th>In flight</th><th>Finished</th><th>Requeued</th><th>Messages</th></tr></thead>
       <tbody>${clientRows.join("") || '<tr><td class="muted" colspan="8">no clients</td></tr>'}</tbody></table>`;
@@ -248,6 +270,9 @@ async function channelView(topic, channel) {
   wireSeek(`/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`, `channel ${topic}/${channel}`);
   const channelPath = `/api/topics/${encodeURIComponent(topic)}/${encodeURIComponent(channel)}`;
   placeSettings(settingsFormFor(`c:${topic}:${channel}`, c.settings, channelPath, `channel ${topic}/${channel}`));
+  for (const b of document.querySelectorAll("[data-message-states] button")) {
+    b.onclick = () => { messagesState = b.dataset.state; refresh(); };
+  }
   const redrive = $("[data-redrive]");
   if (redrive) {
     redrive.onclick = async () => {
