@@ -193,6 +193,8 @@ def test_a_channels_messages_from_every_broker(cluster):
     publish(b1, "look", "ch", 2)
     publish(b2, "look", "ch", 3)
     registered(lookupd, "look", 2)
+    # the topics hand their messages to the channels after answering the MPUB
+    wait_for(lambda: admin.get("/api/topics/look/ch").json().get("depth") == 5, message="both channels filled")
     queued = admin.get("/api/topics/look/ch/messages?state=queued&limit=10").json()
     assert (queued["state"], queued["count"], queued["message"]) == ("queued", 5, "")
     assert sorted((m["node"], m["body_preview"]) for m in queued["messages"]) == sorted(
