@@ -17,7 +17,6 @@ it was. A message from memory has none (-1): it lives in memory only, as in nsqd
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -342,6 +341,13 @@ class Channel:
         """Up to n messages: from the logs (deferred records now due, its own queue, the topic's) and from
         the memory queue, so neither starves. Records read with a deadline still ahead go to the index of
         deferred records instead."""
+        out = self._take(n)
+        if self.ttl_ns and out:
+            out = self._unexpired(out, n)
+        return out
+
+    def _take(self, n: int) -> list[Message]:
+        """take() before the TTL: half from the logs, the memory queue, the logs again."""
         out: list[Message] = []
         turn_over = self._read(out, (n + 1) // 2)
         memory = self.memory
@@ -349,8 +355,6 @@ class Channel:
             out.append(memory.popleft())
         if not turn_over:
             self._read(out, n)
-        if self.ttl_ns and out:
-            out = self._unexpired(out, n)
         return out
 
     def _unexpired(self, out: list[Message], n: int) -> list[Message]:
@@ -384,11 +388,7 @@ class Channel:
                 if not fresh:
                     trio.lowlevel.current_trio_token().run_sync_soon(self._wake_waiters)
                 break
-            out = []
-            self._read(out, want)
-            memory = self.memory
-            while memory and len(out) < want:
-                out.append(memory.popleft())
+            out = self._take(want)
         return fresh
 
     def _read(self, out: list[Message], limit: int) -> bool:

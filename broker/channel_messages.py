@@ -94,10 +94,10 @@ def deferred(channel: Channel, limit: int) -> list[tuple[float, Message]]:
     (REQ with a delay) and the records read from the logs with a deadline ahead, read back for a look."""
     out = [(msg.pri, msg) for msg in channel.deferred.earliest(limit)]
     entries = channel.deferred_records.earliest(limit)
+    deadline_of = {pos: deadline for deadline, pos in entries}
     for tag, reader in ((OWN, channel.own), (0, channel.reader)):
         positions = [pos for _, pos in entries if (pos & OWN) == tag]
         if reader is not None and positions:
-            deadline_of = dict((pos, deadline) for deadline, pos in entries)
             out.extend((deadline_of[msg.pos], msg) for msg in reader.read_back(positions))
     out.sort(key=lambda pair: pair[0])
     return out[:limit]

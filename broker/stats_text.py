@@ -25,14 +25,19 @@ def _e2e_text(latency: E2eLatency) -> str:
     return ", ".join(nanoseconds_to_human(p.value) for p in latency.percentiles or ())
 
 
-def _look_inside_text(c: ChannelStats) -> str:
+def _ours_text(c: ChannelStats) -> str:
     """Not in nsqd, after its line: the delivery-to-FIN percentiles (p50, p90, p99, p99.9) once there are
-    FINs, and the age of the oldest unfinished message while there is one."""
+    FINs, the age of the oldest unfinished message while there is one, and what the channel's settings
+    did (dead-lettered, expired, refused, dropped) where they did something."""
     out = ""
     if c.delivery_to_fin_latency.count:
         out += f" fin%: {_e2e_text(c.delivery_to_fin_latency)}"
     if c.oldest_unfinished_age_ms:
         out += f" oldest: {nanoseconds_to_human(c.oldest_unfinished_age_ms * 1e6)}"
+    for label, value in (("dead-lettered", c.dead_lettered_count), ("expired", c.expired_count),
+                         ("refused", c.refused_count), ("dropped", c.dropped_count)):
+        if value:
+            out += f" {label}: {value}"
     return out
 
 
@@ -85,10 +90,7 @@ def stats_text(stats: NsqdStats) -> str:
         for c in t.channels:
             counts = (f"inflt: {c.in_flight_count:<4} def: {c.deferred_count:<4} re-q: {c.requeue_count:<5} "
                       f"timeout: {c.timeout_count:<5} ")
-            extra = "".join(f" {label}: {value}" for label, value in (
-                ("dead-lettered", c.dead_lettered_count), ("expired", c.expired_count),
-                ("refused", c.refused_count), ("dropped", c.dropped_count)) if value)
-            out += f"{'   *P ' if c.paused else '      '}{_queue_text(c.channel_name, 25, c, counts)}{_look_inside_text(c)}{extra}\n"
+            out += f"{'   *P ' if c.paused else '      '}{_queue_text(c.channel_name, 25, c, counts)}{_ours_text(c)}\n"
             for client in c.clients or ():
                 out += f"        {_client_text(client, now)}\n"
     if not stats.producers:

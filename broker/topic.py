@@ -369,9 +369,8 @@ class Topic:
             log.error("TOPIC(%s): cannot take %d dead letters (%s)", self.name, len(bodies),
                       "exiting" if self.exiting else "ephemeral")
             return 0
-        reader = self.dead_letters_channel().reader
+        reader = self.dead_letters_channel().reader  # asks for the round that puts it on disk if need be
         if reader is None or not reader.on_disk:
-            self.group.file_changed()
             return 0
         try:
             return self._write(self.guid.new_ids(len(bodies)), bodies, self.now_ns(), 0.0)

@@ -468,7 +468,7 @@ class Api:
             return
         after = attrs.evolve(settings, **changes)
         resolved = resolve(self.options, after, *under, topic=topic, channel=channel)
-        if (after.max_attempts or resolved.max_attempts) and not resolved.dead_letter_topic:
+        if resolved.max_attempts and not resolved.dead_letter_topic:
             log.info("CHANNEL(%s:%s): config refused - max_attempts without a dead_letter_topic", topic, channel)
             raise HTTPError(400, "MISSING_ARG_DEAD_LETTER_TOPIC")
 

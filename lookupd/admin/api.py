@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ import trio
 from trio_nsq.lookupd.admin.cluster import (
     Cluster,
     Errors,
-    NodeRefused,
     aggregate_channel,
     aggregate_topic,
     node_topic_rows,
@@ -208,17 +207,19 @@ class Admin:
             raise HTTPError(400, "INVALID_BODY")
         return value
 
-    async def _on_nodes(self, topic: str, path: str, errors: Errors) -> int:
-        """POST path on every nsqd that has the topic; how many took it."""
+    async def _on_nodes(self, topic: str, path: str, errors: Errors,
+                        post: Callable[[str, str], Awaitable[Any]] | None = None) -> list[Any]:
+        """POST path on every nsqd that has the topic (through `post`, cluster.post by default); what each
+        that took it answered (one entry a node)."""
         rows, _ = await self._topic_rows(topic, errors)
-        done = 0
+        post = post or self.cluster.post
+        answers: list[Any] = []
         for node in sorted({r["node"] for r in rows}):
             try:
-                await self.cluster.post(node, path)
-                done += 1
+                answers.append(await post(node, path))
             except httpx.HTTPError as exc:
                 errors.add(node, exc)
-        return done
+        return answers
 
     async def _on_lookupds(self, path: str, errors: Errors) -> None:
         for lookupd in self.cluster.lookupds:
@@ -299,17 +300,9 @@ class Admin:
         else:
             path = f"/channel/redrive?{query}"
         errors = Errors()
-        rows, _ = await self._topic_rows(topic, errors)
-        moved, done = 0, 0
-        for node in sorted({r["node"] for r in rows}):
-            try:
-                answer = await self.cluster.post_json(node, path)
-            except (httpx.HTTPError, NodeRefused) as exc:
-                errors.add(node, exc)
-                continue
-            done += 1
-            moved += int(answer.get("moved", 0))
-        if not done and not errors.failed:
+        answers = await self._on_nodes(topic, path, errors, self.cluster.post_json)
+        moved = sum(int(answer.get("moved", 0)) for answer in answers)
+        if not answers and not errors.failed:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
         self._notify(req, f"{action}_{kind}", user, topic, params.get("channel", ""))
         return _ok({"moved": moved} if action == "redrive" else {}, errors)

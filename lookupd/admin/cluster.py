@@ -26,7 +26,7 @@ CHANNEL_EXTRA_SUMS = ("lag_messages", "dead_lettered_count", "expired_count", "r
 TOPIC_EXTRA_SUMS = ("log_messages", "log_bytes")
 
 
-class NodeRefused(Exception):
+class NodeRefused(httpx.HTTPError):
     """An nsqd answered an action with an error: its status and message."""
 
 
