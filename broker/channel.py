@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.cursor import FINISHED_LIMIT
+from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.cursor import FINISHED_LIMIT
 from trio_nsq.broker.latency import LatencyHistogram
-from trio_nsq.broker.deferred_index import DeferredIndex
-from trio_nsq.broker.log_reader import LogReader
+from trio_nsq.broker.storage.deferred_index import DeferredIndex
+from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, Resolved
-from trio_nsq.broker.segment_log import POS_SHIFT
+from trio_nsq.broker.storage.segment_log import POS_SHIFT
 from trio_nsq.shared.names import is_ephemeral
 
 if TYPE_CHECKING:

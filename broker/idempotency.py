@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from trio_nsq.broker.files import close_quietly, fsync_dir, remove_quietly, write_synced
+from trio_nsq.broker.storage.files import close_quietly, fsync_dir, remove_quietly, write_synced
 
 log = logging.getLogger("nsqd")
 

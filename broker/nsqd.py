@@ -17,7 +17,7 @@ import trio
 
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
-from trio_nsq.broker.files import write_synced
+from trio_nsq.broker.storage.files import write_synced
 from trio_nsq.broker.lookup import LookupManager
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.v2_poller import V2Poller

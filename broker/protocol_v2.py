@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from trio_nsq.broker.auth import AuthError, AuthState, query_any_authd
-from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.channel import ChannelError
 from trio_nsq.broker.client_state import ClientState, check_command
 from trio_nsq.broker.client_v2 import ClientV2

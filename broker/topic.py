@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
-from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.channel import OWN, Channel
 from trio_nsq.broker.guid import GUIDFactory
 from trio_nsq.broker.idempotency import IdempotencyKeys
-from trio_nsq.broker.log_reader import LogReader
+from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, resolve
-from trio_nsq.broker.segment_log import SegmentLog
-from trio_nsq.broker.sync_group import SyncGroup
-from trio_nsq.broker.topic_log import TopicLog
+from trio_nsq.broker.storage.segment_log import SegmentLog
+from trio_nsq.broker.storage.sync_group import SyncGroup
+from trio_nsq.broker.storage.topic_log import TopicLog
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
 from trio_nsq.shared.protocol import MIN_VALID_MSG_LENGTH
 

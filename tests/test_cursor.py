@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_nsq.broker.cursor import FINISHED_LIMIT, HEADER, Cursor, CursorFileError
+from trio_nsq.broker.storage.cursor import FINISHED_LIMIT, HEADER, Cursor, CursorFileError
 
 EPOCH = 0x1234
 

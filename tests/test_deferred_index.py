@@ -1,4 +1,4 @@
-"""DeferredIndex (broker/deferred_index.py): a channel's deferred records as (deadline, position), against a
+"""DeferredIndex (broker/storage/deferred_index.py): a channel's deferred records as (deadline, position), against a
 model: every entry comes out once, when due and not before, earliest first; in-order deadlines take 16
 bytes an entry; scattered ones stay in a bounded number of sorted runs."""
 
@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_nsq.broker.deferred_index import MAX_RUNS, DeferredIndex
+from trio_nsq.broker.storage.deferred_index import MAX_RUNS, DeferredIndex
 
 
 def index() -> DeferredIndex:

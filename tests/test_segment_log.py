@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import trio_nsq.broker.segment_log as segment_log_module
-from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.segment_log import SegmentLog, remove_dropped
+import trio_nsq.broker.storage.segment_log as segment_log_module
+from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.segment_log import SegmentLog, remove_dropped
 
 LOGGER = segment_log_module.log.name
 

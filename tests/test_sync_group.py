@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.message import encode_record
-from trio_nsq.broker.cursor import Cursor
-from trio_nsq.broker.sync_group import META_INTERVAL, SyncGroup
-from trio_nsq.broker.topic_log import TopicLog
+from trio_nsq.broker.storage.cursor import Cursor
+from trio_nsq.broker.storage.sync_group import META_INTERVAL, SyncGroup
+from trio_nsq.broker.storage.topic_log import TopicLog
 
 
 def open_log(d: Path, group: SyncGroup, max_bytes: int = 1 << 20) -> TopicLog:

@@ -19,7 +19,7 @@ import trio.testing
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.topic import Topic
-from trio_nsq.broker.topic_log import SeekError
+from trio_nsq.broker.storage.topic_log import SeekError
 from tests.topic_owner import Owner, kill
 
 CLIENT = 1

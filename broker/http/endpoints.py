@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import trio
 
-from trio_nsq.broker.backend import BackendError
+from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.channel_messages import ListingError, list_messages, listing_args
 from trio_nsq.broker.http.openapi import openapi_bytes
@@ -26,7 +26,7 @@ from trio_nsq.broker.stats_prometheus import prometheus_text
 from trio_nsq.broker.stats_text import stats_text
 from trio_nsq.broker.queue_settings import KEYS, QueueSettings, Resolved, SettingsError, parse_updates, resolve
 from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Published, Topic, TopicFull
-from trio_nsq.broker.topic_log import SeekError
+from trio_nsq.broker.storage.topic_log import SeekError
 from trio_nsq.shared.http_api import (
     EMPTY,
     JSON_TYPE,

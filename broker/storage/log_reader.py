@@ -20,12 +20,12 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Callable
 
-from trio_nsq.broker.cursor import Cursor, CursorFileError
-from trio_nsq.broker.deferred_index import DeferredIndex
-from trio_nsq.broker.files import remove_quietly
+from trio_nsq.broker.storage.cursor import Cursor, CursorFileError
+from trio_nsq.broker.storage.deferred_index import DeferredIndex
+from trio_nsq.broker.storage.files import remove_quietly
 from trio_nsq.broker.message import Message
-from trio_nsq.broker.segment_log import POS_SHIFT, SegmentLog
-from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
+from trio_nsq.broker.storage.segment_log import POS_SHIFT, SegmentLog
+from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")

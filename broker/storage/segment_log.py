@@ -33,8 +33,8 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
-from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.files import close_quietly, remove_quietly
+from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.files import close_quietly, remove_quietly
 from trio_nsq.shared.protocol import INT32, int32_at
 
 log = logging.getLogger("nsqd")

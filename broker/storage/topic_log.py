@@ -30,11 +30,11 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.files import close_quietly, remove_quietly
-from trio_nsq.broker.log_reader import Deadlines, LogReader
-from trio_nsq.broker.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog, numbered_files
-from trio_nsq.broker.sync_group import META_INTERVAL, RoundPlan, SyncGroup
+from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.files import close_quietly, remove_quietly
+from trio_nsq.broker.storage.log_reader import Deadlines, LogReader
+from trio_nsq.broker.storage.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog, numbered_files
+from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")

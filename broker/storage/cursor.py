@@ -1,6 +1,6 @@
 """Cursor: one channel's acknowledgement state over one log (Pulsar's ManagedCursor).
 
-A log (broker/segment_log.py) only appends; what a channel has done with its records lives here:
+A log (broker/storage/segment_log.py) only appends; what a channel has done with its records lives here:
 - the *read position*: the next record the channel has not read yet (and that record's index, so a depth
   is a subtraction);
 - the *mark-delete position*: every record before it is finished. It is the oldest record read and not
@@ -49,7 +49,7 @@ class CursorFileError(ValueError):
 
 
 class Cursor:
-    """Created by a LogReader (broker/log_reader.py), which is the only caller: it reports reads
+    """Created by a LogReader (broker/storage/log_reader.py), which is the only caller: it reports reads
     (`handed`, `skip`), FINs (`finish_many`), requeues (`hold`), and asks for the bytes a sync round
     persists. `epoch` ties the state to one log: a file of another log (one Go nsqd rewrote) is refused."""
 

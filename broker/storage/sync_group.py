@@ -34,9 +34,9 @@ import attrs
 import outcome
 import trio
 
-from trio_nsq.broker.backend import BackendError
-from trio_nsq.broker.files import fsync_dir, write_and_close, write_synced
-from trio_nsq.broker.segment_log import remove_dropped
+from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.files import fsync_dir, write_and_close, write_synced
+from trio_nsq.broker.storage.segment_log import remove_dropped
 
 log = logging.getLogger("nsqd")
 
