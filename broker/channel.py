@@ -1,13 +1,12 @@
 """Channel: one set of consumers of a topic's stream (nsqd/channel.go), a cursor over the topic's log.
 
 A channel holds a bounded memory queue (messages its topic's pump handed over in memory, and requeued
-ones), its reader of the topic's log (a LogReader: where it is, what it finished, what it holds), maybe
-its own queue (another LogReader, over the go-diskqueue files `<topic>:<channel>.diskqueue.*`), the
-in-flight table of messages sent to consumers and not yet FIN'd, the deferred queue (REQ with a delay, an
-ephemeral topic's DPUB) and the index of deferred records read from its logs (a DeferredIndex: a DPUB's
-record, or one held with a deadline, stays in its log until due, and is read back then). Its consumers'
-message pumps take messages in batches with take(); queue-scan workers move timed-out and due messages
-back with process_in_flight_queue()/process_deferred_queue().
+ones), the in-flight table of messages sent to consumers and not yet FIN'd, the deferred queue (REQ with a
+delay, an ephemeral topic's DPUB), and its backend (broker/storage/channel_backend.py): its reader of the
+topic's log (where it is, what it finished, what it holds), maybe its own queue, and the index of deferred
+records read from them (a DPUB's record, or one held with a deadline, stays in its log until due, and is
+read back then). Its consumers' message pumps take messages in batches with take(); queue-scan workers
+move timed-out and due messages back with process_in_flight_queue()/process_deferred_queue().
 
 A message read from a log keeps its position (`Message.pos`; the own queue's carry OWN): FIN finishes it
 there, REQ and a timeout hold it there with its attempts (and deadline), so a restart finds it again as
@@ -19,20 +18,19 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from trio_nsq.broker.storage.backend import BackendError
-from trio_nsq.broker.storage.cursor import FINISHED_LIMIT
 from trio_nsq.broker.latency import LatencyHistogram
-from trio_nsq.broker.storage.deferred_index import DeferredIndex
-from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.pqueue import MISSING, NOT_OWNED, OWNED, MessagePQueue
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, Resolved
-from trio_nsq.broker.storage.segment_log import POS_SHIFT
+from trio_nsq.broker.storage.channel_backend import OWN, ChannelBackend
+from trio_nsq.broker.storage.log_reader import Batch
+from trio_nsq.broker.storage.sync_group import SyncGroup
 from trio_nsq.shared.names import is_ephemeral
 
 if TYPE_CHECKING:
@@ -42,15 +40,10 @@ log = logging.getLogger("nsqd")
 
 # how long a message no queue would take waits before the next try
 RETRY_DELAY = 1.0
-# the tag of positions in a channel's own queue (a topic log position is below it)
-OWN = 1 << 62
 # messages a take() may find expired before it lets the event loop run (the rest in its next turn)
 EXPIRED_PER_TURN = 65_536
-# reclaim copies records that pin the topic's log only when that frees this many times what it writes
-RECLAIM_RATIO = 4
-# deferred records reclaim reads back at a time
-RECLAIM_CHUNK = 4096
-_OFFSET_MASK = (1 << POS_SHIFT) - 1
+
+__all__ = ["OWN", "Channel", "ChannelError", "Consumer"]
 
 
 class ChannelError(Exception):
@@ -78,29 +71,28 @@ class Consumer(Protocol):
 
 
 class Channel:
-    """A channel (nsqd's Channel). Made by its Topic, which gives it its reader of the topic's log (none
-    for an ephemeral topic) and opens its own queue on demand (`open_own`). The topic's message_pump
+    """A channel (nsqd's Channel). Made by its Topic, which gives it its backend (its reader of the
+    topic's log, none for an ephemeral topic, and how to open its own queue). The topic's message_pump
     calls `put_messages`; each consumer's ProtocolV2.message_pump calls `take` and
     `start_in_flight_many`; its io_loop calls finish/requeue/touch_message (FIN, REQ, TOUCH); the
     queue_scan workers call process_in_flight_queue and process_deferred_queue. None of them awaits, so
     each is atomic."""
 
-    def __init__(self, topic: Topic, name: str, mem_queue_size: int, reader: LogReader | None,
-                 open_own: Callable[[bool], LogReader | None], clock: Callable[[], float]) -> None:
+    def __init__(self, topic: Topic, name: str, mem_queue_size: int, backend: ChannelBackend,
+                 clock: Callable[[], float]) -> None:
         self.topic = topic
         self.topic_name = topic.name
         self.name = name
         self.ephemeral = is_ephemeral(name)
         self.mem_queue_size = mem_queue_size
         self.memory: deque[Message] = deque()
-        self.reader = reader  # its place in the topic's log
-        self._open_own = open_own
-        self.own: LogReader | None = open_own(False) if not self.ephemeral else None
+        self.backend = backend  # what it keeps in logs: the topic's (a cursor), its own queue
         self.clock = clock  # unix seconds: a deadline kept across a restart is one of these
         self.in_flight = MessagePQueue()
         self.deferred = MessagePQueue()
-        # deferred records read from its logs, by deadline: read back when due
-        self.deferred_records = DeferredIndex(trio.current_time)
+        # moves to the dead-letter topic waiting for its round before they are finished here
+        self.dead_letters_pending = 0
+        self._resets = 0  # empties and seeks so far: a finish decided before one does not apply after it
         self.clients: dict[int, Consumer] = {}
         self.paused = False
         self.exiting = False
@@ -127,8 +119,6 @@ class Channel:
         self.fin_latency = LatencyHistogram()
         # consumers whose pump waits for messages; woken on put
         self.waiters: set[Consumer] = set()
-        self._reclaim_after = 0  # reclaim looks again past this many waiting finished positions
-        self._read_file = -1  # the segment the topic's reader was in when reclaim last looked
 
     def __repr__(self) -> str:
         return f"Channel({self.topic_name}:{self.name})"
@@ -149,37 +139,24 @@ class Channel:
     # --- depth --------------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return len(self.memory) + self.deferred_records.ready_count() + self.backend_depth()
+        return len(self.memory) + self.backend.deferred.ready_count() + self.backend_depth()
 
     def backend_depth(self) -> int:
         """Messages waiting in the logs (the topic's and its own), not read yet: deferred publishes among
         them are counted deferred (deferred_count), as nsqd counts them once handed to the channel."""
-        depth = 0
-        if self.reader is not None:
-            depth += self.reader.depth(self.topic.dispatched_index())
-            depth -= self.reader.deferred_ahead(self.topic.dispatched_position())
-        if self.own is not None:
-            depth += self.own.depth(self.own.segments.tail_index)
-        return depth
+        topic = self.topic
+        return self.backend.depth(topic.dispatched_index(), topic.dispatched_position())
 
     def deferred_count(self) -> int:
         """Deferred messages: in the deferred queue, deferred records read, and deferred publishes in the log
         not read yet."""
-        ahead = self.reader.deferred_ahead(self.topic.dispatched_position()) if self.reader is not None else 0
-        return len(self.deferred) + len(self.deferred_records) + ahead
+        return len(self.deferred) + self.backend.deferred_count(self.topic.dispatched_position())
 
     def oldest_unfinished_timestamp(self) -> int | None:
         """The publish time (unix ns) of the oldest message the channel has not finished, if any: the
         record at a log cursor's mark-delete position, or one held in memory only (of those in flight or
         deferred, the ones due first: a look, not a scan of what may be hundreds of thousands)."""
-        found: list[int] = []
-        for reader, end in ((self.reader, self.topic.dispatched_position()), (self.own, -1)):
-            if reader is not None:
-                mark = reader.mark_delete()
-                if mark < (reader.segments.tail if end < 0 else end):
-                    timestamp = reader.timestamp_at(mark)
-                    if timestamp is not None:
-                        found.append(timestamp)
+        found = self.backend.oldest_timestamps(self.topic.dispatched_position())
         if self.memory:
             found.append(self.memory[0].timestamp)  # handed over in order: the front is the oldest
         for queue in (self.in_flight, self.deferred):
@@ -228,31 +205,11 @@ class Channel:
             self._wake_waiters()
 
     def _store(self, msgs: list[Message]) -> None:
-        """Into the channel's own queue (no memory room, and no log of the topic's has them)."""
-        own = self._own()
-        stored = 0
-        if own is not None:
-            try:
-                own.append([msg.encode() for msg in msgs], [])
-                stored = len(msgs)
-            except BackendError as exc:
-                stored = exc.stored
-                log.error("CHANNEL(%s): failed to put %d messages - %s", self.name, len(msgs) - stored, exc)
+        """Into the channel's own queue (no memory room, and no log of the topic's has them); what cannot
+        be stored waits in the deferred queue for another try."""
+        stored = self.backend.store([msg.encode() for msg in msgs])
         for msg in msgs[stored:]:
             self.deferred.push(msg, trio.current_time() + RETRY_DELAY)
-
-    def _drop_own_if_drained(self) -> None:
-        """A channel's own queue that holds nothing more goes, files and all (it is made again when
-        needed): a channel does not keep a queue of its own for what was in its memory at one restart."""
-        own = self.own
-        if own is not None and own.drained():
-            own.delete()
-            self.own = None
-
-    def _own(self) -> LogReader | None:
-        if self.own is None and not self.ephemeral:
-            self.own = self._open_own(True)
-        return self.own
 
     def logs_grew(self) -> None:
         """The topic appended to its log (and handed it over): consumers waiting may take it."""
@@ -287,31 +244,26 @@ class Channel:
             over -= 1
         if positions:
             self._finish(positions)
-        reader = self.reader
+        reader = self.backend.reader
         if over > 0 and reader is not None:
             end_index = self.topic.dispatched_index()
-            before = reader.dropped
-            reader.skip_to_lag(end_index, self.topic.dispatched_position(), max(0, reader.depth(end_index) - over))
-            dropped += reader.dropped - before
+            dropped += self.backend.keep_up(end_index, self.topic.dispatched_position(),
+                                            max(0, reader.depth(end_index) - over))
         self.dropped_count += dropped
 
     def _keep_up(self) -> None:
         """An ephemeral channel too far behind drops the oldest, as its memory queue would have no room
         for them in nsqd: checked when its consumers take (their RDY room counts) and by the queue scan
         (so one that never takes does not keep the log)."""
-        reader = self.reader
-        assert reader is not None
-        before = reader.dropped
-        reader.skip_to_lag(self.topic.dispatched_index(), self.topic.dispatched_position(),
-                           max(0, self.memory_room()))
-        self.dropped_count += reader.dropped - before
+        self.dropped_count += self.backend.keep_up(self.topic.dispatched_index(), self.topic.dispatched_position(),
+                                                   max(0, self.memory_room()))
 
     def _requeue(self, msg: Message) -> None:
         """Back in the queue (REQ without a delay, a timeout, a deferral that is due). One read from a log
         is held there with its attempts, so a restart delivers it as it is now."""
         pos = msg.pos
         if pos >= 0:
-            self._reader_of(pos).hold(pos, msg.attempts, 0.0)
+            self.backend.hold(pos, msg.attempts, 0.0)
         self.memory.append(msg)
         if self.waiters:
             self._wake_waiters()
@@ -321,13 +273,8 @@ class Channel:
         deadline, so a restart defers it again."""
         pos = msg.pos
         if pos >= 0:
-            self._reader_of(pos).hold(pos, msg.attempts, self.clock() + timeout)
+            self.backend.hold(pos, msg.attempts, self.clock() + timeout)
         self.start_deferred_timeout(msg, timeout)
-
-    def _reader_of(self, pos: int) -> LogReader:
-        reader = self.own if pos & OWN else self.reader
-        assert reader is not None, pos
-        return reader
 
     def _wake_waiters(self) -> None:
         waiters = self.waiters
@@ -394,39 +341,57 @@ class Channel:
     def _read(self, out: list[Message], limit: int) -> bool:
         """Up to `limit` messages into `out` from the logs; True when a long run of deferred records
         stopped it (the rest is read in the event loop's next turn)."""
-        records = self.deferred_records
-        if records.ready_count() and len(out) < limit:
-            self._read_due(out, records.take_ready(limit - len(out)))
-        reader = self.reader
-        if reader is not None:
+        backend = self.backend
+        if backend.reader is not None:
             if self.ephemeral:
                 self._keep_up()
-            elif reader.reader.file_num != self._read_file:
-                # the reader moved to another segment: is an old record keeping two or more behind it?
-                self._read_file = reader.reader.file_num
-                if (reader.mark_delete() >> POS_SHIFT) < self._read_file - 1:
-                    self._reclaim(self._read_file << POS_SHIFT)
-        for reader, upto in ((self.own, -1), (self.reader, self.topic.dispatched_position())):
-            while reader is not None and len(out) < limit:
-                msgs = reader.read(limit - len(out), reader.segments.tail if upto < 0 else upto, records)
-                out.extend(msgs)
-                if reader.more:
-                    # a long run of deferred records: the rest in the loop's next turn (a pump that got
-                    # nothing waits on the channel: woken then)
-                    if not out:
-                        trio.lowlevel.current_trio_token().run_sync_soon(self._wake_waiters)
-                    return True
-                if not msgs:
-                    break
-        return False
+            elif backend.reclaim_wanted:
+                self._reclaim()
+        batch = Batch()
+        turn_over = backend.read(batch, limit - len(out), self.topic.dispatched_position())
+        if batch:
+            self._decode(batch, out)
+        if turn_over and not out:
+            # a long run of deferred records: the rest in the loop's next turn (a pump that got nothing
+            # waits on the channel: woken then)
+            trio.lowlevel.current_trio_token().run_sync_soon(self._wake_waiters)
+        return turn_over
 
-    def _read_due(self, out: list[Message], positions: list[int]) -> None:
-        """Deferred records that are due, read back from their logs (own queue positions carry OWN)."""
-        if any(pos & OWN for pos in positions):
-            out.extend(self._reader_of(OWN).read_back([pos for pos in positions if pos & OWN]))
-            positions = [pos for pos in positions if not pos & OWN]
-        if positions:
-            out.extend(self._reader_of(0).read_back(positions))
+    def _decode(self, batch: Batch, out: list[Message]) -> None:
+        """The batch's records as messages into `out`, with their positions (and the attempts or delay of
+        those the batch says); a record that is not a message is logged and finished."""
+        decode = Message.decode
+        states = batch.states
+        bad: list[int] = []
+        if not states:
+            for data, pos in zip(batch.records, batch.positions):
+                try:
+                    msg = decode(data)
+                except ValueError as exc:
+                    log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
+                    bad.append(pos)
+                    continue
+                msg.pos = pos
+                out.append(msg)
+        else:
+            for i, (data, pos) in enumerate(zip(batch.records, batch.positions)):
+                try:
+                    msg = decode(data)
+                except ValueError as exc:
+                    log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
+                    bad.append(pos)
+                    continue
+                msg.pos = pos
+                state = states.get(i)
+                if state is not None:
+                    attempts, left = state
+                    if attempts >= 0:
+                        msg.attempts = attempts
+                    if left > 0:
+                        msg.deferred = left
+                out.append(msg)
+        if bad:
+            self.backend.finish(bad)
 
     # --- in flight ----------------------------------------------------------------------------
 
@@ -469,21 +434,7 @@ class Channel:
         return len(msgs), error
 
     def _finish(self, positions: list[int]) -> None:
-        reader = self.reader
-        own = self.own
-        if own is not None and any(pos & OWN for pos in positions):
-            own.finish_many([pos for pos in positions if pos & OWN])
-            positions = [pos for pos in positions if not pos & OWN]
-            self._drop_own_if_drained()
-        if positions and reader is not None:
-            reader.finish_many(positions)
-            cursor = reader.cursor
-            if cursor.waiting_at_most() > max(FINISHED_LIMIT, self._reclaim_after) and \
-                    cursor.finished_waiting() > max(FINISHED_LIMIT, self._reclaim_after):
-                # back off: look again once twice as many wait (set here, not by the look a segment
-                # change makes: one that fails on the batch being read must not put this one off)
-                self._reclaim_after = 2 * cursor.finished_waiting()
-                self._reclaim(cursor.middle())
+        self.backend.finish(positions)
 
     def requeue_message(self, client_id: int, msg_id: bytes, timeout: float) -> None:
         msg = self._pop_in_flight(client_id, msg_id)
@@ -497,45 +448,76 @@ class Channel:
 
     def _dead_letter(self, msgs: list[Message], why: str) -> None:
         """Past its maximum attempts (or expired, when so set): to the dead-letter topic's log first, then
-        finished here, so a crash between the two leaves it in both (at least once), never in neither.
-        What the dead-letter topic could not store stays here, deferred for a retry."""
-        stored = self.topic.dead_letter(self.dead_letter_topic, [msg.body for msg in msgs])
+        finished here once that topic's round has fsynced the copy (the two topics have sync groups of
+        their own: finishing at once could persist the FIN here before the copy there, and a power loss
+        between would lose the message). So a crash, or a power loss, between the two leaves it in both
+        (at least once), never in neither. What the dead-letter topic could not store stays here,
+        deferred for a retry; so does a copy whose round failed."""
+        stored, group = self.topic.dead_letter(self.dead_letter_topic, [msg.body for msg in msgs])
         for msg in msgs[stored:]:  # the dead-letter topic is not ready (or failed): again in a moment
             self._defer(msg, RETRY_DELAY)
-        if stored:
-            self.dead_lettered_count += stored
-            positions = [msg.pos for msg in msgs[:stored] if msg.pos >= 0]
-            if positions:
-                self._finish(positions)
-            log.info("CHANNEL(%s:%s): %d %s messages to dead-letter topic %s",
-                     self.topic_name, self.name, stored, why, self.dead_letter_topic)
+        if not stored:
+            return
+        self.dead_lettered_count += stored
+        moved = [msg for msg in msgs[:stored] if msg.pos >= 0]
+        if moved:
+            self.dead_letters_pending += len(moved)
+            group.when_durable(partial(self._dead_lettered, moved, self._resets))
+        log.info("CHANNEL(%s:%s): %d %s messages to dead-letter topic %s",
+                 self.topic_name, self.name, stored, why, self.dead_letter_topic)
+
+    def _dead_lettered(self, msgs: list[Message], resets: int, durable: bool) -> None:
+        """The dead-letter topic's round for these copies ended: finished here if it fsynced them, else
+        moved again in a moment (the copies may be there too: at least once). Not if the channel was
+        emptied or sought since (its positions may have been read again)."""
+        self.dead_letters_pending -= len(msgs)
+        if self.exiting or resets != self._resets:
+            return  # a restart finds them unfinished here and moves them again
+        if durable:
+            self._finish([msg.pos for msg in msgs])
+            return
+        self.dead_lettered_count -= len(msgs)
+        for msg in msgs:
+            self._defer(msg, RETRY_DELAY)
 
     def redrive_from(self, dead: Channel, limit: int) -> int:
         """Up to `limit` messages queued in `dead` (a dead-letter topic's channel) back into this channel,
-        attempts reset: into its own queue (an ephemeral channel's memory), then finished there, so a
-        crash between the two repeats them (at least once) and loses none. How many moved."""
+        attempts reset: into its own queue (an ephemeral channel's memory), then finished there once this
+        topic's round has fsynced the copies, so a crash or a power loss between the two repeats them (at
+        least once) and loses none. How many moved."""
         msgs = dead.take(limit)
         if not msgs:
             return 0
         copies = [Message(msg.id, msg.body, msg.timestamp, 0) for msg in msgs]
-        stored = len(copies)
-        own = self._own()
-        if own is not None:
-            try:
-                own.append([msg.encode() for msg in copies], [])
-            except BackendError as exc:
-                stored = exc.stored
-                log.error("CHANNEL(%s): failed to redrive %d messages - %s", self.name, len(msgs) - stored, exc)
-        else:
+        if self.ephemeral:
             self.memory.extend(copies)
-        positions = [msg.pos for msg in msgs[:stored] if msg.pos >= 0]
-        if positions:
-            dead._finish(positions)
+            stored = len(copies)
+            group: SyncGroup | None = None
+        else:
+            stored = self.backend.store([msg.encode() for msg in copies])
+            group = self.topic.group
         for msg in msgs[stored:]:
             dead._requeue(msg)
+        moved = [msg for msg in msgs[:stored] if msg.pos >= 0]
+        if moved:
+            if group is None:
+                dead._finish([msg.pos for msg in moved])
+            else:
+                group.when_durable(partial(dead._redriven, moved, dead._resets))
         if self.waiters:
             self._wake_waiters()
         return stored
+
+    def _redriven(self, msgs: list[Message], resets: int, durable: bool) -> None:
+        """The round for the copies of these messages (re-driven from this dead-letter channel) ended:
+        finished here if it fsynced them, else queued here again (not if emptied or sought since)."""
+        if self.exiting or resets != self._resets:
+            return
+        if durable:
+            self._finish([msg.pos for msg in msgs])
+        else:
+            for msg in msgs:
+                self._requeue(msg)
 
     def drop_sampled(self, msg: Message) -> None:
         """A consumer's --sample-rate left this message out: as nsqd, it is done with."""
@@ -556,87 +538,39 @@ class Channel:
 
     # --- reclaim ------------------------------------------------------------------------------
 
-    def _reclaim(self, cutoff: int) -> None:
-        """A few records deferred or requeued long ago keep the topic's log from being dropped behind them
-        (a message deferred for an hour, a poison message requeued again and again), and keep thousands
-        of finished positions waiting behind them: move those before `cutoff` to the channel's own queue
-        (held there with their attempts and deadline, read back from there), so the topic's log is free.
-        Only when that frees RECLAIM_RATIO times what it writes: a consumer's in-flight window is not
-        copied around, and in-flight messages are not moved (their timeout ends the wait)."""
-        reader = self.reader
-        assert reader is not None
-        cursor = reader.cursor
-        if self.ephemeral or self.exiting:
+    def _reclaim(self) -> None:
+        """The backend found old records keeping the topic's log two or more segments behind the reader:
+        it moves those the channel holds in memory (deferred, or requeued and queued) or in its index of
+        deferred records to its own queue (ChannelBackend.reclaim), and the channel drops its copies of
+        them, read back from there when due."""
+        backend = self.backend
+        pinning = backend.pinning()
+        if not pinning or self.exiting:
             return
-        pinning = set(cursor.unfinished_before(cutoff))
-        if not pinning:
-            return
-        mark = cursor.mark_delete()
-        freed = ((cutoff >> POS_SHIFT) - (mark >> POS_SHIFT)) * self.topic.max_bytes_per_file
-        freed += (cutoff & _OFFSET_MASK) - (mark & _OFFSET_MASK)
-        moved = [msg for msg in self.deferred.messages() if msg.pos in pinning]
-        moved.extend(msg for msg in self.memory if msg.pos in pinning)
-        size = sum(34 + len(msg.body) for msg in moved)
+        wanted = set(pinning)
         now_wall = self.clock()
         now = trio.current_time()
-        # deferred records read from the log (due or not): a position and a deadline each, read back here
-        index = self.deferred_records
-        records = [(pos, now_wall + max(0.001, deadline - now) if deadline else 0.0)
-                   for pos, deadline in index.entries_in(pinning)] if len(index) or index.ready_count() else []
-        if len(moved) + len(records) < len(pinning) or (size + 34 * len(records)) * RECLAIM_RATIO > freed:
-            return  # some are in flight, or it would not pay
-        for at in range(0, len(records), RECLAIM_CHUNK):
-            size += sum(34 + len(msg.body) for msg in reader.read_back([pos for pos, _ in records[at:at + RECLAIM_CHUNK]]))
-            if size * RECLAIM_RATIO > freed:
-                return
-        own = self._own()
-        if own is None:
+        in_memory: dict[int, tuple[bytes, int, float]] = {}
+        for msg in self.deferred.messages():
+            if msg.pos in wanted:
+                in_memory[msg.pos] = (msg.encode(), msg.attempts, now_wall + max(0.001, msg.pri - now))
+        for msg in self.memory:
+            if msg.pos in wanted:
+                in_memory[msg.pos] = (msg.encode(), msg.attempts, 0.0)
+        moved = backend.reclaim(pinning, in_memory)
+        if not moved:
             return
-        deadlines = [now_wall + max(0.001, msg.pri - now) if msg.id in self.deferred else 0.0 for msg in moved]
-        stored = self._move_to_own(own, moved, deadlines)
-        all_stored = stored == len(moved)
-        moved = moved[:stored]
-        ids = {msg.id for msg in moved}
-        if any(msg.id in ids for msg in self.memory):
-            self.memory = deque(msg for msg in self.memory if msg.id not in ids)
-        for msg in moved:
+        if any(msg.pos in moved for msg in self.memory):
+            self.memory = deque(msg for msg in self.memory if msg.pos not in moved)
+        for msg in [msg for msg in self.deferred.messages() if msg.pos in moved]:
             self.deferred.pop(msg.id)
-        done = [msg.pos for msg in moved]
-        gone: set[int] = set()
-        if all_stored and records:
-            for at in range(0, len(records), RECLAIM_CHUNK):
-                chunk = dict(records[at:at + RECLAIM_CHUNK])
-                msgs = reader.read_back(list(chunk))
-                stored = self._move_to_own(own, msgs, [chunk[msg.pos] for msg in msgs])
-                gone.update(msg.pos for msg in msgs[:stored])
-                if stored < len(msgs):
-                    break
-            index.remove(gone)
-            done.extend(gone)
-        if done:
-            log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
-                     self.name, len(done))
-            reader.finish_many(done)
-        self._reclaim_after = 0
-
-    def _move_to_own(self, own: LogReader, msgs: list[Message], deadlines: list[float]) -> int:
-        """Copy messages to the channel's own queue, each held there with its attempts and deadline (unix
-        seconds, 0: none): how many were (the first ones; the rest stay where they are)."""
-        positions: list[int] = []
-        try:
-            own.append([msg.encode() for msg in msgs], positions)
-        except BackendError:
-            pass  # logged; tried again later
-        for msg, deadline, new in zip(msgs, deadlines, positions):
-            own.hold(new | OWN, msg.attempts, deadline)
-        return len(positions)
 
     # --- queue scan ---------------------------------------------------------------------------
 
     def process_in_flight_queue(self, now: float) -> bool:
         if self.exiting:
             return False
-        if self.ephemeral and self.reader is not None:
+        if self.ephemeral and self.backend.reader is not None:
             self._keep_up()
         expired = self.in_flight.pop_expired(now)
         for msg in expired:
@@ -661,8 +595,7 @@ class Channel:
                 self._requeue(msg)
         # deferred records read from a log (no hold is written when they are due: a restart finds the
         # deadline past and delivers them, as it would now)
-        records = self.deferred_records
-        moved = records.due(now) if len(records) else 0
+        moved = self.backend.due(now)
         if moved and self.waiters:
             self._wake_waiters()
         return bool(due) or moved > 0
@@ -692,6 +625,7 @@ class Channel:
     def exit(self) -> None:
         """The broker is exiting, or the channel or its topic is being deleted: see Topic.exit."""
         self.exiting = True
+        self.backend.exiting = True
 
     def pause(self) -> None:
         """The caller persists the metadata (nsqd's /channel/pause does)."""
@@ -703,10 +637,10 @@ class Channel:
             client.wake()
 
     def _drop_held(self) -> None:
+        self._resets += 1
         self.memory.clear()
         self.in_flight.drain()
         self.deferred.drain()
-        self.deferred_records.clear()
         for client in self.clients.values():
             client.empty()
 
@@ -714,22 +648,14 @@ class Channel:
         """Drop everything queued, in flight and deferred (nsqd's /channel/empty): the cursors move to the
         end of what the topic has handed over."""
         self._drop_held()
-        if self.reader is not None:
-            self.reader.reset(self.topic.dispatched_position(), self.topic.dispatched_index())
-        if self.own is not None:
-            self.own.reset(self.own.segments.tail, self.own.segments.tail_index)
-            self._drop_own_if_drained()
+        self.backend.empty(self.topic.dispatched_position(), self.topic.dispatched_index())
 
     def seek(self, pos: int, index: int) -> None:
         """Deliver the topic's log again from `pos` (a /channel/seek): what the channel held in memory, in
         flight or deferred is dropped (what of it is in the log after `pos` comes again from there), its
         own queue is emptied, and the cursor restarts at `pos` with nothing finished after it."""
-        assert self.reader is not None
         self._drop_held()
-        self.reader.reset(pos, index)
-        if self.own is not None:
-            self.own.reset(self.own.segments.tail, self.own.segments.tail_index)
-            self._drop_own_if_drained()
+        self.backend.seek(pos, index)
         if self.waiters:
             self._wake_waiters()
 
@@ -745,32 +671,19 @@ class Channel:
         self.memory.clear()
         if not (plain or deferred):
             return
-        own = self._own()
-        if own is None:
-            log.error("CHANNEL(%s): %d messages held in memory lost at exit", self.name, len(plain) + len(deferred))
-            return
-        msgs = plain + deferred
-        positions: list[int] = []
-        try:
-            own.append([msg.encode() for msg in msgs], positions)
-        except BackendError as exc:
-            log.error("CHANNEL(%s): failed to flush %d of %d messages - %s",
-                      self.name, len(msgs) - exc.stored, len(msgs), exc)
+        stored = self.backend.store([msg.encode() for msg in plain]) if plain else 0
         # a deferred one is held with its deadline: the restart's reader defers it again
-        for msg, pos in zip(msgs[len(plain):], positions[len(plain):]):
-            own.hold(pos | OWN, msg.attempts, now_wall + max(0.001, msg.pri - now))
-        if positions:
-            log.info("CHANNEL(%s): flushed %d messages to its own queue", self.name, len(positions))
+        holds = [(msg.attempts, now_wall + max(0.001, msg.pri - now)) for msg in deferred]
+        stored_deferred = self.backend.store([msg.encode() for msg in deferred], holds) if deferred else 0
+        lost = len(plain) - stored + len(deferred) - stored_deferred
+        if lost:
+            log.error("CHANNEL(%s): %d messages held in memory lost at exit", self.name, lost)
+        if stored + stored_deferred:
+            log.info("CHANNEL(%s): flushed %d messages to its own queue", self.name, stored + stored_deferred)
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-        if self.own is not None:
-            self.own.close()
+        self.backend.close()
 
     def delete_files(self) -> None:
         """The channel's cursor file and own queue go now (nsqd removes them before it answers)."""
-        if self.reader is not None:
-            self.reader.delete()
-        if self.own is not None:
-            self.own.delete()
+        self.backend.delete_files()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trio_nsq.broker.channel import OWN
+from trio_nsq.broker.storage.log_reader import Batch
 from trio_nsq.broker.message import Message
 
 if TYPE_CHECKING:
@@ -93,12 +94,13 @@ def deferred(channel: Channel, limit: int) -> list[tuple[float, Message]]:
     """Up to `limit` deferred messages, nearest deadline first (a trio clock time): the deferred queue's
     (REQ with a delay) and the records read from the logs with a deadline ahead, read back for a look."""
     out = [(msg.pri, msg) for msg in channel.deferred.earliest(limit)]
-    entries = channel.deferred_records.earliest(limit)
+    backend = channel.backend
+    entries = backend.deferred.earliest(limit)
     deadline_of = {pos: deadline for deadline, pos in entries}
-    for tag, reader in ((OWN, channel.own), (0, channel.reader)):
+    for tag, reader in ((OWN, backend.own), (0, backend.reader)):
         positions = [pos for _, pos in entries if (pos & OWN) == tag]
         if reader is not None and positions:
-            out.extend((deadline_of[msg.pos], msg) for msg in reader.read_back(positions))
+            out.extend((deadline_of[msg.pos], msg) for msg in _messages(reader.read_back(positions)))
     out.sort(key=lambda pair: pair[0])
     return out[:limit]
 
@@ -107,10 +109,28 @@ def queued(channel: Channel, limit: int) -> list[Message]:
     """Up to `limit` queued messages: the memory queue's, then the channel's own queue's, then the topic
     log's the channel has not read yet (each in its order)."""
     out = list(islice(channel.memory, limit))
-    readers = ((channel.own, -1), (channel.reader, channel.topic.dispatched_position()))
+    backend = channel.backend
+    readers = ((backend.own, -1), (backend.reader, channel.topic.dispatched_position()))
     for reader, upto in readers:
         if reader is not None and len(out) < limit:
-            out.extend(reader.peek(limit - len(out), reader.segments.tail if upto < 0 else upto))
+            out.extend(_messages(reader.peek(limit - len(out), reader.segments.tail if upto < 0 else upto)))
+    return out
+
+
+def _messages(batch: Batch) -> list[Message]:
+    """A look's records as messages (with their attempts); one that is not a message is left out (the
+    channel finishes it when it reads it)."""
+    out: list[Message] = []
+    for i, (data, pos) in enumerate(zip(batch.records, batch.positions)):
+        try:
+            msg = Message.decode(data)
+        except ValueError:
+            continue
+        msg.pos = pos
+        state = batch.states.get(i)
+        if state is not None and state[0] >= 0:
+            msg.attempts = state[0]
+        out.append(msg)
     return out
 
 

@@ -22,13 +22,15 @@ import attrs
 import trio
 
 from trio_nsq.broker.storage.backend import BackendError
-from trio_nsq.broker.channel import OWN, Channel
+from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.guid import GUIDFactory
 from trio_nsq.broker.idempotency import IdempotencyKeys
+from trio_nsq.broker.storage.channel_backend import OWN, ChannelBackend
 from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, resolve
+from trio_nsq.broker.storage.records import looks_like_message
 from trio_nsq.broker.storage.segment_log import SegmentLog
 from trio_nsq.broker.storage.sync_group import SyncGroup
 from trio_nsq.broker.storage.topic_log import TopicLog
@@ -346,18 +348,19 @@ class Topic:
     def _limits_changed(self) -> None:
         self.limited = bool(self.max_depth) or any(channel.max_depth for channel in self.channels.values())
 
-    def dead_letter(self, topic_name: str, bodies: list[bytes]) -> int:
-        """A channel's messages past their attempts (or expired) to the dead-letter topic; how many it
-        stored."""
-        return self.nsqd.get_topic(topic_name).publish_dead_letters(bodies)
+    def dead_letter(self, topic_name: str, bodies: list[bytes]) -> tuple[int, SyncGroup]:
+        """A channel's messages past their attempts (or expired) to the dead-letter topic: how many it
+        stored, and the sync group whose round makes them durable (the channel finishes them after it)."""
+        dead = self.nsqd.get_topic(topic_name)
+        return dead.publish_dead_letters(bodies), dead.group
 
     def dead_letters_channel(self) -> Channel:
         """The channel a dead-letter topic keeps its messages in for a re-drive, made with the settings
         that name the topic (so it is on disk before a message is moved) or at the first dead letter; a
         round is asked for at once while its cursor is not on disk yet."""
         channel = self.get_channel(DEAD_LETTERS_CHANNEL)
-        if channel.reader is not None and not channel.reader.on_disk:
-            self.group.file_changed()
+        if channel.backend.reader is not None and not channel.backend.on_disk():
+            self.group.request_round()
         return channel
 
     def publish_dead_letters(self, bodies: list[bytes]) -> int:
@@ -369,8 +372,8 @@ class Topic:
             log.error("TOPIC(%s): cannot take %d dead letters (%s)", self.name, len(bodies),
                       "exiting" if self.exiting else "ephemeral")
             return 0
-        reader = self.dead_letters_channel().reader  # asks for the round that puts it on disk if need be
-        if reader is None or not reader.on_disk:
+        # asks for the round that puts it on disk if need be
+        if not self.dead_letters_channel().backend.on_disk():
             return 0
         try:
             return self._write(self.guid.new_ids(len(bodies)), bodies, self.now_ns(), 0.0)
@@ -426,7 +429,9 @@ class Topic:
             reader = None
             if self.log is not None:
                 reader = self.log.reader_for(f"{self.name}:{name}", durable=not ephemeral)
-            channel = Channel(self, name, self.mem_queue_size, reader, partial(self._open_own, name), self.clock)
+            backend = ChannelBackend(f"{self.name}:{name}", reader, partial(self._open_own, name),
+                                     ephemeral=ephemeral, now=trio.current_time, wall=self.clock)
+            channel = Channel(self, name, self.mem_queue_size, backend, self.clock)
             opts = self.nsqd.options
             self._apply(channel)
             if opts.e2e_processing_latency_percentiles:
@@ -448,11 +453,10 @@ class Topic:
         opts = self.nsqd.options
         segments = SegmentLog(name, data_path, max_bytes_per_file=opts.max_bytes_per_file,
                               min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
-                              on_write=self.group.wrote)
+                              on_write=self.group.wrote, valid_record=looks_like_message)
         start = (segments.start, segments.start_index())
         if segments.meta_found:
-            num, offset = segments.meta_read
-            start = ((num << 40) | offset, segments.meta_read_index)
+            start = (segments.position(*segments.meta_read), segments.meta_read_index)
         return LogReader(segments, name + ".diskqueue", self.group, start=start, tag=OWN, owns_log=True,
                          clock=self.clock)
 
@@ -467,8 +471,8 @@ class Topic:
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)
         channel.delete_files()  # the files are gone before the caller answers, as in nsqd
-        if self.log is not None and channel.reader is not None:
-            self.log.forget(channel.reader)
+        if self.log is not None and channel.backend.reader is not None:
+            self.log.forget(channel.backend.reader)
         self.nsqd.notify_channel(channel, created=False)
         self._wake.set()
         if not self.channels and self.ephemeral and not self.exiting:
@@ -527,6 +531,7 @@ class Topic:
         if self.log is not None:
             self.log.delete()
         self.group.closed = True
+        self.group.fail_waiting()  # what waits for a round of this topic gets none
         self.idempotency.delete()
 
 

@@ -131,7 +131,7 @@ def test_our_data_dir_is_what_go_nsqd_writes(tmp_path):
     for name, meta in expected_meta.items():
         # our lines follow Go's three (Go's Fscanf reads those and stops)
         text = (data / f"{name}.diskqueue.meta.dat").read_text()
-        assert text.split("trio-nsq-log 1\n")[0] == meta, name
+        assert text.split("trio-nsq-log 2\n")[0] == meta, name
     assert not list(data.glob("withch:*.diskqueue.*"))  # no copy per channel
     blob = (data / "withch.diskqueue.000000.dat").read_bytes()
     bodies, pos = [], 0

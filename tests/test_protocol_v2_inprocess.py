@@ -442,7 +442,7 @@ async def test_a_message_behind_a_long_run_of_deferred_records_comes_to_a_waitin
     turn): the consumer's pump, woken each turn, gets the message behind the run."""
     broker = await start(mem_queue_size=0)
     peer = await broker.consumer("t", 1)
-    reader = broker.channel("t", "c").reader
+    reader = broker.channel("t", "c").backend.reader
     reader.deferred_per_read = 100
     pub = await broker.connect()
     await pub.send(*(protocol.encode_dpub("t", 3_600_000, b"d%d" % i) for i in range(1000)), protocol.encode_pub("t", b"behind"))

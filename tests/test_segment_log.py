@@ -44,9 +44,11 @@ def read_all(log: SegmentLog, pos: int = -1, index: int = -1) -> list[bytes]:
     if pos < 0:
         pos, index = log.start, log.start_index()
     reader = log.reader(pos, index)
-    positions: list[int] = []
+    out: list[bytes] = []
     try:
-        return reader.read(1 << 20, log.tail, positions)
+        while records := reader.read(1 << 20, log.tail, []):  # a call stops where records were lost
+            out.extend(records)
+        return out
     finally:
         reader.close()
 
@@ -73,7 +75,10 @@ def test_files_and_metadata_are_byte_for_byte_go_diskqueue(tmp_path):
     # 4 + 14 + 12 = 30 == max: the third still fits (go rolls only when writePos+total > max);
     # "c" would pass 30: file 1; "d" is longer than a file: file 2 on its own; "e": file 3
     assert (log.write_file_num, log.write_pos, log.tail_index) == (3, 5, 6)
-    assert positions == [0, 4, 18, 1 << 40, 2 << 40, 3 << 40]
+    # positions run on through the files: each starts where the last one ended
+    assert positions == [0, 4, 18, 30, 35, 79]
+    assert [log.start_of(n) for n in range(4)] == [0, 30, 35, 79]
+    assert [log.split(p) for p in positions] == [(0, 0), (0, 4), (0, 18), (1, 0), (2, 0), (3, 0)]
     write_meta(log)
     log.close()
     assert data_file(tmp_path, "t", 0).read_bytes() == rec(b"") + rec(b"a" * 10) + rec(b"b" * 8)
@@ -89,13 +94,13 @@ def test_files_and_metadata_are_byte_for_byte_go_diskqueue(tmp_path):
     log = SegmentLog("t", str(tmp_path), max_bytes_per_file=30, min_msg_size=0, max_msg_size=100)
     assert (log.write_file_num, log.write_pos, log.tail_index) == (3, 5, 6)
     assert read_all(log) == msgs
-    assert read_all(log, 1 << 40, 3) == msgs[3:]
+    assert read_all(log, 30, 3) == msgs[3:]
     assert [log.index_of_file(n) for n in range(5)] == [0, 3, 4, 5, 6]
     # a reader at the second record of file 0 (index 1); the metadata's read position is the owner's
     write_meta(log, 18, 2)
     assert go_lines(tmp_path, "t") == "4\n0,18\n3,5\n"
     # files before the oldest one needed go after the metadata naming them no more
-    dropped = log.droppable(2)
+    dropped = log.drop_before(2)
     assert [(Path(p).name, bad) for p, bad in dropped] == [("t.diskqueue.000000.dat", False),
                                                           ("t.diskqueue.000001.dat", False)]
     write_meta(log)
@@ -165,7 +170,8 @@ def test_loads_a_directory_written_by_go_nsqd(tmp_path):
 
     log = SegmentLog(name, str(tmp_path), min_msg_size=26, max_msg_size=1024 * 1024 + 26)
     assert log.meta_found and log.meta_read == (7, first)
-    read_pos, read_index = (7 << 40) | first, log.meta_read_index
+    read_pos, read_index = log.position(7, first), log.meta_read_index
+    assert read_pos == first  # a queue Go wrote: positions start at 0 at its read file
     assert log.tail_index - read_index == 4  # Go's depth, counted
     assert read_all(log, read_pos, read_index) == msgs[1:]
     extra = nsq_message(1_700_000_000_000_000_099, 1, b"%016x" % 99, b"new")
@@ -258,7 +264,7 @@ def test_impossible_length_cuts_the_file_and_reading_goes_on(tmp_path, caplog, b
     assert [m[0] for m in read_all(log)] == [*range(0, 11), *range(16, 25)]
     assert caplog.text.count("the rest of the file is lost") == 1
     # once dropped, the cut file stays as .bad (go-diskqueue's evidence), the others go
-    for path, bad in log.droppable(3):
+    for path, bad in log.drop_before(3):
         remove_dropped(path, bad, log.name)
     assert sorted(p.name for p in tmp_path.glob("c.diskqueue.0*")) == [
         "c.diskqueue.000001.dat.bad", "c.diskqueue.000003.dat"]
@@ -348,7 +354,7 @@ def test_data_directory_removed_then_restored(tmp_path, monkeypatch, caplog):
     assert "was removed from the disk" in caplog.text
     d.mkdir()
     log.append([b"restored"])
-    assert read_all(log, 1 << 40, 1) == [b"restored"]
+    assert read_all(log, log.start_of(1), 1) == [b"restored"]
     log.close()
 
 
@@ -369,7 +375,7 @@ def test_readers_follow_the_writer_through_rolls_each_at_its_own_place(tmp_path)
     assert got_fast == [b"m-%07d" % i for i in range(40)]
     positions = []
     assert slow.read(100, log.tail, positions) == got_fast and slow.index == 40
-    assert positions[:3] == [0, 13, 1 << 40]
+    assert positions[:3] == [0, 13, 26]
     assert slow.read(100, log.tail, []) == []  # at the tail: nothing, and still there
     log.append([b"late"])
     assert slow.read(100, log.tail, []) == [b"late"]

@@ -174,28 +174,43 @@ async def test_segments_go_once_every_channel_is_past_them(tmp_path):
     kill(topic)
 
 
-async def test_retention_keeps_what_every_channel_finished_until_it_is_old_or_too_much(tmp_path):
-    topic = open_topic(tmp_path, mem_queue_size=0, max_bytes_per_file=1024, retention_time=3600.0)
+async def test_retention_keeps_what_every_channel_finished_until_it_is_old_or_too_much(tmp_path, mock_clock):
+    """A segment is old once the next one's first record was published before the retention time: the
+    records' own timestamps, not the files' times (a backup restored with new times, or files touched by
+    a copy, are neither kept longer nor dropped sooner)."""
+    topic = open_topic(tmp_path, clock=mock_clock, mem_queue_size=0, max_bytes_per_file=1024, retention_time=3600.0)
     channel = topic.get_channel("c")
     topic.publish([b"m%04d" % i + b"x" * 100 for i in range(100)])
     drain(channel)
     await topic.group.sync_round()
     names = files(tmp_path, "t.diskqueue.0*.dat")
     assert len(names) >= 14  # all kept: finished, but not an hour old
-    for name in names[:5]:  # five segments written two hours ago
+    for name in names:  # files that look two hours old (mtime): their records are not
         os.utime(tmp_path / name, (time.time() - 7200, time.time() - 7200))
     topic.group.changed()
     await topic.group.sync_round()
-    assert files(tmp_path, "t.diskqueue.0*.dat") == names[5:]
-    kill(topic)
-
-    # by size: what is beyond the limit goes, oldest first
-    topic = open_topic(tmp_path, mem_queue_size=0, max_bytes_per_file=1024, retention_bytes=3000)
-    topic.get_channel("c")
+    assert files(tmp_path, "t.diskqueue.0*.dat") == names
+    mock_clock.jump(1800)
+    topic.publish([b"n%04d" % i + b"x" * 100 for i in range(30)])  # half an hour later: 4 more segments
+    drain(channel)
+    mock_clock.jump(2000)  # the first 100 are now over an hour old, the 30 not
+    for name in files(tmp_path, "t.diskqueue.0*.dat"):  # restored from a backup: every file new
+        os.utime(tmp_path / name)
     topic.group.changed()
     await topic.group.sync_round()
     kept = files(tmp_path, "t.diskqueue.0*.dat")
-    assert 3 <= len(kept) <= 4 and kept[-1] == names[-1]
+    # the old segments went but the last (the next one's first record is new); the new ones stay
+    assert kept[0] == names[-1] and len(kept) == len(files(tmp_path, "t.diskqueue.0*.dat"))
+    assert 4 <= len(kept) - 1 <= 5
+    kill(topic)
+
+    # by size: what is beyond the limit goes, oldest first
+    topic = open_topic(tmp_path, clock=mock_clock, mem_queue_size=0, max_bytes_per_file=1024, retention_bytes=3000)
+    topic.get_channel("c")
+    topic.group.changed()
+    await topic.group.sync_round()
+    left = files(tmp_path, "t.diskqueue.0*.dat")
+    assert 3 <= len(left) <= 4 and left[-1] == kept[-1]
     kill(topic)
 
 
@@ -270,7 +285,7 @@ async def test_a_deferred_publish_is_written_once_and_keeps_its_deadline_across_
     await topic.group.sync_round()
     for channel in (a, b):
         # read, and held as positions and deadlines (the bodies stay in the log)
-        assert [m.body for m in drain(channel)] == [b"now"] and len(channel.deferred_records) == 20
+        assert [m.body for m in drain(channel)] == [b"now"] and len(channel.backend.deferred) == 20
         assert len(channel.deferred) == 0 and channel.deferred_count() == 20
     await topic.group.sync_round()
     assert len(files(tmp_path, "t.diskqueue.deadlines.*.dat")) == 1
@@ -279,8 +294,8 @@ async def test_a_deferred_publish_is_written_once_and_keeps_its_deadline_across_
     clock.jump(1800)
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=2048)
     a = topic.get_channel("a")
-    assert drain(a) == [] and len(a.deferred_records) == 20
-    assert {round(d, 3) for _, d in a.deferred_records.entries()} == {3600.0}  # the same deadline
+    assert drain(a) == [] and len(a.backend.deferred) == 20
+    assert {round(d, 3) for _, d in a.backend.deferred.entries()} == {3600.0}  # the same deadline
     clock.jump(1801)
     assert a.process_deferred_queue(trio.current_time())
     assert a.deferred_count() == 0 and a.depth() == 20
@@ -306,13 +321,14 @@ async def test_a_message_deferred_for_an_hour_does_not_pin_the_log(tmp_path, moc
         most = max(most, len(files(tmp_path, "t.diskqueue.0*.dat")))
     # 20,000 records of ~80 bytes are ~100 segments of 16 KiB: a pinned log would keep them all
     assert most <= 12, most
-    assert channel.reader is not None and channel.reader.cursor.finished_waiting() <= 2 * 4096
+    reader = channel.backend.reader
+    assert reader is not None and reader.cursor.unfinished() == 0  # the poison message moved out of the log
     await topic.group.sync_round()
     kill(topic)
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=16 * 1024)
     channel = topic.get_channel("c")
     assert drain(channel) == []
-    [(_, deadline)] = channel.deferred_records.entries()
+    [(_, deadline)] = channel.backend.deferred.entries()
     assert deadline == pytest.approx(3600.0, abs=1e-3)  # the deadline the REQ gave it
     clock.jump(3600)
     channel.process_deferred_queue(trio.current_time())

@@ -5,47 +5,52 @@ A log (broker/storage/segment_log.py) only appends; what a channel has done with
   is a subtraction);
 - the *mark-delete position*: every record before it is finished. It is the oldest record read and not
   finished (in flight, deferred, requeued), or the read position when there is none;
-- the records finished after it, out of order (a set while they are being read, ranges once persisted);
+- the records read and not finished after it, each with its index: every other record read is finished.
+  So what is finished costs nothing however many records it is: one message stuck in flight while a
+  million behind it are finished in order keeps one entry (and the consumers' window), not a million;
 - *held* records: those requeued or deferred by the channel, with the attempts and deadline a restart
   must give them back.
 
 Pure: no files and no clock. The channel's LogReader tells it what was read and finished; the sync round
 asks it for the bytes to append to its file (`take_delta`: only what changed since the last round, never
-the whole held set) or, now and then, for a snapshot to replace the file with (`snapshot`); `load` reads
-such a file back. What a restart finds: the mark-delete position, the finished records after it (skipped
-when read again) and the held ones (read again with their attempts and deadline). Everything read and not
-finished since the last round comes again: in flight at the crash, it is delivered again.
+the whole held set) or, now and then, for a snapshot to replace the file with (`snapshot`: each run of
+finished records between two unfinished ones is one range, counted by the indices); `load` reads such a
+file back (broker/storage/cursor_file.py). What a restart finds: the mark-delete position, the finished
+records after it (skipped when read again) and the held ones (read again with their attempts and
+deadline). Everything read and not finished since the last round comes again: in flight at the crash,
+it is delivered again.
 
-Records are read in log order, so a run of records read one after another and all finished is a range of
-the log: the snapshot writes such runs as (first, last, count).
+Memory: 16 bytes an unfinished record (two arrays), plus, for records finished out of order, a set entry
+until half of the entries are finished, when the arrays are rebuilt without them: what a window of
+out-of-order FINs costs is bounded by the window.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
+from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
-from itertools import islice, takewhile
-from typing import Any
+from collections.abc import Callable
 
-# the file: a header line, then blocks [length u32][crc32 u32][entries]; a block cut short by a crash
-# (or one whose checksum does not match) ends the file there
-HEADER = b"trio-nsq-cursor 3\n"
-_BLOCK = struct.Struct(">II")
-_MARK = struct.Struct(">cqqQ")  # b"M", mark-delete position, its index, the log's epoch
-_COUNT = struct.Struct(">cI")  # b"F" / b"R" / b"H", how many follow
-_RANGE = struct.Struct(">qqI")  # first, last (both finished, inclusive), how many records
-_HELD = struct.Struct(">qHd")  # position, attempts, deadline (0: none)
-# when this many positions wait (finished out of order, or noted FINs), they are applied / reclaim looks
+from trio_nsq.broker.storage.cursor_file import (
+    HEADER,
+    CursorFileError,
+    Held,
+    Range,
+    encode,
+    held_size,
+    load,
+    range_size,
+    snapshot_file,
+)
+
+# FINs noted before they are applied (finish_many applies them in bulk)
 FINISHED_LIMIT = 4096
-# retired handed positions are dropped from the front of the list once more than this many (and most of
-# the list) are retired
+# the unfinished arrays are rebuilt without finished entries once more than this many (and half) are
+_COMPACT_MIN = 4096
+# retired entries are cut off the arrays' front once more than this many (and most of them)
 _HANDED_TRIM = 4096
 
-
-class CursorFileError(ValueError):
-    """A cursor file that is not ours (no header) or belongs to another log (its epoch)."""
+__all__ = ["FINISHED_LIMIT", "HEADER", "Cursor", "CursorFileError"]
 
 
 class Cursor:
@@ -53,29 +58,33 @@ class Cursor:
     (`handed`, `skip`), FINs (`finish_many`), requeues (`hold`), and asks for the bytes a sync round
     persists. `epoch` ties the state to one log: a file of another log (one Go nsqd rewrote) is refused."""
 
-    __slots__ = ("read_pos", "read_index", "epoch", "_handed", "_head", "_finished", "_fins", "_ahead",
-                 "_ahead_count", "held", "_new_fins", "_new_holds", "_persisted_mark", "_delta_bytes")
+    __slots__ = ("read_pos", "read_index", "epoch", "_pos", "_idx", "_head", "_done", "_fins", "_ahead",
+                 "_ahead_at", "_ahead_count", "held", "_new_fins", "_new_holds", "_persisted_mark",
+                 "_delta_bytes")
 
     def __init__(self, pos: int = 0, index: int = 0, epoch: int = 0) -> None:
         self.read_pos = pos
         self.read_index = index
         self.epoch = epoch
-        # positions read since the mark-delete position, in log order (every record read, finished or
-        # not): those from _head on are not retired yet. A list and an index rather than a deque: a run of
-        # FINs that continues the front is found and retired by comparing slices (in C)
-        self._handed: list[int] = []
+        # the records read and not finished, in log order, and their indices: those from _head on; an
+        # entry also in _done was finished out of order (dropped when it reaches the front, or when the
+        # arrays are rebuilt). Arrays and an index rather than a deque: a run of FINs that continues the
+        # front is found and retired by comparing slices (in C)
+        self._pos: array[int] = array("q")
+        self._idx: array[int] = array("q")
         self._head = 0
-        self._finished: set[int] = set()  # finished positions in _handed[_head:]
+        self._done: set[int] = set()
         self._fins: list[int] = []  # FINs noted by finish_many, not applied yet
         # finished ranges past the read position (loaded after a restart), each [first, last, records not
-        # read yet]: skipped when read
+        # read yet], from _ahead_at on: skipped when read
         self._ahead: list[list[int]] = []
+        self._ahead_at = 0
         self._ahead_count = 0  # records in them not read yet
         # requeued or deferred records: position -> (attempts, deadline); a deadline is unix seconds
-        self.held: dict[int, tuple[int, float]] = {}
+        self.held: dict[int, Held] = {}
         # what changed since the last take_delta()
         self._new_fins: list[int] = []
-        self._new_holds: dict[int, tuple[int, float]] = {}
+        self._new_holds: dict[int, Held] = {}
         self._persisted_mark = (-1, -1)
         self._delta_bytes = 0  # appended since the last snapshot
 
@@ -83,38 +92,61 @@ class Cursor:
 
     def skip(self, pos: int) -> bool:
         """Whether the record at `pos` (being read) was finished before a restart (only asked while
-        hidden() > 0); the reader still reports it read (`handed`)."""
+        hidden() > 0). A range goes once reading passes its last position; its count only says how many
+        records in it are still to come (for the depth)."""
         ahead = self._ahead
-        while ahead and ahead[0][1] < pos:
-            self._ahead_count -= ahead.pop(0)[2]  # passed without reading all of it (a bad file skipped)
-        if not ahead or pos < ahead[0][0]:
+        at = self._ahead_at
+        while at < len(ahead) and ahead[at][1] < pos:
+            self._ahead_count -= ahead[at][2]  # passed without reading all of it (a bad file skipped)
+            at += 1
+        if at == len(ahead) or pos < ahead[at][0]:
+            self._set_ahead_at(at)
             return False
-        ahead[0][2] -= 1
-        self._ahead_count -= 1
-        if ahead[0][2] <= 0 or ahead[0][1] == pos:
-            self._ahead_count -= ahead.pop(0)[2]
-        self._finished.add(pos)
+        entry = ahead[at]
+        if entry[2] > 0:
+            entry[2] -= 1
+            self._ahead_count -= 1
+        if entry[1] == pos:
+            self._ahead_count -= entry[2]
+            at += 1
+        self._set_ahead_at(at)
         return True
+
+    def _set_ahead_at(self, at: int) -> None:
+        if at >= len(self._ahead):
+            self._ahead = []
+            self._ahead_at = 0
+            self._ahead_count = 0
+        else:
+            self._ahead_at = at
 
     def finished_ahead(self, pos: int) -> bool:
         """Whether the record at `pos`, past the read position, was finished before a restart: skip()
         without its bookkeeping, a look that changes nothing (/channel/messages)."""
         ahead = self._ahead
-        if not ahead:
-            return False
-        at = bisect_right(ahead, pos, key=_first) - 1
-        return at >= 0 and pos <= ahead[at][1]
+        at = bisect_right(ahead, pos, lo=self._ahead_at, key=_first) - 1
+        return at >= self._ahead_at and pos <= ahead[at][1]
 
-    def handed(self, positions: list[int], next_pos: int, next_index: int) -> None:
-        """The reader read the records at `positions` (in order, skipped ones included) and is now at
-        `next_pos`, the record with index `next_index`."""
-        self._handed.extend(positions)
+    def handed(self, positions: list[int], first_index: int, next_pos: int, next_index: int,
+               skipped: list[int] | None = None) -> None:
+        """The reader read the records at `positions` (in order, indices first_index, first_index + 1, ...)
+        and is now at `next_pos`, the record with index `next_index`. `skipped`: which of them (their
+        places in `positions`) were finished before a restart (skip())."""
+        if skipped is None:
+            self._pos.extend(positions)
+            self._idx.extend(range(first_index, first_index + len(positions)))
+        elif len(skipped) < len(positions):
+            gone = set(skipped)
+            for i, pos in enumerate(positions):
+                if i not in gone:
+                    self._pos.append(pos)
+                    self._idx.append(first_index + i)
         self.read_pos = next_pos
         self.read_index = next_index
 
     def hidden(self) -> int:
         """Records past the read position that will be skipped (finished before a restart)."""
-        return self._ahead_count
+        return max(0, self._ahead_count)
 
     def moved_to(self, pos: int, index: int) -> None:
         """The reader jumped (a bad file skipped, or a seek): reading goes on from there."""
@@ -140,77 +172,94 @@ class Cursor:
     def mark_delete(self) -> int:
         """The oldest position that may hold an unfinished record."""
         self._apply_fins()
-        if self._head < len(self._handed):
-            return self._handed[self._head]
+        if self._head < len(self._pos):
+            return self._pos[self._head]
         return self.read_pos
 
     def mark_index(self) -> int:
         self._apply_fins()
-        return self.read_index - (len(self._handed) - self._head)
+        if self._head < len(self._idx):
+            return self._idx[self._head]
+        return self.read_index
 
     def unfinished(self) -> int:
         """Records read and not finished (in flight, deferred or requeued)."""
         self._apply_fins()
-        return len(self._handed) - self._head - len(self._finished)
+        return len(self._pos) - self._head - len(self._done)
 
-    def finished_waiting(self) -> int:
-        """Finished positions kept because an older record is not finished."""
+    def unfinished_before(self, cutoff: int, limit: int) -> list[int]:
+        """Up to `limit` positions read, not finished, before `cutoff` (the records that pin what is
+        before it), oldest first."""
         self._apply_fins()
-        return len(self._finished)
-
-    def waiting_at_most(self) -> int:
-        """finished_waiting() or more, without applying the noted FINs (cheap: reclaim asks per FIN run)."""
-        return len(self._fins) + len(self._finished)
-
-    def unfinished_before(self, cutoff: int) -> list[int]:
-        """Positions read, not finished, before `cutoff` (the records that pin what is before it)."""
-        self._apply_fins()
-        finished = self._finished
-        out = []
-        for pos in islice(self._handed, self._head, None):
-            if pos >= cutoff:
+        done = self._done
+        out: list[int] = []
+        pos_ = self._pos
+        for k in range(self._head, len(pos_)):
+            pos = pos_[k]
+            if pos >= cutoff or len(out) >= limit:
                 break
-            if pos not in finished:
+            if pos not in done:
                 out.append(pos)
         return out
-
-    def middle(self) -> int:
-        """A position halfway through what was read since the mark-delete position."""
-        self._apply_fins()
-        return self._handed[(self._head + len(self._handed)) // 2] if self._head < len(self._handed) else self.read_pos
 
     def reset(self, pos: int, index: int) -> None:
         """Nothing before `pos` is wanted any more, nothing after it is finished (an empty, or a seek)."""
         self.read_pos, self.read_index = pos, index
-        self._handed = []
+        self._pos = array("q")
+        self._idx = array("q")
         self._head = 0
-        self._finished.clear()
-        self._fins.clear()
+        self._done = set()
+        self._fins = []
         self._ahead = []
+        self._ahead_at = 0
         self._ahead_count = 0
-        self.held.clear()
-        self._new_fins.clear()
-        self._new_holds.clear()
+        self.held = {}
+        self._new_fins = []
+        self._new_holds = {}
+
+    def forget_from(self, end: int, count: Callable[[int, int], int]) -> int:
+        """Nothing at or past position `end` was read (the log was found shorter than this cursor's file
+        says: a record written there later is a new one): the finished ranges and holds there go, and a
+        range `end` cuts is counted again (`count(first, end)`: the records in [first, end)). How many
+        entries went or were cut."""
+        changed = 0
+        kept: list[list[int]] = []
+        for entry in self._ahead[self._ahead_at:]:
+            if entry[0] >= end:
+                changed += 1
+                continue
+            if entry[1] >= end:
+                entry[1] = end - 1
+                entry[2] = count(entry[0], end)
+                changed += 1
+            kept.append(entry)
+        self._ahead = kept
+        self._ahead_at = 0
+        self._ahead_count = sum(entry[2] for entry in kept)
+        for pos in [pos for pos in self.held if pos >= end]:
+            del self.held[pos]
+            changed += 1
+        return changed
 
     def _apply_fins(self) -> None:
         """Apply the FINs finish_many noted, in order."""
         positions = self._fins
         if not positions:
-            if self._finished:
+            if self._done:
                 self._set_head(self._retire_finished(self._head))
             return
         self._fins = []
-        handed = self._handed
-        head = self._head
-        end = len(handed)
         held = self.held
         if held:
             for pos in positions:
                 held.pop(pos, None)
+        handed = self._pos
+        head = self._head
+        end = len(handed)
         if head == end:
             return  # every one finished already, or reset since
-        finished = self._finished
-        if finished:
+        done = self._done
+        if done:
             head = self._retire_finished(head)
         positions.sort()
         # consumers FIN mostly in the order they were sent, so most of the sorted run continues the
@@ -221,9 +270,9 @@ class Cursor:
         elif positions[0] < handed[head]:
             first = bisect_left(positions, handed[head])
         n = min(len(positions) - first, end - head)
-        if n > 0 and positions[first:first + n] != handed[head:head + n]:
-            # the longest run that matches (positions are unique and a subset of handed[head:], so once
-            # one differs all later ones do): binary search, each probe one comparison
+        if n > 0 and array("q", positions[first:first + n]) != handed[head:head + n]:
+            # the longest run that matches (positions are unique and a subset of the unfinished ones, so
+            # once one differs all later ones do): binary search, each probe one comparison
             lo, hi = 0, n - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -232,35 +281,55 @@ class Cursor:
                 else:
                     hi = mid - 1
             n = lo + 1 if positions[first] == handed[head] else 0
-            if n and positions[first:first + n] != handed[head:head + n]:
+            if n and array("q", positions[first:first + n]) != handed[head:head + n]:
                 n = 0  # not in order after all: the set below handles every case
         head += n
-        if first + n < len(positions):
-            rest = positions[first + n:]
-            if head < end:
-                front = handed[head]
-                rest = [pos for pos in rest if pos >= front and pos not in finished]
-            else:
-                rest = []
-            finished.update(rest)
+        if first + n < len(positions) and head < end:
+            front = handed[head]
+            rest = [pos for pos in positions[first + n:] if pos >= front and pos not in done]
+            done.update(rest)
             self._new_fins.extend(rest)
-        if finished:
+        if done:
             head = self._retire_finished(head)
         self._set_head(head)
+        if len(done) > _COMPACT_MIN and 2 * len(done) > len(handed) - self._head:
+            self._compact()
 
     def _set_head(self, head: int) -> None:
-        """The handed positions before `head` are retired: they go in bulk once they are most of the list."""
-        if head > _HANDED_TRIM and head * 2 > len(self._handed):
-            del self._handed[:head]
+        """The entries before `head` are retired: they go in bulk once they are most of the arrays."""
+        if head > _HANDED_TRIM and head * 2 > len(self._pos):
+            del self._pos[:head]
+            del self._idx[:head]
             head = 0
         self._head = head
 
     def _retire_finished(self, head: int) -> int:
-        """Move `head` past the finished positions at the front, dropping them from the finished set."""
-        front = list(takewhile(self._finished.__contains__, islice(self._handed, head, None)))
-        if front:
-            self._finished.difference_update(front)
-        return head + len(front)
+        """Move `head` past the finished entries at the front, dropping them from the finished set."""
+        handed = self._pos
+        done = self._done
+        end = len(handed)
+        while head < end:
+            pos = handed[head]
+            if pos not in done:
+                break
+            done.discard(pos)
+            head += 1
+        return head
+
+    def _compact(self) -> None:
+        """Rebuild the arrays without the entries finished out of order (half of them at least)."""
+        done = self._done
+        handed, indices = self._pos, self._idx
+        keep_pos: array[int] = array("q")
+        keep_idx: array[int] = array("q")
+        for k in range(self._head, len(handed)):
+            pos = handed[k]
+            if pos not in done:
+                keep_pos.append(pos)
+                keep_idx.append(indices[k])
+        self._pos, self._idx = keep_pos, keep_idx
+        self._head = 0
+        self._done = set()
 
     # --- persistence ----------------------------------------------------------------------------
 
@@ -269,158 +338,78 @@ class Cursor:
         position, FINs past it, holds past it."""
         mark = self.mark_delete()
         index = self.mark_index()
-        fins = [pos for pos in self._new_fins if pos >= mark and pos in self._finished]
+        fins = [(pos, pos, 1) for pos in self._new_fins if pos >= mark]
         holds = [(pos, st) for pos, st in self._new_holds.items() if pos >= mark and pos in self.held]
         self._new_fins = []
         self._new_holds = {}
         if (mark, index) == self._persisted_mark and not fins and not holds:
             return b""
         self._persisted_mark = (mark, index)
-        parts = [_MARK.pack(b"M", mark, index, self.epoch)]
-        if fins:
-            parts.append(_COUNT.pack(b"R", len(fins)))
-            parts.extend(_RANGE.pack(pos, pos, 1) for pos in fins)
-        if holds:
-            parts.append(_COUNT.pack(b"H", len(holds)))
-            parts.extend(_HELD.pack(pos, attempts, deadline) for pos, (attempts, deadline) in holds)
-        block = _block(b"".join(parts))
+        block = encode(mark, index, self.epoch, fins, holds)
         self._delta_bytes += len(block)
         return block
 
     def untake_delta(self) -> None:
-        """The last delta was not persisted (its round failed): the next one must say it all again."""
+        """The last delta was not persisted (its round failed): the caller writes a snapshot next."""
         self._persisted_mark = (-1, -1)
-        self._new_fins = list(self._finished)
-        self._new_holds = dict(self.held)
 
     def wants_snapshot(self) -> bool:
         """Deltas have grown past what a snapshot of the state would take (compaction)."""
         return self._delta_bytes > 64 * 1024 and self._delta_bytes > 4 * self._state_size()
 
     def _state_size(self) -> int:
-        return 64 + _RANGE.size * (len(self._finished) + len(self._ahead)) + _HELD.size * len(self.held)
+        live = len(self._pos) - self._head - len(self._done)
+        return (64 + range_size() * (live + 1 + len(self._ahead) - self._ahead_at)
+                + held_size() * len(self.held))
 
     def snapshot(self) -> bytes:
-        """The whole file: the header and one block holding the state (the file replaced by it)."""
+        """The whole file: the header and the blocks holding the state (the file replaced by it)."""
         mark = self.mark_delete()
         index = self.mark_index()
         ranges = self._finished_ranges()
-        ranges.extend((first, last, count) for first, last, count in self._ahead)
+        at = self._ahead_at
+        for first, last, count in self._ahead[at:]:
+            ranges.append((max(first, self.read_pos), last, count))  # the front one may be part read
         held = sorted((pos, st) for pos, st in self.held.items() if pos >= mark)
-        parts = [_MARK.pack(b"M", mark, index, self.epoch)]
-        if ranges:
-            parts.append(_COUNT.pack(b"R", len(ranges)))
-            parts.extend(_RANGE.pack(first, last, count) for first, last, count in ranges)
-        if held:
-            parts.append(_COUNT.pack(b"H", len(held)))
-            parts.extend(_HELD.pack(pos, attempts, deadline) for pos, (attempts, deadline) in held)
         self._persisted_mark = (mark, index)
         self._new_fins = []
         self._new_holds = {}
         self._delta_bytes = 0
-        return HEADER + _block(b"".join(parts))
+        return snapshot_file(mark, index, self.epoch, ranges, held)
 
-    def _finished_ranges(self) -> list[tuple[int, int, int]]:
-        """Runs of finished records among those read since the mark-delete position: (first, last, count)."""
+    def _finished_ranges(self) -> list[Range]:
+        """The finished records between the mark-delete position and the read position, as ranges: each
+        run between two unfinished records (counted by their indices), and the run after the last one."""
         self._apply_fins()
-        finished = self._finished
-        out: list[tuple[int, int, int]] = []
-        if not finished:
-            return out
-        first = last = -1
-        count = 0
-        for pos in islice(self._handed, self._head, None):
-            if pos in finished:
-                if count == 0:
-                    first = pos
-                last = pos
-                count += 1
-            elif count:
-                out.append((first, last, count))
-                count = 0
-        if count:
-            out.append((first, last, count))
+        done = self._done
+        handed, indices = self._pos, self._idx
+        out: list[Range] = []
+        prev_pos = prev_index = -1
+        for k in range(self._head, len(handed)):
+            pos = handed[k]
+            if pos in done:
+                continue
+            index = indices[k]
+            if prev_index >= 0 and index - prev_index > 1:
+                out.append((prev_pos + 1, pos - 1, index - prev_index - 1))
+            prev_pos, prev_index = pos, index
+        if prev_index >= 0 and self.read_index - prev_index > 1:
+            out.append((prev_pos + 1, self.read_pos - 1, self.read_index - prev_index - 1))
         return out
 
     @classmethod
     def load(cls, data: bytes, epoch: int) -> tuple[Cursor, int]:
         """A cursor from its file; also how many bytes of it are sound (a crash may cut the last block).
         Raises CursorFileError for a file that is not a cursor of the log with this epoch."""
-        if not data.startswith(HEADER):
-            raise CursorFileError("not a cursor file")
-        cursor = cls(epoch=epoch)
-        ranges: dict[int, tuple[int, int]] = {}
-        held: dict[int, tuple[int, float]] = {}
-        mark = index = 0
-        seen_mark = False
-        at = len(HEADER)
-        while at + _BLOCK.size <= len(data):
-            length, crc = _BLOCK.unpack_from(data, at)
-            body = data[at + _BLOCK.size:at + _BLOCK.size + length]
-            if len(body) < length or zlib.crc32(body) != crc:
-                break
-            try:
-                mark, index, ranges, held = _apply_block(body, mark, index, ranges, held, epoch)
-            except (struct.error, ValueError) as exc:
-                if isinstance(exc, CursorFileError):
-                    raise
-                break
-            seen_mark = True
-            at += _BLOCK.size + length
-        if not seen_mark:
-            raise CursorFileError("no state in the cursor file")
-        cursor.read_pos, cursor.read_index = mark, index
+        mark, index, ranges, held, sound = load(data, epoch)
+        cursor = cls(mark, index, epoch)
         cursor._persisted_mark = (mark, index)
-        cursor._ahead = sorted([first, last, count] for first, (last, count) in ranges.items() if last >= mark)
-        cursor._ahead_count = sum(count for _, _, count in cursor._ahead)
-        cursor.held = {pos: st for pos, st in held.items() if pos >= mark}
-        cursor._delta_bytes = at
-        return cursor, at
+        cursor._ahead = [[first, last, count] for first, last, count in ranges]
+        cursor._ahead_count = sum(count for _, _, count in ranges)
+        cursor.held = held
+        cursor._delta_bytes = sound
+        return cursor, sound
 
 
 def _first(entry: list[int]) -> int:
     return entry[0]
-
-
-def _block(body: bytes) -> bytes:
-    return _BLOCK.pack(len(body), zlib.crc32(body)) + body
-
-
-def _counted(body: bytes, at: int, record: struct.Struct) -> tuple[Iterator[tuple[Any, ...]], int]:
-    """The `record`s of the counted entry at `at` (its kind, how many, then them), and where the next
-    entry starts."""
-    _, n = _COUNT.unpack_from(body, at)
-    start = at + _COUNT.size
-    end = start + n * record.size
-    return record.iter_unpack(body[start:end]), end
-
-
-def _apply_block(body: bytes, mark: int, index: int, ranges: dict[int, tuple[int, int]],
-                 held: dict[int, tuple[int, float]], epoch: int) -> tuple[int, int, dict[int, tuple[int, int]], dict[int, tuple[int, float]]]:
-    """One block's entries on top of the state so far (a later mark drops what is before it)."""
-    at = 0
-    while at < len(body):
-        kind = body[at:at + 1]
-        if kind == b"M":
-            _, mark, index, file_epoch = _MARK.unpack_from(body, at)
-            if file_epoch != epoch:
-                raise CursorFileError(f"cursor of another log (epoch {file_epoch:x}, the log's {epoch:x})")
-            at += _MARK.size
-            if ranges:
-                ranges = {first: st for first, st in ranges.items() if st[0] >= mark}
-            if held:
-                held = {pos: st for pos, st in held.items() if pos >= mark}
-        elif kind == b"R":
-            entries, at = _counted(body, at, _RANGE)
-            for first, last, count in entries:
-                if last >= mark:
-                    ranges[first] = (last, count)
-                    held.pop(first, None)
-        elif kind == b"H":
-            entries, at = _counted(body, at, _HELD)
-            for pos, attempts, deadline in entries:
-                if pos >= mark:
-                    held[pos] = (attempts, deadline)
-        else:
-            raise ValueError(f"unknown cursor entry {kind!r}")
-    return mark, index, ranges, held

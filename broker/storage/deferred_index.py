@@ -69,10 +69,10 @@ class DeferredIndex:
         self._runs: list[_Run] = []
         self._last: _Run | None = None  # the run the last entry went to (the next usually goes there too)
         self._pending_deadlines: array[float] = array("d")
-        self._pending_positions: array[int] = array("q")
+        self._pending_positions: array[int] = array("Q")
         self._pending_min = 0.0
         self._count = 0  # entries not due yet
-        self._ready: array[int] = array("q")  # positions due, in the order they became due
+        self._ready: array[int] = array("Q")  # positions due, in the order they became due
         self._ready_head = 0
 
     def __len__(self) -> int:
@@ -112,7 +112,7 @@ class DeferredIndex:
                 best, best_last = run, last
         if best is None:
             if len(self._runs) < MAX_RUNS:
-                best = _Run(array("d"), array("q"))
+                best = _Run(array("d"), array("Q"))
                 self._runs.append(best)
             else:
                 if not self._pending_deadlines or deadline < self._pending_min:
@@ -130,7 +130,7 @@ class DeferredIndex:
         """The buffered entries become a run of their own; the two shortest runs merge."""
         run = _sorted_run(self._pending_deadlines, self._pending_positions)
         self._pending_deadlines = array("d")
-        self._pending_positions = array("q")
+        self._pending_positions = array("Q")
         runs = self._runs
         runs.append(run)
         if len(runs) > MAX_RUNS:
@@ -179,9 +179,9 @@ class DeferredIndex:
 
     def _due_pending(self, now: float, deadlines: list[array[float]], positions: list[array[int]]) -> None:
         keep_d: array[float] = array("d")
-        keep_p: array[int] = array("q")
+        keep_p: array[int] = array("Q")
         due_d: array[float] = array("d")
-        due_p: array[int] = array("q")
+        due_p: array[int] = array("Q")
         for deadline, pos in zip(self._pending_deadlines, self._pending_positions):
             if deadline <= now:
                 due_d.append(deadline)
@@ -201,7 +201,7 @@ class DeferredIndex:
         end = min(head + n, len(ready))
         out = ready[head:end].tolist()
         if end == len(ready):
-            self._ready = array("q")
+            self._ready = array("Q")
             self._ready_head = 0
         elif end > _TRIM and end * 2 > len(ready):
             del ready[:end]
@@ -217,9 +217,9 @@ class DeferredIndex:
         self._runs = []
         self._last = None
         self._pending_deadlines = array("d")
-        self._pending_positions = array("q")
+        self._pending_positions = array("Q")
         self._count = 0
-        self._ready = array("q")
+        self._ready = array("Q")
         self._ready_head = 0
 
     def earliest(self, n: int) -> list[tuple[float, int]]:
@@ -264,13 +264,13 @@ class DeferredIndex:
         for run in self._runs:
             kept = [(d, p) for d, p in zip(run.deadlines[run.head:], run.positions[run.head:]) if p not in gone]
             if kept:
-                runs.append(_Run(array("d", [d for d, _ in kept]), array("q", [p for _, p in kept])))
+                runs.append(_Run(array("d", [d for d, _ in kept]), array("Q", [p for _, p in kept])))
         pending = [(d, p) for d, p in zip(self._pending_deadlines, self._pending_positions) if p not in gone]
-        ready = array("q", [p for p in self._ready[self._ready_head:] if p not in gone])
+        ready = array("Q", [p for p in self._ready[self._ready_head:] if p not in gone])
         self._runs = runs
         self._last = None
         self._pending_deadlines = array("d", [d for d, _ in pending])
-        self._pending_positions = array("q", [p for _, p in pending])
+        self._pending_positions = array("Q", [p for _, p in pending])
         self._pending_min = min(self._pending_deadlines) if pending else 0.0
         self._count = sum(run.size() for run in runs) + len(pending)
         self._ready = ready
@@ -279,7 +279,7 @@ class DeferredIndex:
 
 def _sorted_run(deadlines: array[float], positions: array[int]) -> _Run:
     order = sorted(range(len(deadlines)), key=deadlines.__getitem__)
-    return _Run(array("d", [deadlines[i] for i in order]), array("q", [positions[i] for i in order]))
+    return _Run(array("d", [deadlines[i] for i in order]), array("Q", [positions[i] for i in order]))
 
 
 def _concat_d(parts: list[array[float]]) -> array[float]:
@@ -290,7 +290,7 @@ def _concat_d(parts: list[array[float]]) -> array[float]:
 
 
 def _concat_q(parts: list[array[int]]) -> array[int]:
-    out: array[int] = array("q")
+    out: array[int] = array("Q")
     for part in parts:
         out.extend(part)
     return out

@@ -7,7 +7,11 @@ holds a SegmentReader (where reading is), a Cursor (what is finished or held) an
 `<name>.cursor.dat`, which every sync round appends the cursor's changes to and now and then replaces
 with a snapshot. An ephemeral channel's reader keeps its cursor in memory only.
 
-Who calls it: the Channel (read, finish, hold, reset, depth); the topic's SyncGroup (prepare, finished).
+It hands out records (bytes) with their positions, never messages: the channel decodes them
+(`Batch`). A position it hands out carries its `tag` (the channel tells its two readers apart by it).
+
+Who calls it: the Channel's storage (read, finish, hold, reset, depth); the topic's SyncGroup (prepare,
+finished).
 """
 
 from __future__ import annotations
@@ -16,15 +20,14 @@ import logging
 import os
 import re
 import time
-from array import array
 from bisect import bisect_left
 from collections.abc import Callable
 
 from trio_nsq.broker.storage.cursor import Cursor, CursorFileError
+from trio_nsq.broker.storage.deadlines import Deadlines
 from trio_nsq.broker.storage.deferred_index import DeferredIndex
 from trio_nsq.broker.storage.files import remove_quietly
-from trio_nsq.broker.message import Message
-from trio_nsq.broker.storage.segment_log import POS_SHIFT, SegmentLog
+from trio_nsq.broker.storage.segment_log import SegmentLog
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
@@ -35,49 +38,21 @@ log = logging.getLogger("nsqd")
 DEFERRED_PER_READ = 65536
 
 
-class Deadlines:
-    """The deadlines of a log's deferred publishes, for the records some reader has not read yet (TopicLog
-    keeps it, from its files): a reader defers a record it finds here; /stats counts the records ahead of
-    a reader that are deferred. Two arrays in position order (16 bytes an entry, nothing for the garbage
-    collector to walk): a reader walks them beside the records it reads."""
+class Batch:
+    """Records a LogReader handed out, in log order, with their positions (tag included); `states` has,
+    for a record that comes back with attempts of its own (held) or a delay still ahead (deferred, read
+    without an index to put it in), its place in `records` -> (attempts or -1, seconds left or 0)."""
+
+    __slots__ = ("records", "positions", "states")
 
     def __init__(self) -> None:
-        self.positions = array("q")
-        self.deadlines = array("d")
+        self.records: list[bytes] = []
+        self.positions: list[int] = []
+        self.states: dict[int, tuple[int, float]] = {}
 
     def __len__(self) -> int:
-        return len(self.positions)
+        return len(self.records)
 
-    def add_many(self, positions: list[int], deadline: float) -> None:
-        """Deferred publishes just appended (their positions follow every one here)."""
-        self.positions.extend(positions)
-        self.deadlines.extend([deadline] * len(positions))
-
-    def load(self, entries: list[tuple[int, float]]) -> None:
-        """Entries read from the files (a restart or a seek back), merged with those here."""
-        merged = dict(zip(self.positions, self.deadlines))
-        merged.update(entries)
-        order = sorted(merged)
-        self.positions = array("q", order)
-        self.deadlines = array("d", [merged[pos] for pos in order])
-
-    def count_between(self, lo: int, hi: int) -> int:
-        """Deferred records at positions in [lo, hi)."""
-        return bisect_left(self.positions, hi) - bisect_left(self.positions, lo)
-
-    def deadline_at(self, pos: int) -> float:
-        """The deadline of the deferred publish at `pos` (0: it is none)."""
-        at = bisect_left(self.positions, pos)
-        if at < len(self.positions) and self.positions[at] == pos:
-            return self.deadlines[at]
-        return 0.0
-
-    def prune_before(self, pos: int) -> None:
-        """Every reader has read what is before `pos` (a restart reads the files again)."""
-        cut = bisect_left(self.positions, pos)
-        if cut:
-            del self.positions[:cut]
-            del self.deadlines[:cut]
 
 class LogReader:
     def __init__(
@@ -148,20 +123,43 @@ class LogReader:
             # delivered meanwhile is past `start`, what it did not is in the channel's own queue
             log.warning("CURSOR(%s) %s is not for these files (%s): starting at %d", self.name, path, exc, start[0])
             return fresh
-        if cursor.read_pos < self.segments.start:
-            log.warning("CURSOR(%s) its position %d is before the log's start %d: starting there",
-                        self.name, cursor.read_pos, self.segments.start)
-            cursor.reset(self.segments.start, self.segments.start_index())
-        elif cursor.read_pos > self.segments.tail:
-            # the log lost files under it (its directory damaged): what comes next must not be skipped
-            log.error("CURSOR(%s) its position %d is past the log's end %d (files lost?): starting there",
-                      self.name, cursor.read_pos, self.segments.tail)
-            cursor.reset(self.segments.tail, self.segments.tail_index)
         if sound < len(data):
             log.warning("CURSOR(%s) cutting %d bytes of a torn block off the end of %s", self.name, len(data) - sound, path)
         else:
             self._snapshot_due = False
+        segments = self.segments
+        if cursor.read_pos < segments.start:
+            log.warning("CURSOR(%s) its position %d is before the log's start %d: starting there",
+                        self.name, cursor.read_pos, segments.start)
+            cursor.reset(segments.start, segments.start_index())
+            self._snapshot_due = True  # the file's ranges are of positions no longer there
+        elif cursor.read_pos > segments.tail:
+            # the log lost files under it (its directory damaged): what comes next must not be skipped
+            log.error("CURSOR(%s) its position %d is past the log's end %d (files lost?): starting there",
+                      self.name, cursor.read_pos, segments.tail)
+            cursor.reset(segments.tail, segments.tail_index)
+            self._snapshot_due = True  # else the file's old ranges would skip records written there later
+        elif cursor.forget_from(segments.tail, self._count_records):
+            log.error("CURSOR(%s) finished or held records past the log's end %d (files cut?): forgotten",
+                      self.name, segments.tail)
+            self._snapshot_due = True
         return cursor
+
+    def _count_records(self, first: int, end: int) -> int:
+        """Records at positions in [first, end) (`first` need not be where a record starts)."""
+        segments = self.segments
+        num = max(segments.file_of(first), segments.first_file)
+        reader = segments.reader(segments.start_of(num), segments.index_of_file(num))
+        count = 0
+        try:
+            while True:
+                positions: list[int] = []
+                if not reader.read(4096, end, positions):
+                    break
+                count += sum(1 for pos in positions if pos >= first)
+        finally:
+            reader.close()
+        return count
 
     @staticmethod
     def _remove_temp_files(path: str) -> None:
@@ -189,16 +187,18 @@ class LogReader:
             return 0
         return self.deadlines.count_between(self.cursor.read_pos, end)
 
-    def read(self, limit: int, upto: int, later: DeferredIndex | None = None) -> list[Message]:
-        """Up to `limit` messages before position `upto`: skips what was finished before a restart, gives
-        a held record its attempts. A record with a deadline still ahead (a deferred publish, a held one)
-        goes to `later` as its position and deadline, not a Message (the channel reads it back when it is
-        due); without `later` it comes with `deferred` set (seconds left). It stops once deferred_per_read
-        records went to `later` (`more` says so: the caller reads on later)."""
+    def read(self, limit: int, upto: int, later: DeferredIndex | None = None, batch: Batch | None = None) -> Batch:
+        """Records before position `upto` into `batch` (a new one if None) until it holds `limit`: skips
+        what was finished before a restart, gives a held record its attempts. A record with a deadline
+        still ahead (a deferred publish, a held one) goes to `later` as its position and deadline (the
+        channel reads it back when it is due); without `later` it comes with its seconds left. It stops
+        once deferred_per_read records went to `later` (`more` says so: the caller reads on later)."""
         cursor = self.cursor
         reader = self.reader
-        out: list[Message] = []
-        decode = Message.decode
+        if batch is None:
+            batch = Batch()
+        out = batch.records
+        out_pos = batch.positions
         tag = self.tag
         ahead = 0  # after a batch that went to `later`: read this many at least, and give back the surplus
         budget = self.deferred_per_read
@@ -209,7 +209,7 @@ class LogReader:
                 break
             want = limit - len(out)
             size = ahead if ahead > want else want
-            start = (reader.position, reader.index)
+            start_index = reader.index
             positions: list[int] = []
             records = reader.read(size, upto, positions)
             if not records:
@@ -222,96 +222,76 @@ class LogReader:
             if deferred is not None and len(deferred):
                 at = bisect_left(deferred.positions, positions[0])
                 end = bisect_left(deferred.positions, positions[-1] + 1)
-            if not held and at == end and size == want:
-                # nothing held, nothing deferred among them: the plain path
-                cursor.handed(positions, reader.position, reader.index)
-                for data, pos in zip(records, positions):
-                    if skipping and cursor.skip(pos):
-                        continue
-                    try:
-                        msg = decode(data)
-                    except ValueError as exc:
-                        self._undecodable(pos, exc)
-                        continue
-                    msg.pos = pos | tag
-                    out.append(msg)
+            if not held and at == end and size == want and not skipping:
+                # nothing held, deferred or finished among them: the plain path
+                cursor.handed(positions, start_index, reader.position, reader.index)
+                out.extend(records)
+                out_pos.extend([pos | tag for pos in positions] if tag else positions)
                 continue
-            now = self.clock()
-            shift = later.clock() - now if later is not None else 0.0  # to the index's clock
-            used = len(records)
-            deferring = 0
-            bad: list[int] = []
-            for i in range(len(records)):
-                if len(out) >= limit:
-                    used = i  # read ahead and not needed: given back below
-                    break
-                pos = positions[i]
-                if skipping and cursor.skip(pos):
-                    continue
-                attempts = -1
-                deadline = 0.0
-                if held:
-                    state = held.get(pos)
-                    if state is not None:
-                        attempts, deadline = state
-                if at < end:
-                    assert deferred is not None
-                    while at < end and deferred.positions[at] < pos:
-                        at += 1
-                    if at < end and deferred.positions[at] == pos and deferred.deadlines[at] > deadline:
-                        deadline = deferred.deadlines[at]
-                if deadline > now and later is not None:
-                    later.add(deadline + shift, pos | tag)
-                    deferring += 1
-                    continue
-                try:
-                    msg = decode(records[i])
-                except ValueError as exc:
-                    log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
-                    bad.append(pos | tag)
-                    continue
-                msg.pos = pos | tag
-                if attempts >= 0:
-                    msg.attempts = attempts
-                if deadline > now:
-                    msg.deferred = deadline - now
-                out.append(msg)
-            if used < len(records):
-                self._give_back(positions, used, start)
-            cursor.handed(positions, reader.position, reader.index)
-            if bad:
-                self.finish_many(bad)
+            deferring = self._read_slow(batch, limit, records, positions, start_index, skipping, at, end, later)
             # a run of deferred records is read in batches that double (up to 4,096), whatever `limit` is
             ahead = min(2 * size, 4096, budget) if deferring else 0
             budget -= deferring
-        return out
+        return batch
 
-    def _give_back(self, positions: list[int], used: int, start: tuple[int, int]) -> None:
-        """The records read from positions[used] on are not needed now: the reader goes back to the first
-        of them (with its index: counted in its segment, from where the batch started or the segment's
-        first record), and they are not reported read."""
-        pos = positions[used]
-        num = pos >> POS_SHIFT
-        first = used
-        while first > 0 and positions[first - 1] >> POS_SHIFT == num:
-            first -= 1
-        if first == 0 and start[0] >> POS_SHIFT == num:
-            index = start[1] + used
-        else:
-            index = self.segments.index_of_file(num) + used - first
-        self.reader.rewind(pos, index)
-        del positions[used:]
+    def _read_slow(self, batch: Batch, limit: int, records: list[bytes], positions: list[int], start_index: int,
+                   skipping: bool, at: int, end: int, later: DeferredIndex | None) -> int:
+        """read()'s records where some were finished before a restart, are held, or are deferred
+        publishes (deadlines[at:end] are among them); those read ahead and not needed are given back.
+        How many went to `later`."""
+        cursor = self.cursor
+        held = cursor.held
+        deferred = self.deadlines
+        tag = self.tag
+        out = batch.records
+        now = self.clock()
+        shift = later.clock() - now if later is not None else 0.0  # to the index's clock
+        used = len(records)
+        deferring = 0
+        skipped: list[int] = []
+        for i in range(len(records)):
+            if len(out) >= limit:
+                used = i  # read ahead and not needed: given back below
+                break
+            pos = positions[i]
+            if skipping and cursor.skip(pos):
+                skipped.append(i)
+                continue
+            attempts = -1
+            deadline = 0.0
+            if held:
+                state = held.get(pos)
+                if state is not None:
+                    attempts, deadline = state
+            if at < end:
+                assert deferred is not None
+                while at < end and deferred.positions[at] < pos:
+                    at += 1
+                if at < end and deferred.positions[at] == pos and deferred.deadlines[at] > deadline:
+                    deadline = deferred.deadlines[at]
+            if deadline > now and later is not None:
+                later.add(deadline + shift, pos | tag)
+                deferring += 1
+                continue
+            if attempts >= 0 or deadline > now:
+                batch.states[len(out)] = (attempts, deadline - now if deadline > now else 0.0)
+            out.append(records[i])
+            batch.positions.append(pos | tag)
+        if used < len(records):
+            # the reader goes back to the first not needed (indices run on within one read)
+            self.reader.rewind(positions[used], start_index + used)
+            del positions[used:]
+        cursor.handed(positions, start_index, self.reader.position, self.reader.index, skipped or None)
+        return deferring
 
-    def _undecodable(self, pos: int, exc: ValueError) -> None:
-        log.error("CURSOR(%s): failed to decode message - %s", self.name, exc)
-        self.finish_many([pos | self.tag])
-
-    def read_back(self, positions: list[int]) -> list[Message]:
-        """The records at `positions` (this reader's, tag included) read again: deferred records that are
-        due (DeferredIndex). A held one gets its attempts; one that cannot be read is logged and finished."""
-        out: list[Message] = []
+    def read_back(self, positions: list[int], batch: Batch | None = None) -> Batch:
+        """The records at `positions` (this reader's, tag included) read again, into `batch` (a new one if
+        None): deferred records that are due (DeferredIndex). A held one gets its attempts; one that cannot
+        be read is logged and finished."""
+        if batch is None:
+            batch = Batch()
         if not positions:
-            return out
+            return batch
         held = self.cursor.held
         tag = self.tag
         fetcher = self.segments.reader(positions[0] & ~tag, 0)
@@ -320,32 +300,32 @@ class LogReader:
             for pos in positions:
                 at = pos & ~tag
                 try:
-                    msg = Message.decode(fetcher.fetch(at))
+                    data = fetcher.fetch(at)
                 except (OSError, ValueError) as exc:
                     log.error("CURSOR(%s): failed to read deferred message at %d - %s", self.name, at, exc)
                     bad.append(pos)
-                else:
-                    msg.pos = pos
-                    if held:
-                        state = held.get(at)
-                        if state is not None:
-                            msg.attempts = state[0]
-                    out.append(msg)
+                    continue
+                if held:
+                    state = held.get(at)
+                    if state is not None:
+                        batch.states[len(batch.records)] = (state[0], 0.0)
+                batch.records.append(data)
+                batch.positions.append(pos)
         finally:
             fetcher.close()
         if bad:
             self.finish_many(bad)
-        return out
+        return batch
 
-    def peek(self, limit: int, upto: int) -> list[Message]:
+    def peek(self, limit: int, upto: int) -> Batch:
         """Up to `limit` of the records not read yet before position `upto` that would be queued once read
-        (not finished before a restart, no deadline ahead), decoded with their attempts: a look that moves
+        (not finished before a restart, no deadline ahead), with their attempts: a look that moves
         nothing (/channel/messages), through a SegmentReader of its own. At most 4 x limit + 64 records
         are read, so where more than that are skipped fewer are returned. (A bad record it meets cuts
         its file as the reader would on getting there: SegmentReader.read.)"""
-        out: list[Message] = []
+        batch = Batch()
         if limit <= 0:
-            return out
+            return batch
         cursor = self.cursor
         held = cursor.held
         deferred = self.deadlines if self.deadlines is not None and len(self.deadlines) else None
@@ -353,9 +333,9 @@ class LogReader:
         budget = 4 * limit + 64
         reader = self.segments.reader(self.reader.position, self.reader.index)
         try:
-            while len(out) < limit and budget > 0:
+            while len(batch) < limit and budget > 0:
                 positions: list[int] = []
-                records = reader.read(min(budget, limit - len(out)), upto, positions)
+                records = reader.read(min(budget, limit - len(batch)), upto, positions)
                 if not records:
                     break
                 budget -= len(records)
@@ -367,27 +347,23 @@ class LogReader:
                         continue  # deferred when read
                     if deferred is not None and deferred.deadline_at(pos) > now:
                         continue  # a deferred publish still ahead
-                    try:
-                        msg = Message.decode(data)
-                    except ValueError:
-                        continue  # the reader logs it and finishes it when it gets there
-                    msg.pos = pos | self.tag
                     if state is not None:
-                        msg.attempts = state[0]
-                    out.append(msg)
+                        batch.states[len(batch.records)] = (state[0], 0.0)
+                    batch.records.append(data)
+                    batch.positions.append(pos | self.tag)
         finally:
             reader.close()
-        return out
+        return batch
 
     def skip_to_lag(self, end_index: int, upto: int, max_lag: int) -> None:
         """An ephemeral reader more than max_lag records behind drops the oldest, as nsqd's ephemeral
         channel drops what its memory queue has no room for (counted in `dropped`)."""
         while (over := self.depth(end_index) - max_lag) > 0:
-            msgs = self.read(min(over, 4096), upto)
-            if not msgs:
+            batch = self.read(min(over, 4096), upto)
+            if not batch:
                 break
-            self.dropped += len(msgs)
-            self.finish_many([msg.pos for msg in msgs])
+            self.dropped += len(batch)
+            self.finish_many(batch.positions)
 
     # --- what the channel did -----------------------------------------------------------------
 
@@ -455,7 +431,8 @@ class LogReader:
             self._taken = segments.take_unsynced()
             plan.fsync.extend(self._taken)
             mark = cursor.mark_delete()
-            self._removing.extend((path, bad, segments.name) for path, bad in segments.droppable(mark >> POS_SHIFT))
+            self._removing.extend((path, bad, segments.name)
+                                  for path, bad in segments.drop_before(segments.file_of(mark)))
             plan.removes.extend(self._removing)
             changed = segments.take_files_changed()
             plan.new_names = plan.new_names or changed

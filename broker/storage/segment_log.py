@@ -6,21 +6,32 @@ Files, in the data directory (byte for byte those of github.com/nsqio/go-diskque
   most max_bytes_per_file long, or holds a single longer record);
 - meta `<name>.diskqueue.meta.dat`: "depth\\nreadFileNum,readPos\\nwriteFileNum,writePos\\n", written to a
   temp file, fsynced and renamed. Its owner says what the read position is (the oldest record a reader
-  still needs: what Go nsqd would deliver from) and may add lines after Go's three (`trio-nsq-log 1`:
-  the log's epoch, the first record index of each segment, the index at the write position, and the
-  owner's own lines); Go's Fscanf reads the three and stops.
+  still needs: what Go nsqd would deliver from) and may add lines after Go's three (`trio-nsq-log 2`:
+  the log's epoch, each segment's first record index and start position, the index at the write
+  position, and the owner's own lines); Go's Fscanf reads the three and stops.
 
-A record's position is `file << 40 | offset`: stable, ordered as the log, the same on every copy of the
-files. Each record also has an index (its number in the log), so the records between two positions are
-counted by a subtraction. What go-diskqueue did that stays: the put size check, when a file rolls, a
-record length outside [min, max] or a short read cutting the file there (Go renames it `.bad` and
-skips to the next; the write file rolls when it is the one cut), a torn record at the end cut off.
+A record's *position* is where it is in the log's life: its segment's start position plus its offset
+in the file. A new segment starts where the last one ended, so positions are byte offsets that never
+run out (2**63 bytes) whatever the segment numbers are: go-diskqueue's file numbers only ever grow, and
+a long-lived Go nsqd's directory carries numbers past 2**23 that `file << 40 | offset` (what positions
+were before) could not hold in 63 bits. Segments of a log written by trio-nsq-log 1 keep their start
+`file << 40`, so the positions its cursor files hold stay true; a queue Go wrote starts at 0. Positions
+are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta, and
+a segment found past it starts where the one before it ends). Each record also has an index (its number
+in the log), so the records between two positions are counted by a subtraction.
+
+What go-diskqueue did that stays: the put size check, when a file rolls, a record length outside [min,
+max] or a short read cutting the file there (Go renames it `.bad` and skips to the next; the write file
+rolls when it is the one cut), a torn record at the end cut off.
 
 What is not go-diskqueue's: reading does not consume (readers are SegmentReaders with a position of their
 own); files go only when the owner says so (drop_before), after the metadata that no longer needs them is
-persisted; a kill -9 loses nothing written (records past the persisted write position are recovered at
-open, in order, with their indices); fsync is not done here but by the owner's sync round (SyncGroup),
-which asks `unsynced_files()`. Temp files a crash left behind are removed at open.
+persisted, and a segment a crash left below the first one kept is removed at open; a kill -9 loses nothing
+written (records past the persisted write position are recovered at open, in order, with their indices),
+and where a power loss left the unsynced end of a file as zeros (or another torn record) the recovery cuts
+it there (the owner says what a record looks like: an NSQ message's id is 16 hex digits); fsync is not
+done here but by the owner's sync round (SyncGroup), which asks `take_unsynced()`. Temp files a crash
+left behind are removed at open.
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
 
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.files import close_quietly, remove_quietly
@@ -39,36 +51,46 @@ from trio_nsq.shared.protocol import INT32, int32_at
 
 log = logging.getLogger("nsqd")
 
-POS_SHIFT = 40
-OFFSET_MASK = (1 << POS_SHIFT) - 1
+# positions are written as signed 64-bit numbers (cursor files, deadline files): none reaches this
+POS_LIMIT = 1 << 63
+# trio-nsq-log 1's positions: segment n started at n << LEGACY_SHIFT
+LEGACY_SHIFT = 40
 # how often append() checks that its write file still has a name on disk
 LINK_CHECK_INTERVAL = 0.1
 # records per writev: two buffers each, within Linux's IOV_MAX of 1024
 _IOV_RECORDS = 512
 # a reader's block: it drains records in batches, so fewer, larger reads
 _READ_BUFFER = 256 * 1024
-EXT_HEADER = "trio-nsq-log 1"
+# the block a scan at open reads the files in
+_SCAN_BUFFER = 1024 * 1024
+EXT_HEADER = "trio-nsq-log 2"
+_EXT_HEADER_V1 = "trio-nsq-log 1"
 
 
-def position(num: int, offset: int) -> int:
-    return (num << POS_SHIFT) | offset
-
-
-def numbered_files(data_path: str, stem: str) -> list[int]:
-    """The numbers N of the files `<stem>.N.dat` in data_path (N written with six digits or more), in
-    order; none when the directory cannot be read. A log's segments, and a topic log's deadline files."""
+def numbered_files(names: Iterable[str], stem: str) -> list[int]:
+    """The numbers N of the files `<stem>.N.dat` among `names` (N written with six digits or more), in
+    order. A log's segments, and a topic log's deadline files."""
     mine = re.compile(re.escape(stem) + r"\.(\d{6,})\.dat\Z")
+    return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
+
+
+def list_dir(path: str) -> list[str]:
+    """The names in a data directory; none when it cannot be read."""
     try:
-        names = os.listdir(data_path)
+        return os.listdir(path)
     except OSError:
         return []
-    return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
 
 
 class SegmentLog:
     """Owned by a TopicLog (a topic's messages) or a LogReader (a channel's own queue); they append, read
     through SegmentReaders, and tell it which files may go. Synchronous: writes go straight to the OS from
-    the event loop (microseconds); fsync is the sync round's, in a thread."""
+    the event loop (microseconds); fsync is the sync round's, in a thread.
+
+    `valid_record(record)` says whether the bytes of a record found past the persisted write position at
+    open look like one of the owner's records (a power loss can leave zeros where a record's bytes were
+    not written back): the first that does not ends the log there. `names`: the data directory's names,
+    when the caller listed it already (else it is listed once here)."""
 
     def __init__(
         self,
@@ -79,6 +101,8 @@ class SegmentLog:
         min_msg_size: int = 26,
         max_msg_size: int = 1024 * 1024 + 26,
         on_write: Callable[[int, str | None], None] | None = None,
+        valid_record: Callable[[bytes], bool] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.name = name
         self.data_path = data_path
@@ -87,12 +111,15 @@ class SegmentLog:
         self.max_msg_size = max_msg_size
         # told of every append (records stored, or the error that stopped it) and of a roll (0, None)
         self._on_write = on_write
+        self._valid_record = valid_record
 
         self.write_file_num = 0
         self.write_pos = 0
         self.tail_index = 0  # the index the next record gets
         self.first_file = 0  # the oldest segment kept
         self._first_index: dict[int, int] = {0: 0}  # segment -> index of its first record
+        # the start position of every segment kept, first_file to write_file_num
+        self._starts: list[int] = [0]
         self._cut: dict[int, int] = {}  # segment -> where a bad record cut it
         self._write_fd: int | None = None
         self._last_link_check = 0.0
@@ -108,10 +135,13 @@ class SegmentLog:
         self.meta_found = False  # a metadata file was there
         self.epoch = 0  # ties cursor files to these files: 0 until an extension is found or made
         self.extension: dict[str, str] = {}  # our owner's lines (`key value`)
+        self._legacy = False  # the metadata is trio-nsq-log 1's: files found past it start at n << 40
 
-        self._remove_temp_files()
+        mine = self._my_files(list_dir(data_path) if names is None else names)
+        self._remove_temp_files(mine)
         self._retrieve_metadata()
-        self._recover_tail()
+        self._recover_tail(numbered_files(mine, f"{name}.diskqueue"))
+        self._remove_stale_segments(numbered_files(mine, f"{name}.diskqueue"))
 
     def __repr__(self) -> str:
         return f"SegmentLog({self.name})"
@@ -124,19 +154,27 @@ class SegmentLog:
     def meta_file_name(self) -> str:
         return os.path.join(self.data_path, f"{self.name}.diskqueue.meta.dat")
 
-    def _existing_files(self) -> list[int]:
-        return numbered_files(self.data_path, f"{self.name}.diskqueue")
+    def _my_files(self, names: Iterable[str]) -> list[str]:
+        prefix = f"{self.name}.diskqueue."
+        return [entry for entry in names if entry.startswith(prefix)]
 
-    def _remove_temp_files(self) -> None:
+    def _remove_temp_files(self, mine: list[str]) -> None:
         """A crash during a metadata write leaves `<meta>.<random>.tmp`: never read, so removed."""
         temp = re.compile(re.escape(self.name) + r"\.diskqueue\.meta\.dat\.\d+\.tmp\Z")
-        try:
-            names = os.listdir(self.data_path)
-        except OSError:
-            return
-        for entry in names:
+        for entry in mine:
             if temp.match(entry):
                 remove_quietly(os.path.join(self.data_path, entry))
+
+    def _remove_stale_segments(self, existing: list[int]) -> None:
+        """Segments below the first one kept: a crash after the metadata stopped naming them and before
+        their removal (or their removal's directory fsync) left them. Nothing reads them; Go nsqd neither."""
+        for num in existing:
+            if num >= self.first_file:
+                break
+            failed = remove_quietly(self.file_name(num))
+            if failed is None:
+                log.info("DISKQUEUE(%s) removed %s, left below the first segment %d by a crash",
+                         self.name, self.file_name(num), self.first_file)
 
     def _retrieve_metadata(self) -> None:
         path = self.meta_file_name()
@@ -146,6 +184,8 @@ class SegmentLog:
             depth = int(lines[0])
             read_num, read_pos = (int(x) for x in lines[1].split(","))
             write_num, write_pos = (int(x) for x in lines[2].split(","))
+            if min(depth, read_num, read_pos, write_num, write_pos) < 0:
+                raise ValueError("a negative number")
         except FileNotFoundError:
             self.epoch = random.getrandbits(63) or 1
             return
@@ -163,8 +203,9 @@ class SegmentLog:
             self._count_go_queue(read_num, read_pos)
 
     def _load_extension(self, lines: list[str]) -> bool:
-        if not lines or lines[0] != EXT_HEADER:
+        if not lines or lines[0] not in (EXT_HEADER, _EXT_HEADER_V1):
             return False
+        legacy = lines[0] == _EXT_HEADER_V1
         ext: dict[str, str] = {}
         for line in lines[1:]:
             if line:
@@ -172,34 +213,70 @@ class SegmentLog:
                 ext[key] = value
         try:
             epoch = int(ext.pop("epoch"), 16)
-            first = {int(k): int(v) for k, v in (x.split(":") for x in ext.pop("segments").split(" ") if x)}
+            segments: dict[int, tuple[int, int]] = {}
+            for entry in ext.pop("segments").split(" "):
+                if entry:
+                    fields = [int(x) for x in entry.split(":")]
+                    num, index = fields[0], fields[1]
+                    start = num << LEGACY_SHIFT if legacy else fields[2]
+                    segments[num] = (index, start)
             tail = int(ext.pop("tail"))
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, IndexError) as exc:
             log.error("DISKQUEUE(%s) ignoring unreadable log state in %s - %s", self.name, self.meta_file_name(), exc)
             return False
+        first = min(segments, default=self.write_file_num)
+        if legacy and (max(self.write_file_num, *segments) + 2) << LEGACY_SHIFT >= POS_LIMIT:
+            # trio-nsq-log 1 could not give these files positions: start again as from a queue Go wrote
+            # (cursor files of the old epoch are refused: their channels start at the read position)
+            log.warning("DISKQUEUE(%s) segment numbers past what trio-nsq-log 1 positions hold: "
+                        "positions start again at the read position", self.name)
+            return False
         self.epoch = epoch
-        self._first_index = first or {self.write_file_num: tail}
+        self._legacy = legacy
+        self.first_file = min(first, self.write_file_num)
+        self._first_index = {num: index for num, (index, _) in segments.items()}
         self._first_index.setdefault(self.write_file_num, tail)
-        self.first_file = min(self._first_index)
+        starts = {num: start for num, (_, start) in segments.items()}
+        self._starts = []
+        for num in range(self.first_file, self.write_file_num + 1):
+            known = starts.get(num)
+            self._starts.append(known if known is not None else
+                                num << LEGACY_SHIFT if legacy else self._after_gap(1))
         self.tail_index = tail
         self.extension = ext
         return True
 
+    def _span(self) -> int:
+        """More than any segment holds: a file's limit plus one record longer than it."""
+        return self.max_bytes_per_file + 4 + self.max_msg_size
+
+    def _after_gap(self, missing: int) -> int:
+        """The start of a segment `missing` numbers after the last one known, whose sizes are not known
+        (files lost): far enough that no position of theirs is given again."""
+        last = self._starts[-1] if self._starts else 0
+        return last + missing * self._span()
+
     def _count_go_queue(self, read_num: int, read_pos: int) -> None:
-        """Indices for a queue Go wrote: go-diskqueue deletes a file once read, so the read file still
-        holds its records from offset 0; count them to the persisted write position."""
+        """Indices and starts for a queue Go wrote: go-diskqueue deletes a file once read, so the read file
+        still holds its records from offset 0; count them to the persisted write position. Positions
+        start at 0 at the read file's start."""
         self.first_file = read_num
         index = 0
+        start = 0
         self._first_index = {}
+        self._starts = []
         for num in range(read_num, self.write_file_num + 1):
             self._first_index[num] = index
+            self._starts.append(start)
             end = self.write_pos if num == self.write_file_num else None
             try:
                 size = os.path.getsize(self.file_name(num))
             except OSError:
+                start += self._span()
                 continue
-            _, count = self._scan(num, 0, size if end is None else min(end, size))
+            scanned, count = self._scan(num, 0, size if end is None else min(end, size))
             index += count
+            start += size
             if num == read_num:
                 self.meta_read_index = self._count_before(num, read_pos)
         self.tail_index = index
@@ -211,20 +288,25 @@ class SegmentLog:
             return 0
         return self._scan(num, 0, min(offset, size))[1]
 
-    def _recover_tail(self) -> None:
+    def _recover_tail(self, existing: list[int]) -> None:
         """Count in the records written after the metadata was last persisted: past the write position in
         the write file, then in the files a roll had started since."""
+        if not self.meta_found and existing and existing[0] > self.write_file_num:
+            # no metadata: the log begins at its first file
+            self.first_file = self.write_file_num = existing[0]
+            self._first_index = {existing[0]: 0}
+            self._starts = [0]
         num, pos = self.write_file_num, self.write_pos
-        recovered = 0
         while True:
             path = self.file_name(num)
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                later = [n for n in self._existing_files() if n > num]
+                later = [n for n in existing if n > num]
                 if later:
                     log.warning("DISKQUEUE(%s) %s is missing (metadata writePos %d), recovering from %s",
                                 self.name, path, pos, self.file_name(later[0]))
+                    self._starts.extend(self._after_gap(i) for i in range(1, later[0] - num + 1))
                     num, pos = later[0], 0
                     self.write_file_num, self.write_pos = num, 0
                     self._first_index[num] = self.tail_index
@@ -238,11 +320,13 @@ class SegmentLog:
                 if size >= 0:
                     log.error("DISKQUEUE(%s) %s is shorter (%d) than metadata writePos %d, moving to a new file",
                               self.name, path, size, pos)
+                # positions up to the metadata's write position were given: the next file starts past them
+                self._starts.append(self._starts[-1] + pos)
                 num, pos = num + 1, 0
                 self.write_file_num, self.write_pos = num, 0
                 self._first_index[num] = self.tail_index
                 continue
-            end, count = self._scan(num, pos, size)
+            end, count = self._scan(num, pos, size, check=self._valid_record)
             if end < size:
                 log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
                             self.name, size - end, path)
@@ -250,33 +334,48 @@ class SegmentLog:
             if count:
                 log.info("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
                          "last metadata sync)", self.name, count, pos, path)
-            recovered += count
             self.tail_index += count
             self.write_file_num, self.write_pos = num, end
             num, pos = num + 1, 0
             if not os.path.exists(self.file_name(num)):
                 break
             self._first_index[num] = self.tail_index
+            self._starts.append(num << LEGACY_SHIFT if self._legacy else self._starts[-1] + end)
         if self.write_file_num not in self._first_index:
             self._first_index[self.write_file_num] = self.tail_index - self._count_before(self.write_file_num, self.write_pos)
         if self.first_file > self.write_file_num:
             self.first_file = self.write_file_num
+            self._starts = self._starts[-1:]
+        del self._starts[self.write_file_num - self.first_file + 1:]
 
-    def _scan(self, num: int, pos: int, size: int) -> tuple[int, int]:
-        """(end of the last whole, valid record from pos, how many records) in segment num up to size."""
+    def _scan(self, num: int, pos: int, size: int, check: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
+        """(end of the last whole, valid record from pos, how many records) in segment num up to size,
+        read in blocks; `check` (when given) must accept each record's bytes."""
         count = 0
         if size <= pos:
             return pos, 0
-        with open(self.file_name(num), "rb") as fh:
-            fh.seek(pos)
+        min_size, max_size = self.min_msg_size, self.max_msg_size
+        with open(self.file_name(num), "rb", buffering=0) as fh:
+            buf = b""
+            at = 0  # buf[0] is at file offset `at`
             while pos + 4 <= size:
-                header = fh.read(4)
-                if len(header) < 4:
+                rel = pos - at
+                if rel + 4 > len(buf):
+                    fh.seek(pos)
+                    buf, at, rel = fh.read(min(_SCAN_BUFFER, size - pos)), pos, 0
+                    if len(buf) < 4:
+                        break
+                length = int32_at(buf, rel)
+                if length < min_size or length > max_size or pos + 4 + length > size:
                     break
-                (length,) = INT32.unpack(header)
-                if length < self.min_msg_size or length > self.max_msg_size or pos + 4 + length > size:
-                    break
-                fh.seek(length, os.SEEK_CUR)
+                if check is not None:
+                    if rel + 4 + length > len(buf):
+                        fh.seek(pos)
+                        buf, at, rel = fh.read(min(max(_SCAN_BUFFER, 4 + length), size - pos)), pos, 0
+                        if len(buf) < 4 + length:
+                            break
+                    if not check(buf[rel + 4:rel + 4 + length]):
+                        break
                 pos += 4 + length
                 count += 1
         return pos, count
@@ -286,8 +385,10 @@ class SegmentLog:
     def meta_bytes(self, read_pos: int, read_index: int, extra: Sequence[str] = ()) -> bytes:
         """The metadata file: Go's three lines with this read position (and the depth from it to the
         tail), then ours."""
-        segments = " ".join(f"{num}:{self._first_index[num]}" for num in sorted(self._first_index))
-        lines = [f"{self.tail_index - read_index}", f"{read_pos >> POS_SHIFT},{read_pos & OFFSET_MASK}",
+        num, offset = self.split(max(read_pos, self.start))
+        segments = " ".join(f"{n}:{self.index_of_file(n)}:{self.start_of(n)}"
+                            for n in range(self.first_file, self.write_file_num + 1))
+        lines = [f"{self.tail_index - read_index}", f"{num},{offset}",
                  f"{self.write_file_num},{self.write_pos}", EXT_HEADER, f"epoch {self.epoch:x}",
                  f"segments {segments}", f"tail {self.tail_index}", *extra, ""]
         return "\n".join(lines).encode()
@@ -306,6 +407,10 @@ class SegmentLog:
         changed, self._files_changed = self._files_changed, False
         return changed
 
+    def files_changed_again(self) -> None:
+        """A round that was to persist a change of files failed: the next one does it again."""
+        self._files_changed = True
+
     def unsynced_again(self, paths: list[str]) -> None:
         """A round that was to fsync these failed: the next one does them again."""
         if paths:
@@ -316,15 +421,38 @@ class SegmentLog:
 
     @property
     def tail(self) -> int:
-        """The position the next record gets (unless it rolls)."""
-        return position(self.write_file_num, self.write_pos)
+        """The position the next record gets."""
+        return self._starts[-1] + self.write_pos
 
     @property
     def start(self) -> int:
-        return position(self.first_file, 0)
+        """The position of the first record kept."""
+        return self._starts[0]
 
     def start_index(self) -> int:
         return self._first_index.get(self.first_file, self.tail_index)
+
+    def start_of(self, num: int) -> int:
+        """The position of segment num's offset 0 (past the write file: the tail, where the next starts;
+        before the first kept: the first kept's)."""
+        at = num - self.first_file
+        if at < 0:
+            return self._starts[0]
+        if at >= len(self._starts):
+            return self.tail
+        return self._starts[at]
+
+    def file_of(self, pos: int) -> int:
+        """The segment holding position `pos` (first_file - 1 for a position before the log)."""
+        return self.first_file + bisect_right(self._starts, pos) - 1
+
+    def split(self, pos: int) -> tuple[int, int]:
+        """(segment, offset in it) of position `pos`."""
+        num = self.file_of(pos)
+        return num, pos - self.start_of(num)
+
+    def position(self, num: int, offset: int) -> int:
+        return self.start_of(num) + offset
 
     def index_of_file(self, num: int) -> int:
         """The index of segment num's first record (the tail's index past the last segment)."""
@@ -335,12 +463,24 @@ class SegmentLog:
             num += 1
         return self.tail_index
 
+    def distance(self, a: int, b: int) -> int:
+        """Bytes of the log from position a to position b (a <= b): what keeping a costs past b."""
+        num_a, off_a = self.split(a)
+        num_b, off_b = self.split(b)
+        if num_a == num_b:
+            return off_b - off_a
+        return sum(self._size(n) for n in range(num_a, num_b)) - off_a + off_b
+
     def segment_bytes(self) -> int:
         """The bytes of every segment kept."""
         total = 0
         for num in range(self.first_file, self.write_file_num):
             total += self._size(num)
         return total + self.write_pos
+
+    def segment_size(self, num: int) -> int:
+        """The bytes of segment num that readers read."""
+        return self._size(num)
 
     def _size(self, num: int) -> int:
         if num == self.write_file_num:
@@ -353,14 +493,8 @@ class SegmentLog:
         except OSError:
             return 0
 
-    def segments(self) -> list[int]:
-        return list(range(self.first_file, self.write_file_num + 1))
-
-    def segment_mtime(self, num: int) -> float:
-        try:
-            return os.path.getmtime(self.file_name(num))
-        except OSError:
-            return 0.0
+    def segments(self) -> range:
+        return range(self.first_file, self.write_file_num + 1)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -388,7 +522,7 @@ class SegmentLog:
             pos = self.write_pos
             end = stored
             bad = None
-            base = self.write_file_num << POS_SHIFT
+            base = self._starts[-1]
             while end < n and len(iov) < _IOV_RECORDS * 2:
                 data = records[end]
                 length = len(data)
@@ -398,10 +532,13 @@ class SegmentLog:
                     break
                 if (pos > self.write_pos or end > stored) and pos + 4 + length > max_file:
                     break
+                if base + pos + 4 + length >= POS_LIMIT:
+                    bad = f"the log's positions are used up ({base + pos} of {POS_LIMIT})"
+                    break
                 iov.append(pack(length))
                 iov.append(data)
                 if positions is not None:
-                    positions.append(base | pos)
+                    positions.append(base + pos)
                 pos += 4 + length
                 end += 1
             if iov:
@@ -414,12 +551,6 @@ class SegmentLog:
                 stored = end
             if bad is not None:
                 raise BackendError(bad, stored)
-
-    def next_position(self, length: int) -> int:
-        """The position append() gives a record of `length` bytes now."""
-        if self.write_pos > 0 and self.write_pos + 4 + length > self.max_bytes_per_file:
-            return position(self.write_file_num + 1, 0)
-        return self.tail
 
     def _write_run(self, iov: list[bytes], total: int, count: int, stored: int) -> None:
         """One writev of `count` records to the write file; on failure none of them counts."""
@@ -482,10 +613,12 @@ class SegmentLog:
         return fd
 
     def _next_write_file(self) -> None:
-        """Roll: later records go to the next file (the owner's round fsyncs both)."""
+        """Roll: later records go to the next file, which starts where this one ends (the owner's round
+        fsyncs both)."""
         if self.write_pos > 0 and self._unsynced_from is None:
             self._unsynced_from = self.write_file_num
         self._close_write_fd()
+        self._starts.append(self.tail)
         self.write_file_num += 1
         self.write_pos = 0
         self._first_index[self.write_file_num] = self.tail_index
@@ -533,9 +666,10 @@ class SegmentLog:
             self._next_write_file()
 
     def read_at(self, pos: int) -> bytes:
-        """The record at `pos` (reclaim, seek, an age in /stats); raises OSError or ValueError."""
-        with open(self.file_name(pos >> POS_SHIFT), "rb") as fh:
-            fh.seek(pos & OFFSET_MASK)
+        """The record at `pos` (seek, an age in /stats); raises OSError or ValueError."""
+        num, offset = self.split(pos)
+        with open(self.file_name(num), "rb") as fh:
+            fh.seek(offset)
             header = fh.read(4)
             if len(header) < 4:
                 raise ValueError("unexpected EOF reading a record length")
@@ -549,19 +683,21 @@ class SegmentLog:
 
     # --- dropping -----------------------------------------------------------------------------
 
-    def droppable(self, before: int) -> list[tuple[str, bool]]:
-        """The files of the segments before segment `before` (never the write file), for the owner to
-        remove once the metadata no longer naming them is persisted; they are forgotten now. Each with
-        whether it is to be kept as `.bad` instead (a bad record cut it: go-diskqueue keeps such files)."""
+    def drop_before(self, before: int) -> list[tuple[str, bool]]:
+        """Forget the segments before segment `before` (never the write file) and return their files, for
+        the owner to remove once the metadata no longer naming them is persisted. Each with whether it is
+        to be kept as `.bad` instead (a bad record cut it: go-diskqueue keeps such files)."""
         before = min(before, self.write_file_num)
         dropped: list[tuple[str, bool]] = []
-        if before > self.first_file:
-            self._files_changed = True
+        if before <= self.first_file:
+            return dropped
+        self._files_changed = True
         for num in range(self.first_file, before):
             dropped.append((self.file_name(num), num in self._cut))
             self._first_index.pop(num, None)
             self._cut.pop(num, None)
-        self.first_file = max(self.first_file, before)
+        del self._starts[:before - self.first_file]
+        self.first_file = before
         return dropped
 
     def skip_to_new_file(self) -> None:
@@ -604,29 +740,37 @@ def remove_dropped(path: str, bad: bool, name: str) -> None:
 
 
 class SegmentReader:
-    """One reader's place in a SegmentLog: the position and index of the next record, the open segment
-    and a block read from it (records are cut from 256 KiB preads). Owned by a LogReader."""
+    """One reader's place in a SegmentLog: the segment, its start position and the offset in it of the
+    next record, that record's index, the open segment and a block read from it (records are cut from
+    256 KiB preads). Owned by a LogReader (and a TopicLog's scans)."""
 
-    __slots__ = ("log", "file_num", "pos", "index", "_fd", "_buf", "_buf_at", "_file_end")
+    __slots__ = ("log", "file_num", "base", "pos", "index", "_fd", "_buf", "_buf_at", "_file_end")
 
     def __init__(self, segments: SegmentLog, pos: int, index: int) -> None:
         self.log = segments
-        self.file_num = pos >> POS_SHIFT
-        self.pos = pos & OFFSET_MASK
+        self.file_num = 0
+        self.base = 0  # the position of the segment's offset 0
+        self.pos = 0  # the offset in the segment
         self.index = index
         self._fd: int | None = None
         self._buf = b""
         self._buf_at = 0
         self._file_end = -1
+        self._place(pos)
 
     @property
     def position(self) -> int:
-        return (self.file_num << POS_SHIFT) | self.pos
+        return self.base + self.pos
+
+    def _place(self, pos: int) -> None:
+        num = self.log.file_of(pos)
+        self.file_num = num
+        self.base = self.log.start_of(num)
+        self.pos = max(0, pos - self.base)
 
     def seek(self, pos: int, index: int) -> None:
         self.close()
-        self.file_num = pos >> POS_SHIFT
-        self.pos = pos & OFFSET_MASK
+        self._place(pos)
         self.index = index
 
     def close(self) -> None:
@@ -636,20 +780,21 @@ class SegmentReader:
             self._fd = None
 
     def read(self, limit: int, upto: int, positions: list[int]) -> list[bytes]:
-        """Up to `limit` records before position `upto`; `positions` gets theirs. A bad record cuts its
-        file (SegmentLog.cut) and reading goes on in the next one: logged, never raised."""
+        """Up to `limit` records before position `upto`; `positions` gets theirs. The records of one call
+        have consecutive indices (a call stops where reading jumps over lost records). A bad record cuts
+        its file (SegmentLog.cut) and reading goes on in the next one: logged, never raised."""
         out: list[bytes] = []
         segments = self.log
         if segments.closed:
             return out
-        upto_file = upto >> POS_SHIFT
         while len(out) < limit:
             num = self.file_num
-            if num > upto_file or (num == upto_file and self.pos >= (upto & OFFSET_MASK)):
-                break
             if num < segments.first_file:
-                self._next_file(segments.first_file)
+                if not self._next_file(segments.first_file) and out:
+                    break
                 continue
+            if self.base + self.pos >= upto:
+                break
             try:
                 data = self._read_one(num)
             except (OSError, ValueError) as exc:
@@ -658,14 +803,16 @@ class SegmentReader:
                               segments.name, segments.file_name(num))
                 else:
                     segments.cut(num, self.pos, str(exc))
-                self._next_file(num + 1)
+                if not self._next_file(num + 1) and out:
+                    break
                 continue
             if data is None:
                 if num >= segments.write_file_num:
                     break  # at the tail
-                self._next_file(num + 1)
+                if not self._next_file(num + 1) and out:
+                    break
                 continue
-            positions.append((num << POS_SHIFT) | self.pos)
+            positions.append(self.base + self.pos)
             out.append(data)
             self.pos += 4 + len(data)
             self.index += 1
@@ -674,31 +821,37 @@ class SegmentReader:
     def rewind(self, pos: int, index: int) -> None:
         """Back to `pos` (read before, not used after all), the record with index `index`: in the same
         segment the open file and its block are kept."""
-        if pos >> POS_SHIFT != self.file_num:
+        if not self.base <= pos < self.log.start_of(self.file_num + 1) or self.file_num < self.log.first_file:
             self.seek(pos, index)
             return
-        self.pos = pos & OFFSET_MASK
+        self.pos = pos - self.base
         self.index = index
 
     def fetch(self, pos: int) -> bytes:
         """The record at `pos`, out of order (a deferred record read back when it is due), through this
         reader's block, so records near each other cost one pread. For a reader that reads nothing else
         (its index is not kept). Raises OSError or ValueError."""
-        num = pos >> POS_SHIFT
+        num = self.log.file_of(pos)
         if num != self.file_num:
             self.close()
             self.file_num = num
-        self.pos = pos & OFFSET_MASK
+            self.base = self.log.start_of(num)
+        self.pos = pos - self.base
         data = self._read_one(num)
         if data is None:
             raise ValueError(f"no record at {num}:{self.pos}")
         return data
 
-    def _next_file(self, num: int) -> None:
+    def _next_file(self, num: int) -> bool:
+        """On to segment num's start; whether the index runs on from here (no records lost between)."""
         self.close()
+        index = self.log.index_of_file(num)
+        same = index == self.index
         self.file_num = num
+        self.base = self.log.start_of(num)
         self.pos = 0
-        self.index = self.log.index_of_file(num)
+        self.index = index
+        return same
 
     def _read_one(self, num: int) -> bytes | None:
         """The next record, or None where the segment ends."""

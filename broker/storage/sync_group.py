@@ -13,7 +13,9 @@ bytes and fsyncs them, nothing more (a restart finds records past a metadata's w
 When: after sync_every changes (records written, FINs, requeues: go-diskqueue's count of reads and
 writes), at once when a file rolls, and every sync_timeout when anything happened (the io_loop, `run`).
 `sync()` is a group commit: every caller waiting at one moment shares one round, which covers every record
-written before it was called. A record a failed round covered is never reported durable afterwards, even
+written before it was called; `when_durable()` is the same without awaiting: a callback once a round covers
+what was written so far (a channel finishes a message it moved to another topic only once that topic's
+round has fsynced the copy: two groups, ordered). A record a failed round covered is never reported durable afterwards, even
 if a later fsync succeeds (Linux may drop the dirty pages of a failed write-back and mark them clean), and
 the group reports its health (nsqd's SetHealth): a failed write or fsync says what failed, the next that
 succeeds says healthy again.
@@ -110,6 +112,14 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def _call(callback: Callable[[bool], None], ok: bool) -> None:
+    """A when_durable callback: a failure in one is logged and costs no other, nor the round."""
+    try:
+        callback(ok)
+    except Exception:
+        log.exception("DISKQUEUE: a callback after a sync round failed")
+
+
 class SyncGroup:
     """Owned by a Topic: `run` is its io_loop (in the topic's nursery); its logs report writes and rolls
     (`wrote`), its cursors report changes (`changed`); publishers with --sync-every=1 await `sync`."""
@@ -135,6 +145,8 @@ class SyncGroup:
         self._synced_writes = 0  # covered by a successful round
         self._failed_writes = 0  # covered by a failed round: never durable as far as we know
         self._round: _Round | None = None
+        # (records written when asked, callback): told once a round covered them, or failed to
+        self._waiting: list[tuple[int, Callable[[bool], None]]] = []
         self._wake = trio.Event()
         self._idle = False  # run() waits for a first change, without a timer
         self.closed = False
@@ -173,9 +185,43 @@ class SyncGroup:
 
     def file_changed(self) -> None:
         """go-diskqueue syncs whenever a file changes."""
+        self.request_round()
+
+    def request_round(self) -> None:
+        """A round now (the io loop starts it), not after sync_every changes or sync_timeout."""
         self._needs_sync = True
         self._sync_due = True
         self._wake.set()
+
+    def when_durable(self, callback: Callable[[bool], None]) -> None:
+        """callback(True) once a round has fsynced every record written so far, or callback(False) once a
+        round that was to fsync them failed (they are never reported durable then, as sync() says). At
+        once when that is known already; else a round is asked for. Called in the event loop, from the
+        round's end."""
+        target = self._writes
+        if target <= self._synced_writes:
+            callback(True)
+        elif target <= self._failed_writes:
+            callback(False)
+        else:
+            self._waiting.append((target, callback))
+            self.request_round()
+
+    def fail_waiting(self) -> None:
+        """No round will come (the topic is deleted): every callback waiting is told so."""
+        waiting, self._waiting = self._waiting, []
+        for _, callback in waiting:
+            _call(callback, False)
+
+    def _tell_waiting(self, covered: int, ok: bool) -> None:
+        """A round that covered the first `covered` records ended: callbacks waiting for no more hear it."""
+        if not self._waiting:
+            return
+        due = [callback for target, callback in self._waiting if target <= covered]
+        if due:
+            self._waiting = [(target, callback) for target, callback in self._waiting if target > covered]
+            for callback in due:
+                _call(callback, ok)
 
     def _health(self, error: str | None) -> None:
         self.failing = error is not None
@@ -239,6 +285,7 @@ class SyncGroup:
                 member.finished(plan, ok)
             self._round = None
             current.done.set()
+            self._tell_waiting(plan.writes, ok)
 
     def _persist(self, plan: RoundPlan) -> None:
         """In a worker thread. fsync goes through a descriptor of our own (fsync flushes the file, not the
@@ -253,6 +300,10 @@ class SyncGroup:
             fsync_dir(self.data_path)  # the renames and any new file's name
         for path, bad, name in plan.removes:
             remove_dropped(path, bad, name)
+        if plan.removes:
+            # the removals too: else a power loss brings the files back (SegmentLog removes them at open,
+            # but they would take the disk until then)
+            fsync_dir(self.data_path)
 
     def _append(self, member: SyncMember, path: str, data: bytes) -> None:
         """Append a cursor's block and fsync it (unless its owner was deleted meanwhile)."""

@@ -14,8 +14,16 @@ What it holds, in the data directory:
   appended is handed at once.
 
 Segments go once every channel has finished them (and, with --retention-time or --retention-bytes, once
-they are also older or beyond the limit), after the metadata and cursors that no longer need them are
-persisted: it all happens in the topic's sync rounds (`prepare`, a SyncGroup member).
+they are also older or beyond the limit: a segment is older than the time when the next one's first
+message was published before it, by the records' own timestamps, not the files' times, which a restored
+backup resets), after the metadata and cursors that no longer need them are persisted: it all happens in
+the topic's sync rounds (`prepare`, a SyncGroup member).
+
+Its *durable tail* is the position up to which a round has fsynced the log: after a power loss a new
+record may be written at the position of one that was lost, so whatever hands positions to a client (a
+positional reader, a follower) serves no further. A round that fails leaves it where it was for good
+(Linux may drop the pages of a failed write-back and report the next fsync clean): until a restart reads
+the files again, nothing past it is served.
 
 Who calls it: Topic (append, dispatch, empty, delete), Channel (reader_for, seek_to), the HTTP API
 (seek positions, /stats).
@@ -31,9 +39,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.deadlines import Deadlines
 from trio_nsq.broker.storage.files import close_quietly, remove_quietly
-from trio_nsq.broker.storage.log_reader import Deadlines, LogReader
-from trio_nsq.broker.storage.segment_log import OFFSET_MASK, POS_SHIFT, SegmentLog, numbered_files
+from trio_nsq.broker.storage.log_reader import LogReader
+from trio_nsq.broker.storage.records import looks_like_message
+from trio_nsq.broker.storage.segment_log import SegmentLog, list_dir, numbered_files
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
@@ -59,7 +69,9 @@ class TopicLog:
         retention_time: float = 0.0,
         retention_bytes: int = 0,
         clock: Callable[[], float] = time.time,
+        names: Sequence[str] | None = None,
     ) -> None:
+        """`names`: the data directory's names, when the caller listed it (else it is listed here)."""
         self.name = name
         self.data_path = data_path
         self.group = group
@@ -67,8 +79,11 @@ class TopicLog:
         self.retention_time = retention_time
         self.retention_bytes = retention_bytes
         self.deleted = False
+        if names is None:
+            names = list_dir(data_path)
         self.segments = SegmentLog(name, data_path, max_bytes_per_file=max_bytes_per_file,
-                                   min_msg_size=min_msg_size, max_msg_size=max_msg_size, on_write=group.wrote)
+                                   min_msg_size=min_msg_size, max_msg_size=max_msg_size, on_write=group.wrote,
+                                   valid_record=looks_like_message, names=names)
         segments = self.segments
         self.readers: list[LogReader] = []  # every channel's reader of this log (ephemeral ones too)
         self.durable: list[LogReader] = []  # those with a cursor file
@@ -82,7 +97,12 @@ class TopicLog:
         self._deadline_created: set[int] = set()
         self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
         self._meta_dispatched = ""
-        self._load_deadlines(segments.start)
+        self._first_stamps: dict[int, int | None] = {}  # segment -> its first record's timestamp
+        # what a round has fsynced (position, index): at open, what the files hold
+        self.durable_tail = (segments.tail, segments.tail_index)
+        self._round_tail = self.durable_tail
+        self._suspect = False  # a round failed: the durable tail stays until a restart
+        self._load_deadlines(segments.start, numbered_files(names, f"{name}.diskqueue.deadlines"))
         group.members.append(self)
 
     def __repr__(self) -> str:
@@ -100,8 +120,7 @@ class TopicLog:
             except ValueError:
                 log.error("TOPIC(%s) ignoring an unreadable dispatched position %r", self.name, value)
         if segments.meta_found:
-            num, offset = segments.meta_read
-            return (num << POS_SHIFT) | offset, segments.meta_read_index
+            return segments.position(*segments.meta_read), segments.meta_read_index
         return segments.start, segments.start_index()
 
     # --- files --------------------------------------------------------------------------------
@@ -110,18 +129,19 @@ class TopicLog:
         return os.path.join(self.data_path, f"{self.name}.diskqueue.deadlines.{num:06d}.dat")
 
     def _deadline_files(self) -> list[int]:
-        return numbered_files(self.data_path, f"{self.name}.diskqueue.deadlines")
+        return numbered_files(list_dir(self.data_path), f"{self.name}.diskqueue.deadlines")
 
-    def _load_deadlines(self, start: int) -> None:
-        """The deadlines still ahead of records from `start` on (a restart, or a seek back). Entries past
-        the log's end (their records lost with a power failure, or a torn write) are cut off their file:
-        a record written there later is not deferred by them."""
+    def _load_deadlines(self, start: int, files: list[int]) -> None:
+        """The deadlines still ahead of records from `start` on (a restart, or a seek back), from deadline
+        files `files`. Entries past the log's end (their records lost with a power failure, or a torn
+        write) are cut off their file: a record written there later is not deferred by them."""
         now = self.clock()
         tail = self.segments.tail
+        first = self.segments.file_of(start)
         found: list[tuple[int, float]] = []
-        for num in self._deadline_files():
+        for num in files:
             path = self.deadline_file_name(num)
-            if num < (start >> POS_SHIFT):
+            if num < first:
                 if num < self.segments.first_file:
                     remove_quietly(path)  # its segment went before it
                 continue
@@ -169,8 +189,9 @@ class TopicLog:
     def _append_deadlines(self, records: Sequence[bytes], positions: list[int], deadline: float) -> None:
         self.deadlines.add_many(positions, deadline)
         by_file: dict[int, list[bytes]] = {}
+        file_of = self.segments.file_of
         for data, pos in zip(records, positions):
-            by_file.setdefault(pos >> POS_SHIFT, []).append(_DEADLINE.pack(pos, deadline, data[10:26]))
+            by_file.setdefault(file_of(pos), []).append(_DEADLINE.pack(pos, deadline, data[10:26]))
         for num, packed in by_file.items():
             try:
                 fd = self._deadline_fds.get(num)
@@ -246,15 +267,27 @@ class TopicLog:
         segments = self.segments
         if num == segments.write_file_num and segments.write_pos == 0:
             return None
+        pos = segments.start_of(num)
         try:
-            data = segments.read_at(num << POS_SHIFT)
+            data = segments.read_at(pos)
         except (OSError, ValueError):
             return None
-        return num << POS_SHIFT, segments.index_of_file(num), MESSAGE_HEADER.unpack_from(data)[0]
+        return pos, segments.index_of_file(num), MESSAGE_HEADER.unpack_from(data)[0]
+
+    def _first_timestamp(self, num: int) -> int | None:
+        """The publish time (unix ns) of segment num's first record (cached: records never change)."""
+        if num in self._first_stamps:
+            return self._first_stamps[num]
+        first = self._first_record(num)
+        stamp = None if first is None else int(first[2])
+        if first is not None or num != self.segments.write_file_num:
+            self._first_stamps[num] = stamp
+        return stamp
 
     def _scan_for_time(self, num: int, to: int) -> tuple[int, int] | None:
-        reader = self.segments.reader(num << POS_SHIFT, self.segments.index_of_file(num))
-        end = min(self.dispatched[0], (num + 1) << POS_SHIFT)
+        segments = self.segments
+        reader = segments.reader(segments.start_of(num), segments.index_of_file(num))
+        end = min(self.dispatched[0], segments.start_of(num + 1))
         try:
             while True:
                 positions: list[int] = []
@@ -270,7 +303,7 @@ class TopicLog:
 
     def reload_deadlines(self, start: int) -> None:
         """A reader went back to `start` (a seek): deadlines still ahead there count again."""
-        self._load_deadlines(start)
+        self._load_deadlines(start, self._deadline_files())
 
     # --- what /stats says ---------------------------------------------------------------------
 
@@ -308,18 +341,20 @@ class TopicLog:
             return
         segments = self.segments
         self._taken = segments.take_unsynced()
+        self._round_tail = (segments.tail, segments.tail_index)
         plan.fsync.extend(self._taken)
         for num in sorted(self._deadline_unsynced):
             plan.fsync.append(self.deadline_file_name(num))
         self._deadline_unsynced.clear()
         needed = self.needed()
-        keep = self._retained(needed >> POS_SHIFT)
+        keep = self._retained(segments.file_of(needed))
         if keep > segments.first_file:
             for num in range(segments.first_file, keep):
                 fd = self._deadline_fds.pop(num, None)
                 close_quietly(fd)
+                self._first_stamps.pop(num, None)
                 self._removing.append((self.deadline_file_name(num), False, self.name))
-            self._removing.extend((path, bad, self.name) for path, bad in segments.droppable(keep))
+            self._removing.extend((path, bad, self.name) for path, bad in segments.drop_before(keep))
         plan.removes.extend(self._removing)
         if len(self.deadlines):
             # entries every reader has read (a restart reads them from the files again)
@@ -349,12 +384,14 @@ class TopicLog:
         keep = min(needed_file, segments.write_file_num)
         if not (self.retention_time or self.retention_bytes):
             return max(keep, segments.first_file)
-        now = self.clock()
+        cutoff = int((self.clock() - self.retention_time) * 1e9)
         total = segments.segment_bytes()
         first = segments.first_file
         while first < keep:
-            size = segments._size(first)
-            old = self.retention_time > 0 and segments.segment_mtime(first) < now - self.retention_time
+            size = segments.segment_size(first)
+            # every record of a segment was published before the next one's first record
+            newer = self._first_timestamp(first + 1) if self.retention_time > 0 else None
+            old = newer is not None and newer < cutoff
             big = self.retention_bytes > 0 and total - size >= self.retention_bytes
             if not (old or big):
                 break
@@ -365,11 +402,17 @@ class TopicLog:
     def finished(self, plan: RoundPlan, ok: bool) -> None:
         if ok:
             self._removing = []
+            if not self._suspect:
+                self.durable_tail = self._round_tail
         else:
+            if not self._suspect:
+                log.error("TOPIC(%s): a sync round failed: positions past %d are not served until a restart",
+                          self.name, self.durable_tail[0])
+            self._suspect = True
             self.segments.unsynced_again(self._taken)
             self._meta_at = -META_INTERVAL  # written again next round
             self._meta_dispatched = ""
-            self.segments._files_changed = True
+            self.segments.files_changed_again()
         self._taken = []
 
     # --- end ----------------------------------------------------------------------------------
@@ -394,8 +437,4 @@ class TopicLog:
                 remove_quietly(self.deadline_file_name(num))
 
 
-def position_text(pos: int) -> str:
-    return f"{pos >> POS_SHIFT}:{pos & OFFSET_MASK}"
-
-
-__all__ = ["BackendError", "SeekError", "TopicLog", "position_text"]
+__all__ = ["BackendError", "SeekError", "TopicLog"]
