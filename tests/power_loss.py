@@ -33,7 +33,8 @@ The model (POSIX, the worst case a journaling file system is allowed):
   a random prefix of the new bytes (ext4 may have written some back before the power went); "zeros": such
   a file keeps the new length but the new bytes read as zeros (a torn tail delayed allocation can leave).
   A file written below its durable length or truncated below it, one written through a Python file
-  object (offsets not seen), and one whose every name is gone fall back to strict. Randomness is seeded
+  object or made behind the wrappers' back (a `dir_fd=` open: offsets not seen), and one whose every
+  name is gone fall back to strict. Randomness is seeded
   (`PowerLoss(seed=...)` or `crash(seed=...)`).
 - `fail_fsync(predicate)`: fsync (and fdatasync) of a path the predicate selects raises OSError(EIO)
   and makes nothing durable, until `fail_fsync(None)`. The page cache is left as it is (Linux may drop

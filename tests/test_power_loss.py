@@ -17,7 +17,7 @@ import trio.testing
 
 from trio_nsq import compiled
 from trio_nsq.broker.storage import files, segment_log, sync_group
-from trio_nsq.broker.topic import Topic
+from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Topic
 from tests.power_loss import Event, PowerLoss, power_loss  # noqa: F401 (the fixture)
 from tests.topic_owner import Owner, kill
 
@@ -448,3 +448,50 @@ def test_a_topic_keeps_what_it_answered_and_loses_what_came_after_its_last_round
         power_loss.crash("strict")
         # the FINs since the last round are undone: everything answered is back, b2 is not
         assert trio.run(after, clock=clock) == kept + [b"b0", b"b1"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 41: a dead-letter move spans two sync groups; the source's "
+                   "round makes the FIN durable before the dead-letter topic's round fsyncs the message")
+def test_a_dead_letter_move_survives_a_power_loss(power_loss):
+    """A message past its attempts goes to the dead-letter topic's log, then is finished on its channel:
+    in both after a crash between the two, never in neither. Under kill -9 that holds (the page cache
+    keeps the dead letter); under a power loss the source topic's round may persist the FIN while the
+    dead-letter topic's log was never fsynced, and the message is in neither."""
+    clock = trio.testing.MockClock()
+    data = power_loss.data_dir
+
+    def open_topics() -> tuple[Topic, Topic]:
+        owner = Owner(data, clock, strict=True, mem_queue_size=0, sync_every=1)
+        topic = Topic(owner, "t")  # type: ignore[arg-type]
+        topic.get_channel("c").settings.update({"max_attempts": 1})  # as nsqd.dat brings it back
+        topic.apply_settings()
+        return topic, owner.topics["t-c-dlq"]
+
+    async def move() -> tuple[Topic, Topic]:
+        topic, dead = open_topics()
+        await dead.group.sync_round()  # the dead-letter channel's cursor on disk (as POST /channel/config)
+        published = topic.publish([b"m0"])
+        assert published.sync is not None
+        await published.sync.sync()
+        channel = topic.get_channel("c")
+        [msg] = channel.take(1)
+        msg.attempts += 1
+        channel.start_in_flight(msg, CLIENT, 0.0, 60.0)
+        channel.requeue_message(CLIENT, msg.id, 0.0)  # past max_attempts: moved
+        assert channel.dead_lettered_count == 1
+        await topic.group.sync_round()  # the source's round (its FIN); the dead-letter topic's has not run
+        return topic, dead
+    topic, dead = trio.run(move, clock=clock)
+    kill(topic)
+    kill(dead)
+    assert any(b"m0" in p.read_bytes() for p in Path(data).glob("t-c-dlq.diskqueue.0*.dat"))  # kill -9 keeps it
+    power_loss.crash("strict")
+
+    async def found() -> list[bytes]:
+        topic, dead = open_topics()
+        try:
+            return [m.body for m in topic.get_channel("c").take(10) + dead.get_channel(DEAD_LETTERS_CHANNEL).take(10)]
+        finally:
+            kill(topic)
+            kill(dead)
+    assert b"m0" in trio.run(found, clock=clock), "the dead letter was lost with its FIN persisted"
