@@ -5,6 +5,7 @@ after its last round is not."""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import io
 import os
@@ -17,6 +18,7 @@ import trio.testing
 
 from trio_nsq import compiled
 from trio_nsq.broker.storage import files, segment_log, sync_group
+from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Topic
 from tests.power_loss import Event, PowerLoss, power_loss  # noqa: F401 (the fixture)
 from tests.topic_owner import Owner, kill
@@ -450,13 +452,12 @@ def test_a_topic_keeps_what_it_answered_and_loses_what_came_after_its_last_round
         assert trio.run(after, clock=clock) == kept + [b"b0", b"b1"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: a dead-letter move spans two sync groups; the source's "
-                   "round makes the FIN durable before the dead-letter topic's round fsyncs the message")
 def test_a_dead_letter_move_survives_a_power_loss(power_loss):
     """A message past its attempts goes to the dead-letter topic's log, then is finished on its channel:
-    in both after a crash between the two, never in neither. Under kill -9 that holds (the page cache
-    keeps the dead letter); under a power loss the source topic's round may persist the FIN while the
-    dead-letter topic's log was never fsynced, and the message is in neither."""
+    in both after a crash between the two, never in neither. Under kill -9 that held even when the
+    source topic's round persisted the FIN before the dead-letter topic's round (the page cache keeps the
+    dead letter); under a power loss it is lost, unless the FIN waits for the dead-letter topic's round
+    (issue 41: it does now)."""
     clock = trio.testing.MockClock()
     data = power_loss.data_dir
 
@@ -495,3 +496,109 @@ def test_a_dead_letter_move_survives_a_power_loss(power_loss):
             kill(topic)
             kill(dead)
     assert b"m0" in trio.run(found, clock=clock), "the dead letter was lost with its FIN persisted"
+
+
+def _dead_letter_topics(data: str, clock: trio.testing.MockClock) -> tuple[Topic, Topic]:
+    owner = Owner(data, clock, mem_queue_size=0, sync_every=1)
+    topic = Topic(owner, "t")  # type: ignore[arg-type]
+    topic.get_channel("c").settings.update({"max_attempts": 1})  # as nsqd.dat brings it back
+    topic.apply_settings()
+    return topic, owner.topics["t-c-dlq"]
+
+
+def _move_one(topic: Topic) -> None:
+    channel = topic.get_channel("c")
+    [msg] = channel.take(1)
+    msg.attempts += 1
+    channel.start_in_flight(msg, CLIENT, 0.0, 60.0)
+    channel.requeue_message(CLIENT, msg.id, 0.0)  # past max_attempts: moved
+
+
+@pytest.mark.parametrize("dead_round", ["fails", "succeeds"])
+def test_a_dead_letter_move_whose_copy_is_not_durable_is_not_finished(power_loss, dead_round):
+    """Issue 41's recipe: the dead-letter topic's fsync fails (EIO) while the source's rounds succeed.
+    The source must not persist the FIN of a message whose copy was never durable: after a power loss it
+    is still on its channel. With the dead-letter round succeeding, the FIN follows it, and the message
+    is in the dead-letter topic only."""
+    clock = trio.testing.MockClock()
+    data = power_loss.data_dir
+
+    async def move() -> tuple[Topic, Topic]:
+        topic, dead = _dead_letter_topics(data, clock)
+        await dead.group.sync_round()
+        published = topic.publish([b"m0"])
+        assert published.sync is not None
+        await published.sync.sync()
+        _move_one(topic)
+        channel = topic.get_channel("c")
+        assert channel.dead_lettered_count == 1 and channel.dead_letters_pending == 1
+        if dead_round == "fails":
+            power_loss.fail_fsync(lambda path: "t-c-dlq" in path)
+        for _ in range(2):  # both io loops' rounds, in either order
+            with contextlib.suppress(BackendError):
+                await dead.group.sync_round()
+            await topic.group.sync_round()
+        power_loss.fail_fsync(None)
+        # the copy was not durable: not finished, moved again in a moment (deferred for the retry)
+        assert channel.dead_letters_pending == 0
+        assert len(channel.deferred) == (1 if dead_round == "fails" else 0)
+        return topic, dead
+    topic, dead = trio.run(move, clock=clock)
+    kill(topic)
+    kill(dead)
+    power_loss.crash("strict")
+
+    async def found() -> tuple[list[bytes], list[bytes]]:
+        topic, dead = _dead_letter_topics(data, clock)
+        try:
+            channel = topic.get_channel("c")
+            source = channel.take(10)  # a message held for its retry is deferred until then
+            clock.jump(2)
+            channel.process_deferred_queue(trio.current_time())
+            source += channel.take(10)
+            return [m.body for m in source], [m.body for m in dead.get_channel(DEAD_LETTERS_CHANNEL).take(10)]
+        finally:
+            kill(topic)
+            kill(dead)
+    source, dead_letters = trio.run(found, clock=clock)
+    if dead_round == "fails":
+        assert source == [b"m0"] and dead_letters == []
+    else:
+        assert source == [] and dead_letters == [b"m0"]
+
+
+def test_a_redrive_is_finished_in_the_dead_letter_channel_after_its_copy_is_durable(power_loss):
+    """The other way: a re-drive copies into the source channel's own queue (the source topic's round),
+    and finishes in the dead-letter channel (its topic's round) only after. A power loss after the
+    dead-letter topic's round and before the source's finds it still among the dead letters."""
+    clock = trio.testing.MockClock()
+    data = power_loss.data_dir
+
+    async def redrive() -> tuple[Topic, Topic]:
+        topic, dead = _dead_letter_topics(data, clock)
+        await dead.group.sync_round()
+        published = topic.publish([b"m0"])
+        assert published.sync is not None
+        await published.sync.sync()
+        _move_one(topic)
+        await dead.group.sync_round()
+        await topic.group.sync_round()  # moved: finished on c, durable in the dead-letter topic
+        dead_channel = dead.get_channel(DEAD_LETTERS_CHANNEL)
+        assert topic.get_channel("c").redrive_from(dead_channel, 10) == 1
+        await dead.group.sync_round()  # the source's round has not run: nothing finished there yet
+        return topic, dead
+    topic, dead = trio.run(redrive, clock=clock)
+    kill(topic)
+    kill(dead)
+    power_loss.crash("strict")
+
+    async def found() -> tuple[list[bytes], list[bytes]]:
+        topic, dead = _dead_letter_topics(data, clock)
+        try:
+            return ([m.body for m in topic.get_channel("c").take(10)],
+                    [m.body for m in dead.get_channel(DEAD_LETTERS_CHANNEL).take(10)])
+        finally:
+            kill(topic)
+            kill(dead)
+    source, dead_letters = trio.run(found, clock=clock)
+    assert source == [] and dead_letters == [b"m0"]  # not lost: still a dead letter
