@@ -1,8 +1,10 @@
 """The delivery core (Topic, its log, Channels and their cursors) under trio's MockClock, against a model,
 with crashes: a hypothesis state machine interleaves PUB/MPUB, DPUB, taking (a consumer's delivery), FIN,
 REQ with and without a delay, TOUCH, timeouts and due deferrals (clock jumps), channel empty, seek, the
-sync rounds and kill -9 (every in-memory object dropped, the files reopened as they are: the page cache
-survives a killed process), on two channels of one topic. Files are small, so records roll over files.
+sync rounds, kill -9 (every in-memory object dropped, the files reopened as they are: the page cache
+survives a killed process) and power losses (tests/power_loss.py: every file cut back to what was
+fsynced, every name whose directory was not fsynced dropped; or the unsynced end of a file kept in part,
+or as zeros), on two channels of one topic. Files are small, so records roll over files.
 Channel c1 limits attempts to MAX_ATTEMPTS: a message requeued or timed out past them goes to its
 dead-letter topic, and every message moved there is found there after any crash (at least once). The
 move is finished on c1 only once the dead-letter topic's round has fsynced the copy (the two topics'
@@ -32,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.message import Message
 from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Topic
+from tests.power_loss import PowerLoss
 from tests.topic_owner import Owner, kill
 
 TIMEOUT = 10.0  # the consumer's msg timeout
@@ -91,7 +94,10 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.crashes = 0
         self.bodies: dict[bytes, bytes] = {}  # message id -> body (bodies are unique)
         self.dead: set[bytes] = set()  # bodies moved to the dead-letter topic
+        self.durable_dead: set[bytes] = set()  # ... whose copy a round of the dead-letter topic fsynced
         self.pending: set[bytes] = set()  # ids on c1 moved, not finished until the dead-letter topic's round
+        self.disk = PowerLoss(self.dir)
+        self.disk.__enter__()
         self._open()
 
     def _open(self) -> None:
@@ -128,6 +134,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         kill(self.topic)
         kill(self.dead_topic)
+        self.disk.__exit__(None, None, None)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def persisted(self) -> None:
@@ -289,6 +296,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.run(self.dead_topic.group.sync_round)
         for msg_id in self.pending:
             self.model[LIMITED][msg_id].become(None)
+            self.durable_dead.add(self.bodies[msg_id])
         self.pending.clear()
         self.run(self.topic.group.sync_round)
         self.persisted()
@@ -298,13 +306,29 @@ class DeliveryMachine(RuleBasedStateMachine):
         """kill -9 and a restart on the same files; then everything comes back, and is checked."""
         kill(self.topic)
         kill(self.dead_topic)
+        self.restart_and_check(self.dead)
+
+    @rule(mode=st.sampled_from(["strict", "prefix", "zeros"]), seed=st.integers(0, 1 << 16))
+    def power_loss(self, mode: str, seed: int) -> None:
+        """A power loss: what no completed round fsynced is gone (or, in the other modes, the unsynced end
+        of a file is there in part, or as zeros); then everything every completed round persisted comes
+        back, and is checked as after a kill -9. A move to the dead-letter topic is there if that
+        topic's round made the copy durable; if not, it is still on c1."""
+        kill(self.topic)
+        kill(self.dead_topic)
+        self.disk.crash(mode, seed=seed)
+        self.restart_and_check(self.durable_dead)
+
+    def restart_and_check(self, dead_letters: set[bytes]) -> None:
+        """Open the files again; what is found must be what the model allows (`dead_letters`: the moves
+        the dead-letter topic must hold)."""
         self.crashes += 1
         self.pending.clear()  # a move not finished comes back on c1, and is in the dead-letter topic too
         self._open()
         now = self.now()
         dead = self.dead_topic.get_channel(DEAD_LETTERS_CHANNEL)
 
-        def dead_letters() -> list[bytes]:
+        def take_dead_letters() -> list[bytes]:
             """What the dead-letter topic holds, kept in flight (so a later crash finds it again)."""
             bodies = []
             while msgs := dead.take(64):
@@ -312,10 +336,11 @@ class DeliveryMachine(RuleBasedStateMachine):
                     dead.start_in_flight(msg, CLIENT, now, 1e9)
                 bodies.extend(msg.body for msg in msgs)
             return bodies
-        found = self.run(dead_letters)
+        found = self.run(take_dead_letters)
         # a move a crash cut short (or a FIN of it undone) may have been made twice: at least once
-        assert self.dead <= set(found), f"dead letters lost: {self.dead - set(found)}"
+        assert dead_letters <= set(found), f"dead letters lost: {dead_letters - set(found)}"
         assert set(found) <= self.dead, f"in the dead-letter topic without a move: {set(found) - self.dead}"
+        self.dead, self.durable_dead = set(found), set(found)  # the opening round made them durable
         for ch, channel in self.channels.items():
             def recover() -> tuple[list[Any], list[tuple[bytes, int, float]]]:
                 taken = []

@@ -95,6 +95,8 @@ class LogReader:
         self.reader = segments.reader(self.cursor.read_pos, self.cursor.read_index)
         if group is not None:
             group.members.append(self)
+            if owns_log and segments.recovered:
+                group.request_round()  # records a kill -9 may have left in the page cache only
 
     def __repr__(self) -> str:
         return f"LogReader({self.name})"

@@ -127,6 +127,10 @@ class SegmentLog:
         self._files_changed = False  # a segment was created, dropped or cut since the last round
         self.closed = False
         self.appended = 0  # records appended by this process
+        self.recovered = 0  # records found at open past the persisted write position
+        # what the files held at open that a round had fsynced (a metadata write follows a round's
+        # fsync): records found past it were written after, and may be in the page cache only
+        self.synced_at_open = (0, 0)
 
         # what the metadata said: Go's read position and depth, and our lines after them
         self.meta_read = (0, 0)
@@ -297,6 +301,7 @@ class SegmentLog:
             self._first_index = {existing[0]: 0}
             self._starts = [0]
         num, pos = self.write_file_num, self.write_pos
+        self.synced_at_open = (self.tail, self.tail_index) if self.meta_found else (self.start, self.start_index())
         while True:
             path = self.file_name(num)
             try:
@@ -334,6 +339,10 @@ class SegmentLog:
             if count:
                 log.info("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
                          "last metadata sync)", self.name, count, pos, path)
+                # a kill -9 leaves them in the page cache: the first round fsyncs them
+                if self._unsynced_from is None:
+                    self._unsynced_from = num
+            self.recovered += count
             self.tail_index += count
             self.write_file_num, self.write_pos = num, end
             num, pos = num + 1, 0

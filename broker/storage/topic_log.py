@@ -98,11 +98,17 @@ class TopicLog:
         self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
         self._meta_dispatched = ""
         self._first_stamps: dict[int, int | None] = {}  # segment -> its first record's timestamp
-        # what a round has fsynced (position, index): at open, what the files hold
-        self.durable_tail = (segments.tail, segments.tail_index)
+        # what a round has fsynced (position, index): at open, what the metadata says was (records found
+        # past it, and the deadlines after them, are fsynced by the first round: a kill -9 may have left
+        # them in the page cache only)
+        self.durable_tail = segments.synced_at_open
         self._round_tail = self.durable_tail
         self._suspect = False  # a round failed: the durable tail stays until a restart
-        self._load_deadlines(segments.start, numbered_files(names, f"{name}.diskqueue.deadlines"))
+        deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
+        self._load_deadlines(segments.start, deadline_files)
+        if segments.recovered:
+            self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail[0]))
+            group.request_round()
         group.members.append(self)
 
     def __repr__(self) -> str:
