@@ -139,7 +139,7 @@ class Channel:
     # --- depth --------------------------------------------------------------------------------
 
     def depth(self) -> int:
-        return len(self.memory) + self.backend.deferred.ready_count() + self.backend_depth()
+        return len(self.memory) + self.backend.deferred_records.ready_count() + self.backend_depth()
 
     def backend_depth(self) -> int:
         """Messages waiting in the logs (the topic's and its own), not read yet: deferred publishes among

@@ -95,7 +95,7 @@ def deferred(channel: Channel, limit: int) -> list[tuple[float, Message]]:
     (REQ with a delay) and the records read from the logs with a deadline ahead, read back for a look."""
     out = [(msg.pri, msg) for msg in channel.deferred.earliest(limit)]
     backend = channel.backend
-    entries = backend.deferred.earliest(limit)
+    entries = backend.deferred_records.earliest(limit)
     deadline_of = {pos: deadline for deadline, pos in entries}
     for tag, reader in ((OWN, backend.own), (0, backend.reader)):
         positions = [pos for _, pos in entries if (pos & OWN) == tag]

@@ -154,11 +154,13 @@ class TopicStats:
     paused: bool
     e2e_processing_latency: E2eLatency
     idempotency_keys: int  # not in nsqd: Idempotency-Keys the topic holds
-    # not in nsqd: the topic's log (positions are file << 40 | offset; none for an ephemeral topic)
+    # not in nsqd: the topic's log (positions: where records are in the log's life; none for an ephemeral
+    # topic), and its durable tail (what a round has fsynced: positions are served to clients up to it)
     log_first_position: int = 0
     log_end_position: int = 0
     log_messages: int = 0
     log_bytes: int = 0
+    log_durable_position: int = 0
 
     @property
     def ephemeral(self) -> bool:
@@ -315,6 +317,7 @@ def topic_stats(topic: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
         record.log_end_position = segments.tail
         record.log_messages = segments.tail_index - segments.start_index()
         record.log_bytes = segments.segment_bytes()
+        record.log_durable_position = log_.durable_tail.position
     return record
 
 

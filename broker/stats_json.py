@@ -49,7 +49,7 @@ def _topic(t: TopicStats) -> str:
             f'"message_bytes":{t.message_bytes},"paused":{_bool(t.paused)},'
             f'"e2e_processing_latency":{_latency(t.e2e_processing_latency)},"idempotency_keys":{t.idempotency_keys},'
             f'"log_first_position":{t.log_first_position},"log_end_position":{t.log_end_position},'
-            f'"log_messages":{t.log_messages},"log_bytes":{t.log_bytes}}}')
+            f'"log_messages":{t.log_messages},"log_bytes":{t.log_bytes},"log_durable_position":{t.log_durable_position}}}')
 
 
 def _channel(c: ChannelStats) -> str:

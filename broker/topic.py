@@ -31,7 +31,7 @@ from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, resolve
 from trio_nsq.broker.storage.records import looks_like_message
-from trio_nsq.broker.storage.segment_log import SegmentLog
+from trio_nsq.broker.storage.segment_log import Place, SegmentLog
 from trio_nsq.broker.storage.sync_group import SyncGroup
 from trio_nsq.broker.storage.topic_log import TopicLog
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
@@ -237,10 +237,10 @@ class Topic:
             self.dispatch()
 
     def dispatched_position(self) -> int:
-        return self.log.dispatched[0] if self.log is not None else 0
+        return self.log.dispatched.position if self.log is not None else 0
 
     def dispatched_index(self) -> int:
-        return self.log.dispatched[1] if self.log is not None else 0
+        return self.log.dispatched.index if self.log is not None else 0
 
     # --- publishing ---------------------------------------------------------------------------
 
@@ -454,9 +454,9 @@ class Topic:
         segments = SegmentLog(name, data_path, max_bytes_per_file=opts.max_bytes_per_file,
                               min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
                               on_write=self.group.wrote, valid_record=looks_like_message)
-        start = (segments.start, segments.start_index())
+        start = Place(segments.start, segments.start_index())
         if segments.meta_found:
-            start = (segments.position(*segments.meta_read), segments.meta_read_index)
+            start = Place(segments.position(*segments.meta_read), segments.meta_read_index)
         return LogReader(segments, name + ".diskqueue", self.group, start=start, tag=OWN, owns_log=True,
                          clock=self.clock)
 

@@ -76,7 +76,7 @@ def deferred_messages(channel: Channel) -> list[tuple[bytes, int, float]]:
     """(id, attempts, deadline) of what the channel holds deferred: messages in its deferred queue, and the
     records its index of deferred records points at (read back from their log to see them)."""
     out = [(msg.id, msg.attempts, msg.pri) for msg in channel.deferred.messages()]
-    for pos, deadline in channel.backend.deferred.entries():
+    for pos, deadline in channel.backend.deferred_records.entries():
         batch = channel.backend._reader_of(pos).read_back([pos])
         [msg] = [Message.decode(data) for data in batch.records]
         attempts = batch.states[0][0] if 0 in batch.states else msg.attempts
@@ -273,9 +273,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         assert self.topic.log is not None
 
         async def seek() -> None:
-            pos, index = self.topic.log.seek_position("earliest")
-            self.topic.log.reload_deadlines(pos)
-            channel.seek(pos, index)
+            at = self.topic.log.seek_position("earliest")
+            self.topic.log.reload_deadlines(at.position)
+            channel.seek(at.position, at.index)
             await self.topic.group.sync_round()
         self.run(seek)
         self.persisted()

@@ -80,3 +80,16 @@ def test_the_check_sees_a_wrong_import(tmp_path):
 def test_shared_holds_no_user_side_package():
     assert not [name for name in USER_SIDE if (REPO / "shared" / name).exists()]
     assert all((REPO / "trio_nsq" / name / "__init__.py").is_file() for name in USER_SIDE)
+
+
+def test_the_storage_imports_nothing_of_the_broker_above_it():
+    """broker/storage/ (the segment log and its reader, the topic log, the deadlines, the cursor and its
+    file, the log reader, the deferred index, the sync group, a channel's backend) is a package of its
+    own: it imports shared and itself, never the broker that uses it (Message, Channel, Topic, ...)."""
+    storage = REPO / "broker" / "storage"
+    modules = sorted(p for p in storage.glob("*.py"))
+    assert len(modules) >= 10
+    wrong = [f"{path.relative_to(REPO)} imports {module}"
+             for path in modules for module in imports_of(path)
+             if not module.startswith(("trio_nsq.shared", "trio_nsq.broker.storage"))]
+    assert wrong == []

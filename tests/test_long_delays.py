@@ -70,8 +70,8 @@ async def test_many_messages_deferred_for_a_day_hold_no_bodies_and_all_come_afte
     # of records read); before, a Message, its body and its id (and a deadline entry), 4 and more
     kept = sys.getallocatedblocks() - blocks
     assert kept < 1.5 * (n // 2), kept / (n // 2)
-    assert (len(channel.backend.deferred), len(channel.deferred), channel.deferred_count(), channel.depth()) == (n, 0, n, 0)
-    assert channel.backend.deferred.nbytes() <= 16 * n + 64 * 1024
+    assert (len(channel.backend.deferred_records), len(channel.deferred), channel.deferred_count(), channel.depth()) == (n, 0, n, 0)
+    assert channel.backend.deferred_records.nbytes() <= 16 * n + 64 * 1024
     assert os.path.getsize(tmp_path / "t:c.cursor.dat") < 1024
     mock_clock.jump(DAY - 1)
     due(channel)
@@ -117,7 +117,7 @@ async def test_a_long_run_of_deferred_records_is_read_in_turns(tmp_path, mock_cl
         await trio.testing.wait_all_tasks_blocked()
         assert waiter.woken == turns and not channel.waiters
     assert [m.body for m in msgs] == [b"behind"] and turns == 3
-    assert len(channel.backend.deferred) == 3500
+    assert len(channel.backend.deferred_records) == 3500
     kill(topic)
 
 
@@ -144,7 +144,7 @@ async def test_deferred_records_through_kill_9(tmp_path, mock_clock):
     again = deliver(channel)
     assert sorted(m.body for m in again) == sorted({b"soon-%04d" % i for i in range(3000)} - {m.body for m in taken[:500]})
     assert channel.deferred_count() == 1000
-    assert {round(d, 3) for _, d in channel.backend.deferred.entries()} == {200.0}
+    assert {round(d, 3) for _, d in channel.backend.deferred_records.entries()} == {200.0}
     mock_clock.jump(49)
     due(channel)
     assert deliver(channel) == []
@@ -184,7 +184,7 @@ async def test_taking_one_at_a_time_past_runs_of_deferred_records(tmp_path, mock
     topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, max_bytes_per_file=1024)
     channel = topic.get_channel("c")
     assert (channel.depth(), channel.deferred_count()) == (0, later)
-    assert channel.take(1) == [] and len(channel.backend.deferred) == later
+    assert channel.take(1) == [] and len(channel.backend.deferred_records) == later
     mock_clock.jump(600)
     due(channel)
     assert len({m.body for m in deliver(channel)}) == later
@@ -223,7 +223,7 @@ async def test_empty_and_seek_drop_deferred_records(tmp_path, mock_clock):
     due(channel)
     assert (channel.depth(), channel.deferred_count()) == (10, 10)
     channel.empty()
-    assert (channel.depth(), channel.deferred_count(), channel.backend.deferred.ready_count()) == (0, 0, 0)
+    assert (channel.depth(), channel.deferred_count(), channel.backend.deferred_records.ready_count()) == (0, 0, 0)
     mock_clock.jump(600)
     due(channel)
     assert deliver(channel) == []
@@ -237,9 +237,9 @@ async def test_empty_and_seek_drop_deferred_records(tmp_path, mock_clock):
     topic.publish([b"c%d" % i for i in range(5)], 300.0)
     assert deliver(channel) == [] and channel.deferred_count() == 5
     assert topic.log is not None
-    pos, index = topic.log.seek_position("earliest")
-    topic.log.reload_deadlines(pos)
-    channel.seek(pos, index)
+    at = topic.log.seek_position("earliest")
+    topic.log.reload_deadlines(at.position)
+    channel.seek(at.position, at.index)
     assert sorted(m.body for m in deliver(channel)) == sorted(b"%s%d" % (x, i) for x in (b"a", b"b") for i in range(10))
     assert channel.deferred_count() == 5
     mock_clock.jump(300)
@@ -255,7 +255,7 @@ async def test_deferred_publishes_that_pin_the_log_are_moved_and_come_at_their_d
     topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, max_bytes_per_file=16 * 1024)
     channel = topic.get_channel("c")
     topic.publish([b"later-%02d" % i for i in range(20)], 3600.0)
-    assert deliver(channel) == [] and len(channel.backend.deferred) == 20
+    assert deliver(channel) == [] and len(channel.backend.deferred_records) == 20
     most = 0
     for round_ in range(40):
         topic.publish([b"r%02d-%04d" % (round_, i) + b"x" * 40 for i in range(500)])
@@ -271,7 +271,7 @@ async def test_deferred_publishes_that_pin_the_log_are_moved_and_come_at_their_d
     topic = open_topic(tmp_path, mock_clock, mem_queue_size=0, max_bytes_per_file=16 * 1024)
     channel = topic.get_channel("c")
     assert deliver(channel) == []
-    entries = channel.backend.deferred.entries()
+    entries = channel.backend.deferred_records.entries()
     assert len(entries) == 20 and all(pos & OWN for pos, _ in entries)  # read from its own queue
     assert all(d == pytest.approx(3600.0, abs=1e-3) for _, d in entries)
     mock_clock.jump(3600 - trio.current_time())
@@ -285,7 +285,7 @@ async def test_an_ephemeral_channel_of_a_durable_topic_defers_records_too(tmp_pa
     topic = open_topic(tmp_path, mock_clock)
     channel = topic.get_channel("tail#ephemeral")
     topic.publish([b"x%d" % i for i in range(50)], 30.0)
-    assert deliver(channel) == [] and len(channel.backend.deferred) == 50
+    assert deliver(channel) == [] and len(channel.backend.deferred_records) == 50
     mock_clock.jump(30)
     due(channel)
     assert sorted(m.body for m in deliver(channel)) == sorted(b"x%d" % i for i in range(50))

@@ -53,13 +53,14 @@ def channel_doc(c: ChannelStats, e2e: dict = NO_E2E) -> dict:
 
 
 def topic(name: str, channels: tuple[ChannelStats, ...], e2e: E2eLatency = E2eLatency()) -> TopicStats:
-    return TopicStats(name, channels, 10, 11, 12, 13, False, e2e, 14, 1 << 40, (2 << 40) + 5, 15, 16)
+    return TopicStats(name, channels, 10, 11, 12, 13, False, e2e, 14, 1 << 40, (2 << 40) + 5, 15, 16, (2 << 40) + 1)
 
 
 def topic_doc(t: TopicStats, channels: list[dict], e2e: dict = NO_E2E) -> dict:
     return {"topic_name": t.topic_name, "channels": channels, "depth": 10, "backend_depth": 11, "message_count": 12,
             "message_bytes": 13, "paused": False, "e2e_processing_latency": e2e, "idempotency_keys": 14,
-            "log_first_position": 1 << 40, "log_end_position": (2 << 40) + 5, "log_messages": 15, "log_bytes": 16}
+            "log_first_position": 1 << 40, "log_end_position": (2 << 40) + 5, "log_messages": 15, "log_bytes": 16,
+            "log_durable_position": (2 << 40) + 1}
 
 
 def test_topics_channels_clients_and_memory_in_nsqds_order():
@@ -123,7 +124,7 @@ def test_delivery_to_fin_latency_follows_the_other_channel_keys():
                          b'"backend_depth":11,"message_count":12,"message_bytes":13,"paused":false,'
                          b'"e2e_processing_latency":{"count":0,"percentiles":null},"idempotency_keys":14,'
                          b'"log_first_position":1099511627776,"log_end_position":2199023255557,"log_messages":15,'
-                         b'"log_bytes":16}],"producers":null}')
+                         b'"log_bytes":16,"log_durable_position":2199023255553}],"producers":null}')
 
 
 def test_a_channel_without_fins_has_zero_percentiles_written_once():

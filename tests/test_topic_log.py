@@ -220,9 +220,9 @@ async def test_retention_keeps_what_every_channel_finished_until_it_is_old_or_to
 async def seek(topic: Topic, channel: Channel, to: str | int) -> None:
     """What /channel/seek does: the position, the deadlines there, the channel, a round."""
     assert topic.log is not None
-    pos, index = topic.log.seek_position(to)
-    topic.log.reload_deadlines(pos)
-    channel.seek(pos, index)
+    at = topic.log.seek_position(to)
+    topic.log.reload_deadlines(at.position)
+    channel.seek(at.position, at.index)
     await topic.group.sync_round()
 
 
@@ -285,7 +285,7 @@ async def test_a_deferred_publish_is_written_once_and_keeps_its_deadline_across_
     await topic.group.sync_round()
     for channel in (a, b):
         # read, and held as positions and deadlines (the bodies stay in the log)
-        assert [m.body for m in drain(channel)] == [b"now"] and len(channel.backend.deferred) == 20
+        assert [m.body for m in drain(channel)] == [b"now"] and len(channel.backend.deferred_records) == 20
         assert len(channel.deferred) == 0 and channel.deferred_count() == 20
     await topic.group.sync_round()
     assert len(files(tmp_path, "t.diskqueue.deadlines.*.dat")) == 1
@@ -294,8 +294,8 @@ async def test_a_deferred_publish_is_written_once_and_keeps_its_deadline_across_
     clock.jump(1800)
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=2048)
     a = topic.get_channel("a")
-    assert drain(a) == [] and len(a.backend.deferred) == 20
-    assert {round(d, 3) for _, d in a.backend.deferred.entries()} == {3600.0}  # the same deadline
+    assert drain(a) == [] and len(a.backend.deferred_records) == 20
+    assert {round(d, 3) for _, d in a.backend.deferred_records.entries()} == {3600.0}  # the same deadline
     clock.jump(1801)
     assert a.process_deferred_queue(trio.current_time())
     assert a.deferred_count() == 0 and a.depth() == 20
@@ -328,7 +328,7 @@ async def test_a_message_deferred_for_an_hour_does_not_pin_the_log(tmp_path, moc
     topic = open_topic(tmp_path, clock=clock, mem_queue_size=0, max_bytes_per_file=16 * 1024)
     channel = topic.get_channel("c")
     assert drain(channel) == []
-    [(_, deadline)] = channel.backend.deferred.entries()
+    [(_, deadline)] = channel.backend.deferred_records.entries()
     assert deadline == pytest.approx(3600.0, abs=1e-3)  # the deadline the REQ gave it
     clock.jump(3600)
     channel.process_deferred_queue(trio.current_time())

@@ -398,14 +398,14 @@ class Api:
         if topic.log is None:
             raise HTTPError(400, "TOPIC_HAS_NO_LOG")  # an ephemeral topic keeps nothing to go back to
         try:
-            pos, index = topic.log.seek_position(to)
+            at = topic.log.seek_position(to)
         except SeekError:
             raise HTTPError(400, "TIME_BEFORE_RETENTION") from None
-        topic.log.reload_deadlines(pos)
-        channel.seek(pos, index)
-        log.info("CHANNEL(%s:%s): seek to %s: position %d", topic.name, channel.name, texts[0], pos)
+        topic.log.reload_deadlines(at.position)
+        channel.seek(at.position, at.index)
+        log.info("CHANNEL(%s:%s): seek to %s: position %d", topic.name, channel.name, texts[0], at.position)
         await self._persisted(topic, f"CHANNEL({channel.name})")
-        return ok_json({"position": pos, "depth": channel.depth()})
+        return ok_json({"position": at.position, "depth": channel.depth()})
 
     async def channel_messages(self, req: Request, params: Mapping[str, str]) -> Reply:
         """Not in nsqd: a look at a channel's messages in one state (in_flight, deferred, queued), at most

@@ -40,10 +40,11 @@ _BOOL = {"type": "boolean"}
 _OURS = {
     "topic": {
         "idempotency_keys": "Idempotency-Keys the topic holds",
-        "log_first_position": "position (file << 40 | offset) of the first record kept",
+        "log_first_position": "position (byte offset in the log's life) of the first record kept",
         "log_end_position": "position the next record is written at",
         "log_messages": "records the topic's log keeps",
         "log_bytes": "bytes of the topic's log on disk",
+        "log_durable_position": "position up to which a sync round has fsynced the log (the durable tail)",
     },
     "channel": {
         "lag_messages": "messages not finished: queued, in flight, deferred",

@@ -50,7 +50,7 @@ class ChannelBackend:
         self.ephemeral = ephemeral
         self.own: LogReader | None = open_own(False) if not ephemeral else None
         # deferred records read from the logs, by deadline: read back when due
-        self.deferred = DeferredIndex(now)
+        self.deferred_records = DeferredIndex(now)
         self.now = now
         self.wall = wall
         self.exiting = False
@@ -76,7 +76,7 @@ class ChannelBackend:
     def deferred_count(self, end: int) -> int:
         """Deferred records read (not due yet) and deferred publishes in the topic's log not read yet."""
         ahead = self.reader.deferred_ahead(end) if self.reader is not None else 0
-        return len(self.deferred) + ahead
+        return len(self.deferred_records) + ahead
 
     def oldest_timestamps(self, end: int) -> list[int]:
         """The publish times (unix ns) of the records at the logs' mark-delete positions (the oldest not
@@ -97,12 +97,12 @@ class ChannelBackend:
         """Up to `limit` records into `batch`: deferred records now due (read back), the own queue's,
         then the topic log's up to position `upto`. True when a long run of deferred records stopped it
         (the rest is read in the event loop's next turn)."""
-        index = self.deferred
+        index = self.deferred_records
         if index.ready_count() and len(batch) < limit:
             self._read_due(batch, index.take_ready(limit - len(batch)))
         reader = self.reader
         if reader is not None and not self.ephemeral:
-            file_num = reader.reader.file_num
+            file_num = reader.file_num
             if file_num != self._read_file:
                 # the reader moved to another segment: is an old record keeping two or more behind it?
                 self._read_file = file_num
@@ -161,7 +161,7 @@ class ChannelBackend:
 
     def due(self, now: float) -> int:
         """Deferred records whose deadline passed are ready to be read back; how many."""
-        return self.deferred.due(now) if len(self.deferred) else 0
+        return self.deferred_records.due(now) if len(self.deferred_records) else 0
 
     def store(self, records: list[bytes], holds: list[tuple[int, float]] | None = None) -> int:
         """Into the own queue (what no log holds: memory overflow, a flush at exit, re-driven dead letters),
@@ -203,7 +203,7 @@ class ChannelBackend:
         if reader is None or self.ephemeral or self.exiting:
             return []
         segments = reader.segments
-        cutoff = segments.start_of(reader.reader.file_num)
+        cutoff = segments.start_of(reader.file_num)
         return reader.cursor.unfinished_before(cutoff, RECLAIM_CHUNK)
 
     def reclaim(self, pinning: list[int], in_memory: dict[int, tuple[bytes, int, float]]) -> set[int]:
@@ -218,7 +218,7 @@ class ChannelBackend:
         reader = self.reader
         if reader is None or not pinning:
             return set()
-        index = self.deferred
+        index = self.deferred_records
         indexed = dict(index.entries_in(set(pinning))) if len(index) or index.ready_count() else {}
         movable: list[int] = []
         for pos in pinning:
@@ -228,7 +228,7 @@ class ChannelBackend:
         if not movable:
             return set()
         segments = reader.segments
-        stop = pinning[len(movable)] if len(movable) < len(pinning) else segments.start_of(reader.reader.file_num)
+        stop = pinning[len(movable)] if len(movable) < len(pinning) else segments.start_of(reader.file_num)
         freed = segments.distance(movable[0], stop)
         from_index = [pos for pos in movable if pos not in in_memory]
         read = reader.read_back(from_index) if from_index else Batch()
@@ -270,11 +270,11 @@ class ChannelBackend:
     # --- admin --------------------------------------------------------------------------------
 
     def clear_deferred(self) -> None:
-        self.deferred.clear()
+        self.deferred_records.clear()
 
     def empty(self, end: int, end_index: int) -> None:
         """Everything goes: the topic log's reader moves to `end`, the own queue is emptied (and goes)."""
-        self.deferred.clear()
+        self.deferred_records.clear()
         if self.reader is not None:
             self.reader.reset(end, end_index)
         self._empty_own()
@@ -282,7 +282,7 @@ class ChannelBackend:
     def seek(self, pos: int, index: int) -> None:
         """Deliver the topic's log again from `pos`, nothing after it finished; the own queue emptied."""
         assert self.reader is not None
-        self.deferred.clear()
+        self.deferred_records.clear()
         self.reader.reset(pos, index)
         self._empty_own()
 

@@ -1,4 +1,4 @@
-"""Deadlines: the deadlines of a log's deferred publishes, for the records some reader has not read yet.
+"""PublishDeadlines: the deadlines of a log's deferred publishes, for the records some reader has not read yet.
 
 A TopicLog keeps one, from its deadline files (`<topic>.diskqueue.deadlines.%06d.dat`): a reader defers a
 record it finds here; /stats counts the records ahead of a reader that are deferred. Two arrays in
@@ -12,7 +12,7 @@ from array import array
 from bisect import bisect_left
 
 
-class Deadlines:
+class PublishDeadlines:
     """Who calls it: TopicLog (add_many after an append, load at open and after a seek back,
     prune_before in its rounds); each LogReader of the topic's log (reading, counting)."""
 

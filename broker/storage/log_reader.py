@@ -24,10 +24,10 @@ from bisect import bisect_left
 from collections.abc import Callable
 
 from trio_nsq.broker.storage.cursor import Cursor, CursorFileError
-from trio_nsq.broker.storage.deadlines import Deadlines
+from trio_nsq.broker.storage.deadlines import PublishDeadlines
 from trio_nsq.broker.storage.deferred_index import DeferredIndex
 from trio_nsq.broker.storage.files import remove_quietly
-from trio_nsq.broker.storage.segment_log import SegmentLog
+from trio_nsq.broker.storage.segment_log import Place, SegmentLog
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
@@ -61,9 +61,9 @@ class LogReader:
         name: str,
         group: SyncGroup | None,
         *,
-        start: tuple[int, int],
+        start: Place,
         tag: int = 0,
-        deadlines: Deadlines | None = None,
+        publish_deadlines: PublishDeadlines | None = None,
         owns_log: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -76,7 +76,7 @@ class LogReader:
         self.name = name
         self.group = group
         self.tag = tag
-        self.deadlines = deadlines
+        self.publish_deadlines = publish_deadlines
         self.owns_log = owns_log
         self.clock = clock
         self.deleted = False
@@ -92,7 +92,7 @@ class LogReader:
         # its cursor file is on disk: what the log holds past it is found again after a kill -9 (a
         # reader made since the last round would start at the log's end)
         self.on_disk = not self._snapshot_due
-        self.reader = segments.reader(self.cursor.read_pos, self.cursor.read_index)
+        self.segment_reader = segments.reader(self.cursor.read_pos, self.cursor.read_index)
         if group is not None:
             group.members.append(self)
             if owns_log and segments.recovered:
@@ -104,8 +104,8 @@ class LogReader:
     def cursor_file_name(self) -> str:
         return os.path.join(self.segments.data_path, f"{self.name}.cursor.dat")
 
-    def _load(self, start: tuple[int, int]) -> Cursor:
-        fresh = Cursor(start[0], start[1], self.segments.epoch)
+    def _load(self, start: Place) -> Cursor:
+        fresh = Cursor(start.position, start.index, self.segments.epoch)
         if self.group is None:
             return fresh
         path = self.cursor_file_name()
@@ -116,14 +116,15 @@ class LogReader:
         except FileNotFoundError:
             return fresh
         except OSError as exc:
-            log.error("CURSOR(%s) cannot read %s, starting at %d - %s", self.name, path, start[0], exc)
+            log.error("CURSOR(%s) cannot read %s, starting at %d - %s", self.name, path, start.position, exc)
             return fresh
         try:
             cursor, sound = Cursor.load(data, self.segments.epoch)
         except CursorFileError as exc:
             # the log's files were rewritten by another program (Go nsqd ran on this directory): what it
             # delivered meanwhile is past `start`, what it did not is in the channel's own queue
-            log.warning("CURSOR(%s) %s is not for these files (%s): starting at %d", self.name, path, exc, start[0])
+            log.warning("CURSOR(%s) %s is not for these files (%s): starting at %d", self.name, path, exc,
+                        start.position)
             return fresh
         if sound < len(data):
             log.warning("CURSOR(%s) cutting %d bytes of a torn block off the end of %s", self.name, len(data) - sound, path)
@@ -185,9 +186,9 @@ class LogReader:
     def deferred_ahead(self, end: int) -> int:
         """Records not read yet before position `end` that are deferred publishes (counted deferred, not
         queued, as nsqd counts them once its topic handed them to the channel)."""
-        if self.deadlines is None or not len(self.deadlines):
+        if self.publish_deadlines is None or not len(self.publish_deadlines):
             return 0
-        return self.deadlines.count_between(self.cursor.read_pos, end)
+        return self.publish_deadlines.count_between(self.cursor.read_pos, end)
 
     def read(self, limit: int, upto: int, later: DeferredIndex | None = None, batch: Batch | None = None) -> Batch:
         """Records before position `upto` into `batch` (a new one if None) until it holds `limit`: skips
@@ -196,7 +197,7 @@ class LogReader:
         channel reads it back when it is due); without `later` it comes with its seconds left. It stops
         once deferred_per_read records went to `later` (`more` says so: the caller reads on later)."""
         cursor = self.cursor
-        reader = self.reader
+        reader = self.segment_reader
         if batch is None:
             batch = Batch()
         out = batch.records
@@ -219,7 +220,7 @@ class LogReader:
             skipping = cursor.hidden() > 0
             held = cursor.held
             # the deferred publishes among these records: walked beside them (both in position order)
-            deferred = self.deadlines
+            deferred = self.publish_deadlines
             at = end = 0
             if deferred is not None and len(deferred):
                 at = bisect_left(deferred.positions, positions[0])
@@ -243,7 +244,7 @@ class LogReader:
         How many went to `later`."""
         cursor = self.cursor
         held = cursor.held
-        deferred = self.deadlines
+        deferred = self.publish_deadlines
         tag = self.tag
         out = batch.records
         now = self.clock()
@@ -281,9 +282,10 @@ class LogReader:
             batch.positions.append(pos | tag)
         if used < len(records):
             # the reader goes back to the first not needed (indices run on within one read)
-            self.reader.rewind(positions[used], start_index + used)
+            self.segment_reader.rewind(positions[used], start_index + used)
             del positions[used:]
-        cursor.handed(positions, start_index, self.reader.position, self.reader.index, skipped or None)
+        cursor.handed(positions, start_index, self.segment_reader.position, self.segment_reader.index,
+                      skipped or None)
         return deferring
 
     def read_back(self, positions: list[int], batch: Batch | None = None) -> Batch:
@@ -330,10 +332,10 @@ class LogReader:
             return batch
         cursor = self.cursor
         held = cursor.held
-        deferred = self.deadlines if self.deadlines is not None and len(self.deadlines) else None
+        deferred = self.publish_deadlines if self.publish_deadlines is not None and len(self.publish_deadlines) else None
         now = self.clock()
         budget = 4 * limit + 64
-        reader = self.segments.reader(self.reader.position, self.reader.index)
+        reader = self.segments.reader(self.segment_reader.position, self.segment_reader.index)
         try:
             while len(batch) < limit and budget > 0:
                 positions: list[int] = []
@@ -386,13 +388,18 @@ class LogReader:
     def reset(self, pos: int, index: int) -> None:
         """Nothing before `pos` is wanted (an empty: the end of the log; a seek: anywhere in it)."""
         self.cursor.reset(pos, index)
-        self.reader.seek(pos, index)
+        self.segment_reader.seek(pos, index)
         self._snapshot_due = True
         if self.group is not None:
             self.group.changed()
 
     def mark_delete(self) -> int:
         return self.cursor.mark_delete()
+
+    @property
+    def file_num(self) -> int:
+        """The segment reading is in."""
+        return self.segment_reader.file_num
 
     def drained(self) -> bool:
         """Everything of its log is read and finished, nothing held."""
@@ -455,7 +462,7 @@ class LogReader:
             self._meta_at = -META_INTERVAL
 
     def close(self) -> None:
-        self.reader.close()
+        self.segment_reader.close()
         if self.owns_log:
             self.segments.close()
         if self.group is not None and self in self.group.members:
@@ -464,7 +471,7 @@ class LogReader:
     def delete(self) -> None:
         """Remove the cursor file (and the own log's files), now: a channel of the same name created next
         starts afresh."""
-        self.reader.close()
+        self.segment_reader.close()
         lock = self.group.files_lock if self.group is not None else None
         if lock is not None:
             with lock:

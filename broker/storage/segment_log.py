@@ -45,6 +45,8 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
+
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.files import close_quietly, remove_quietly
 from trio_nsq.shared.protocol import INT32, int32_at
@@ -65,6 +67,14 @@ _READ_BUFFER = 256 * 1024
 _SCAN_BUFFER = 1024 * 1024
 EXT_HEADER = "trio-nsq-log 2"
 _EXT_HEADER_V1 = "trio-nsq-log 1"
+
+
+@attrs.frozen
+class Place:
+    """A place in a log: a record's position and its index (the record there, or the one to come)."""
+
+    position: int
+    index: int
 
 
 def numbered_files(names: Iterable[str], stem: str) -> list[int]:
@@ -130,7 +140,7 @@ class SegmentLog:
         self.recovered = 0  # records found at open past the persisted write position
         # what the files held at open that a round had fsynced (a metadata write follows a round's
         # fsync): records found past it were written after, and may be in the page cache only
-        self.synced_at_open = (0, 0)
+        self.synced_at_open = Place(0, 0)
 
         # what the metadata said: Go's read position and depth, and our lines after them
         self.meta_read = (0, 0)
@@ -301,7 +311,8 @@ class SegmentLog:
             self._first_index = {existing[0]: 0}
             self._starts = [0]
         num, pos = self.write_file_num, self.write_pos
-        self.synced_at_open = (self.tail, self.tail_index) if self.meta_found else (self.start, self.start_index())
+        self.synced_at_open = (Place(self.tail, self.tail_index) if self.meta_found
+                               else Place(self.start, self.start_index()))
         while True:
             path = self.file_name(num)
             try:

@@ -7,7 +7,7 @@ What it holds, in the data directory:
 - the deadlines of deferred publishes (DPUB, /pub?defer=), per segment:
   `<topic>.diskqueue.deadlines.%06d.dat`, entries (position, unix deadline, message id) appended after
   their records. A channel reading such a record defers it; a restart reads the deadline again. They go
-  with their segment; in memory only those of records some channel has not read are kept (Deadlines);
+  with their segment; in memory only those of records some channel has not read are kept (PublishDeadlines);
 - after Go's three lines of the metadata, how far the topic has handed its log to its channels
   (`dispatched`, "all" when up to the end): a channel created later starts there, as nsqd's new channel
   gets only what its topic still holds. While the topic has channels and is not paused, everything
@@ -39,11 +39,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.backend import BackendError
-from trio_nsq.broker.storage.deadlines import Deadlines
+from trio_nsq.broker.storage.deadlines import PublishDeadlines
 from trio_nsq.broker.storage.files import close_quietly, remove_quietly
 from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.storage.records import looks_like_message
-from trio_nsq.broker.storage.segment_log import SegmentLog, list_dir, numbered_files
+from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir, numbered_files
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
@@ -87,9 +87,9 @@ class TopicLog:
         segments = self.segments
         self.readers: list[LogReader] = []  # every channel's reader of this log (ephemeral ones too)
         self.durable: list[LogReader] = []  # those with a cursor file
-        # how far the log is handed to the channels: (position, index)
+        # how far the log is handed to the channels
         self.dispatched = self._load_dispatched()
-        self.deadlines = Deadlines()
+        self.publish_deadlines = PublishDeadlines()
         self._deadline_fds: dict[int, int] = {}
         self._deadline_unsynced: set[int] = set()
         self._removing: list[tuple[str, bool, str]] = []
@@ -107,27 +107,27 @@ class TopicLog:
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
         self._load_deadlines(segments.start, deadline_files)
         if segments.recovered:
-            self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail[0]))
+            self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail.position))
             group.request_round()
         group.members.append(self)
 
     def __repr__(self) -> str:
         return f"TopicLog({self.name})"
 
-    def _load_dispatched(self) -> tuple[int, int]:
+    def _load_dispatched(self) -> Place:
         segments = self.segments
         value = segments.extension.get("dispatched")
         if value == "all":
-            return segments.tail, segments.tail_index
+            return Place(segments.tail, segments.tail_index)
         if value is not None:
             try:
                 pos, index = (int(x) for x in value.split(" "))
-                return pos, index
+                return Place(pos, index)
             except ValueError:
                 log.error("TOPIC(%s) ignoring an unreadable dispatched position %r", self.name, value)
         if segments.meta_found:
-            return segments.position(*segments.meta_read), segments.meta_read_index
-        return segments.start, segments.start_index()
+            return Place(segments.position(*segments.meta_read), segments.meta_read_index)
+        return Place(segments.start, segments.start_index())
 
     # --- files --------------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class TopicLog:
                 except OSError as exc:
                     log.error("TOPIC(%s) cannot cut %s - %s", self.name, path, exc)
         if found:
-            self.deadlines.load(found)
+            self.publish_deadlines.load(found)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class TopicLog:
                 self._append_deadlines(records, positions, deadline)
 
     def _append_deadlines(self, records: Sequence[bytes], positions: list[int], deadline: float) -> None:
-        self.deadlines.add_many(positions, deadline)
+        self.publish_deadlines.add_many(positions, deadline)
         by_file: dict[int, list[bytes]] = {}
         file_of = self.segments.file_of
         for data, pos in zip(records, positions):
@@ -215,11 +215,11 @@ class TopicLog:
 
     def dispatch(self) -> None:
         """Everything appended so far is handed to the channels there are."""
-        self.dispatched = (self.segments.tail, self.segments.tail_index)
+        self.dispatched = Place(self.segments.tail, self.segments.tail_index)
 
     def undispatched(self) -> int:
         """Records not handed to any channel yet (a paused topic's, or one without channels)."""
-        return self.segments.tail_index - self.dispatched[1]
+        return self.segments.tail_index - self.dispatched.index
 
     def empty(self) -> None:
         """Drop what is not handed to a channel yet (nsqd's topic empty)."""
@@ -232,7 +232,7 @@ class TopicLog:
         """A channel's reader of this log: a durable channel's cursor persists in `<name>.cursor.dat` (a
         new channel starts at what is not handed yet); an ephemeral one's starts there, in memory."""
         reader = LogReader(self.segments, name, self.group if durable else None, start=self.dispatched,
-                           deadlines=self.deadlines, clock=self.clock)
+                           publish_deadlines=self.publish_deadlines, clock=self.clock)
         self.readers.append(reader)
         if durable:
             self.durable.append(reader)
@@ -246,13 +246,13 @@ class TopicLog:
             self.durable.remove(reader)
         self.group.changed()
 
-    def seek_position(self, to: str | int) -> tuple[int, int]:
+    def seek_position(self, to: str | int) -> Place:
         """Where a seek goes: "earliest" (the first record kept), "latest" (past the last handed to the
         channels), or a time (unix nanoseconds): the first record published at or after it. Raises
         SeekError for a time before the first record kept (what was there is gone)."""
         segments = self.segments
         if to == "earliest":
-            return segments.start, segments.start_index()
+            return Place(segments.start, segments.start_index())
         if to == "latest":
             return self.dispatched
         assert isinstance(to, int)
@@ -290,10 +290,10 @@ class TopicLog:
             self._first_stamps[num] = stamp
         return stamp
 
-    def _scan_for_time(self, num: int, to: int) -> tuple[int, int] | None:
+    def _scan_for_time(self, num: int, to: int) -> Place | None:
         segments = self.segments
         reader = segments.reader(segments.start_of(num), segments.index_of_file(num))
-        end = min(self.dispatched[0], segments.start_of(num + 1))
+        end = min(self.dispatched.position, segments.start_of(num + 1))
         try:
             while True:
                 positions: list[int] = []
@@ -303,7 +303,7 @@ class TopicLog:
                     return None
                 for i, data in enumerate(records):
                     if MESSAGE_HEADER.unpack_from(data)[0] >= to:
-                        return positions[i], index + i
+                        return Place(positions[i], index + i)
         finally:
             reader.close()
 
@@ -335,7 +335,7 @@ class TopicLog:
 
     def needed(self) -> int:
         """The oldest position any channel, or a channel created now, may still read."""
-        pos = self.dispatched[0]
+        pos = self.dispatched.position
         for reader in self.readers:
             mark = reader.mark_delete()
             if mark < pos:
@@ -347,7 +347,7 @@ class TopicLog:
             return
         segments = self.segments
         self._taken = segments.take_unsynced()
-        self._round_tail = (segments.tail, segments.tail_index)
+        self._round_tail = Place(segments.tail, segments.tail_index)
         plan.fsync.extend(self._taken)
         for num in sorted(self._deadline_unsynced):
             plan.fsync.append(self.deadline_file_name(num))
@@ -362,21 +362,22 @@ class TopicLog:
                 self._removing.append((self.deadline_file_name(num), False, self.name))
             self._removing.extend((path, bad, self.name) for path, bad in segments.drop_before(keep))
         plan.removes.extend(self._removing)
-        if len(self.deadlines):
+        if len(self.publish_deadlines):
             # entries every reader has read (a restart reads them from the files again)
-            oldest = min((reader.cursor.read_pos for reader in self.readers), default=self.dispatched[0])
-            self.deadlines.prune_before(min(oldest, self.dispatched[0]))
+            oldest = min((reader.cursor.read_pos for reader in self.readers), default=self.dispatched.position)
+            self.publish_deadlines.prune_before(min(oldest, self.dispatched.position))
         files_changed = segments.take_files_changed()
         plan.new_names = plan.new_names or files_changed or bool(self._deadline_created)
         self._deadline_created.clear()
-        dispatched = "all" if self.dispatched[0] == segments.tail else f"{self.dispatched[0]} {self.dispatched[1]}"
+        at = self.dispatched
+        dispatched = "all" if at.position == segments.tail else f"{at.position} {at.index}"
         if not (files_changed or plan.final or dispatched != self._meta_dispatched
                 or plan.now - self._meta_at >= META_INTERVAL):
             return
         self._meta_at = plan.now
         self._meta_dispatched = dispatched
         # Go's read position: the oldest record a durable channel has not finished
-        go_pos, go_index = self.dispatched
+        go_pos, go_index = self.dispatched.position, self.dispatched.index
         for reader in self.durable:
             mark = reader.mark_delete()
             if mark < go_pos:
@@ -413,7 +414,7 @@ class TopicLog:
         else:
             if not self._suspect:
                 log.error("TOPIC(%s): a sync round failed: positions past %d are not served until a restart",
-                          self.name, self.durable_tail[0])
+                          self.name, self.durable_tail.position)
             self._suspect = True
             self.segments.unsynced_again(self._taken)
             self._meta_at = -META_INTERVAL  # written again next round
