@@ -14,8 +14,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from processes import BrokerProcess
-from nsq_raw import take
+from nsq_raw import RawNSQ, take
 
 GO_EMPTY_NSQD_DAT = b'{"topics":null,"version":"1.3.0"}'
 # what nsqd 1.3.0 wrote after: create topic "empty"; topic "withch" with channels c1 and c2, c2 paused;
@@ -144,3 +146,53 @@ def test_our_data_dir_is_what_go_nsqd_writes(tmp_path):
         bodies.append(blob[pos + 30 : pos + 4 + length])
         pos += 4 + length
     assert bodies == [b"w1", b"w2", b"w3"]
+
+
+@pytest.mark.parametrize("first", [(1 << 22) - 2, (1 << 23) - 2])
+def test_a_go_queue_at_large_segment_numbers_survives_kill_9(tmp_path, first):
+    """Issue 41's recipe, through a process: go-diskqueue's file numbers only grow, and a long-lived Go
+    nsqd leaves a topic queue at segment 2**22 - 2 or 2**23 - 2 (where positions `file << 40 | offset`
+    met the own queue's tag, then overflowed: the broker died at restart with `struct.error`). With
+    --max-bytes-per-file=4096 and --mem-queue-size=0, 20,000 messages are published and consumed with
+    some REQs, a kill -9 half way: every message comes, the files roll past both numbers."""
+    broker = BrokerProcess(tmp_path, mem_queue_size=0, max_bytes_per_file=4096)
+    data = broker.data_path
+    (data / "nsqd.dat").write_bytes(b'{"topics":[{"name":"big","paused":false,"channels":[{"name":"c",'
+                                    b'"paused":false}]}],"version":"1.3.0"}')
+    old = [b"go-%d" % i for i in range(3)]
+    blob = b"".join(go_record(b"%016x" % (0x18a685037a269000 + i), body) for i, body in enumerate(old))
+    (data / f"big.diskqueue.{first:06d}.dat").write_bytes(blob)
+    (data / "big.diskqueue.meta.dat").write_text(f"3\n{first},0\n{first},{len(blob)}\n")
+    new = [b"new-%05d" % i for i in range(20_000)]
+    broker.start()
+    got: set[bytes] = set()
+    requeued: set[bytes] = set()
+
+    def consume(until: int) -> None:
+        with RawNSQ(broker.tcp_address, timeout=10) as conn:
+            conn.sub("big", "c")
+            conn.rdy(200)
+            while len(got) < until:
+                msg = conn.expect_message(timeout=20)
+                if len(got) % 50 == 7 and msg.body not in requeued:
+                    conn.req(msg.id, 0)
+                    requeued.add(msg.body)
+                else:
+                    conn.fin(msg.id)
+                    got.add(msg.body)
+        # closed with messages in flight: the broker requeues them
+
+    try:
+        with RawNSQ(broker.tcp_address, timeout=10) as pub:
+            for at in range(0, len(new), 500):
+                pub.mpub("big", new[at:at + 500])
+        consume(10_000)
+        broker.kill()
+        broker.start()  # it died here at restart
+        consume(len(old) + len(new))
+        assert got == set(old) | set(new) and len(requeued) > 150
+        assert broker.stop() == 0
+        write_file = int((data / "big.diskqueue.meta.dat").read_text().split("\n")[2].split(",")[0])
+        assert write_file > first + 100  # rolled past 2**22 (2**23); the segments read went
+    finally:
+        broker.stop()
