@@ -46,6 +46,7 @@ import struct
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,13 @@ BATCH = 200  # messages per MPUB (NSQ's bench_writer)
 DEPTH = 8  # MPUBs in flight
 READER_RDY = 2500  # NSQ's bench_reader
 MAX_RDY = 10_000  # Go nsqd's default --max-rdy-count is 2500: the largest window must be allowed
+STALL = 60.0  # seconds without a delivery that fail a run
 
 _FRAME = struct.Struct(">ii")
 _SEQ = struct.Struct(">Q")
 _OK = struct.pack(">ii", 6, 0) + b"OK"
 _HEARTBEAT = b"_heartbeat_"
+_HEARTBEAT_FRAME = struct.pack(">ii", 4 + len(_HEARTBEAT), 0) + _HEARTBEAT
 
 
 def _flags(held_timeout_s: float) -> tuple[str, ...]:
@@ -131,6 +134,7 @@ def publisher(address: tuple[str, int], first: int, count: int, result: Any) -> 
         pack_into = _SEQ.pack_into
         seq = first
         end = first + count
+        buf = bytearray()
         while seq < end:
             burst = []
             for _ in range(DEPTH):
@@ -145,15 +149,21 @@ def publisher(address: tuple[str, int], first: int, count: int, result: Any) -> 
                     burst.append(bytes(command))
                 seq += n
             sock.sendall(b"".join(burst))
-            expected = _OK * len(burst)
-            got = b""
-            while len(got) < len(expected):
-                data = sock.recv(len(expected) - len(got))
-                if not data:
-                    raise RuntimeError("publisher: the broker closed the connection")
-                got += data
-            if got != expected:
-                raise RuntimeError(f"publisher: MPUB not answered OK: {got[:200]!r}")
+            answered = 0
+            while answered < len(burst):  # each MPUB answered OK; heartbeats (every 30 s) answered NOP
+                while len(buf) < 8 or len(buf) < 4 + _FRAME.unpack_from(buf)[0]:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise RuntimeError("publisher: the broker closed the connection")
+                    buf += data
+                size = _FRAME.unpack_from(buf)[0]
+                if buf[:4 + size] == _OK:
+                    answered += 1
+                elif buf[:4 + size] == _HEARTBEAT_FRAME:
+                    sock.sendall(b"NOP\n")
+                else:
+                    raise RuntimeError(f"publisher: MPUB not answered OK: {bytes(buf[:200])!r}")
+                del buf[:4 + size]
         elapsed = time.perf_counter() - started
         sock.close()
         result.put(("published", count, elapsed, time.process_time()))
@@ -215,11 +225,13 @@ class HeldConsumer:
         self._thread.join(5)
 
 
-def consume(sock: socket.socket, first: int, count: int, window: int, deadline: float) -> dict[str, int]:
+def consume(sock: socket.socket, first: int, count: int, window: int, deadline: float,
+            idle: Callable[[int], None]) -> dict[str, int]:
     """Take messages `first` .. `first + count - 1`: window 0 FINs each read's messages at once, in the
     order they came (one write per read); window W holds W, then FINs them in a random order. Raises
     on a duplicate, a message outside the range, an error frame, or time running out (`deadline`, a
-    perf_counter: the held message's timeout)."""
+    perf_counter: the held message's timeout); `idle(messages so far)` is called after each second
+    without data, to raise if the run has failed elsewhere."""
     seen = bytearray(count)
     got = 0
     out_of_order = 0
@@ -236,6 +248,7 @@ def consume(sock: socket.socket, first: int, count: int, window: int, deadline: 
         except socket.timeout:
             if time.perf_counter() > deadline:
                 raise RuntimeError(f"consumer: {got:,} of {count:,} after the deadline") from None
+            idle(got)
             continue
         if not data:
             raise RuntimeError(f"consumer: the broker closed the connection after {got:,} of {count:,}")
@@ -367,7 +380,24 @@ def run_once(side: str, reference: str | None, count: int, window: int, held_tim
         started = time.perf_counter()
         pub = ctx.Process(target=publisher, args=(broker.tcp, first, count, result))
         pub.start()
-        got = consume(reader, first, count, window, deadline)
+        published: list[tuple] = []
+        progress = [time.perf_counter(), 0]
+
+        def idle(got: int) -> None:
+            """A failed publisher, or nothing delivered for STALL seconds: the run has failed."""
+            if not published and not result.empty():
+                published.append(result.get())
+            if published and published[0][0] == "error":
+                raise RuntimeError(f"the publisher: {published[0][1]}")
+            now = time.perf_counter()
+            if got != progress[1]:
+                progress[:] = [now, got]
+            elif now - progress[0] > STALL:
+                c = _stats(broker)
+                raise RuntimeError(f"consumer: nothing for {STALL} s after {got:,} of {count:,}; the channel: "
+                                   + ", ".join(f"{k} {c[k]}" for k in ("depth", "in_flight_count", "message_count")))
+
+        got = consume(reader, first, count, window, deadline, idle)
         client_cpu = time.process_time() - client_cpu
         while not _finished(broker, count + first, first):
             if time.perf_counter() > deadline:
@@ -375,7 +405,7 @@ def run_once(side: str, reference: str | None, count: int, window: int, held_tim
             time.sleep(0.02)
         elapsed = time.perf_counter() - started
         rss_after = broker.rss_mb()
-        item = result.get(timeout=60)
+        item = published[0] if published else result.get(timeout=60)
         if item[0] == "error":
             raise RuntimeError(item[1])
         pub.join(10)
@@ -395,6 +425,9 @@ def run_once(side: str, reference: str | None, count: int, window: int, held_tim
                 "publish_s": item[2], "publisher_cpu_s": item[3], "consumer_cpu_s": client_cpu,
                 "data_dir_mb": sum(files.values()) / (1024 * 1024), "data_files": files, "out_of_order": got["out_of_order"],
                 "in_flight": stats["in_flight_count"]}
+    except Exception as exc:
+        raise RuntimeError(f"{side}, {count:,} messages{f', window {window:,}' if window else ''}: {exc}\n"
+                           f"--- the broker's log, last lines:\n{broker.log_text()[-3000:]}") from exc
     finally:
         if reader is not None:
             reader.close()
