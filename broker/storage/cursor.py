@@ -53,14 +53,88 @@ _HANDED_TRIM = 4096
 __all__ = ["FINISHED_LIMIT", "HEADER", "Cursor", "CursorFileError"]
 
 
+class FinishedAhead:
+    """The finished ranges past a cursor's read position that a restart loaded: [first, last] and how many
+    records in it are still to come, in position order, in three arrays (no object per range: a file
+    of a million gaps is a million ranges). Reading skips a record inside one and counts it down; a
+    range goes once reading passes its last position (its count only says how many are still to come,
+    for the depth)."""
+
+    __slots__ = ("firsts", "lasts", "counts", "at", "remaining")
+
+    def __init__(self, firsts: array[int], lasts: array[int], counts: array[int]) -> None:
+        self.firsts = firsts
+        self.lasts = lasts
+        self.counts = counts
+        self.at = 0  # the ranges before it are passed
+        self.remaining = sum(counts)  # records in them not read yet
+
+    def __len__(self) -> int:
+        return len(self.firsts) - self.at
+
+    def skip(self, pos: int) -> bool:
+        """Whether the record at `pos` (being read) was finished before the restart."""
+        firsts, lasts, counts = self.firsts, self.lasts, self.counts
+        at = self.at
+        end = len(firsts)
+        while at < end and lasts[at] < pos:
+            self.remaining -= counts[at]  # passed without reading all of it (a bad file skipped)
+            at += 1
+        if at == end or pos < firsts[at]:
+            self.at = at
+            return False
+        if counts[at] > 0:
+            counts[at] -= 1
+            self.remaining -= 1
+        if lasts[at] == pos:
+            self.remaining -= counts[at]
+            at += 1
+        self.at = at
+        return True
+
+    def finished(self, pos: int) -> bool:
+        """Whether `pos`, not read yet, is in a range: skip() without its bookkeeping (a look)."""
+        at = bisect_right(self.firsts, pos, self.at) - 1
+        return at >= self.at and pos <= self.lasts[at]
+
+    def ranges(self, read_pos: int) -> list[Range]:
+        """The ranges still ahead, the front one from `read_pos` (it may be part read)."""
+        return [(max(self.firsts[i], read_pos) if i == self.at else self.firsts[i], self.lasts[i], self.counts[i])
+                for i in range(self.at, len(self.firsts))]
+
+    def cut_from(self, end: int, count: Callable[[int, int], int]) -> int:
+        """Nothing at or past `end` is in the log: ranges there go, one that `end` cuts ends before it and
+        is counted again (`count(first, end)`). How many ranges went or were cut."""
+        changed = 0
+        firsts: array[int] = array("q")
+        lasts: array[int] = array("q")
+        counts: array[int] = array("q")
+        for i in range(self.at, len(self.firsts)):
+            first, last, n = self.firsts[i], self.lasts[i], self.counts[i]
+            if first >= end:
+                changed += 1
+                continue
+            if last >= end:
+                last, n = end - 1, count(first, end)
+                changed += 1
+            firsts.append(first)
+            lasts.append(last)
+            counts.append(n)
+        self.firsts, self.lasts, self.counts, self.at = firsts, lasts, counts, 0
+        self.remaining = sum(counts)
+        return changed
+
+
+_NONE_AHEAD = FinishedAhead(array("q"), array("q"), array("q"))
+
+
 class Cursor:
     """Created by a LogReader (broker/storage/log_reader.py), which is the only caller: it reports reads
     (`handed`, `skip`), FINs (`finish_many`), requeues (`hold`), and asks for the bytes a sync round
     persists. `epoch` ties the state to one log: a file of another log (one Go nsqd rewrote) is refused."""
 
     __slots__ = ("read_pos", "read_index", "epoch", "_pos", "_idx", "_head", "_done", "_fins", "_ahead",
-                 "_ahead_at", "_ahead_count", "held", "_new_fins", "_new_holds", "_persisted_mark",
-                 "_delta_bytes")
+                 "held", "_new_fins", "_new_holds", "_persisted_mark", "_delta_bytes")
 
     def __init__(self, pos: int = 0, index: int = 0, epoch: int = 0) -> None:
         self.read_pos = pos
@@ -75,11 +149,8 @@ class Cursor:
         self._head = 0
         self._done: set[int] = set()
         self._fins: list[int] = []  # FINs noted by finish_many, not applied yet
-        # finished ranges past the read position (loaded after a restart), each [first, last, records not
-        # read yet], from _ahead_at on: skipped when read
-        self._ahead: list[list[int]] = []
-        self._ahead_at = 0
-        self._ahead_count = 0  # records in them not read yet
+        # finished ranges past the read position (loaded after a restart): skipped when read
+        self._ahead = _NONE_AHEAD
         # requeued or deferred records: position -> (attempts, deadline); a deadline is unix seconds
         self.held: dict[int, Held] = {}
         # what changed since the last take_delta()
@@ -92,40 +163,17 @@ class Cursor:
 
     def skip(self, pos: int) -> bool:
         """Whether the record at `pos` (being read) was finished before a restart (only asked while
-        hidden() > 0). A range goes once reading passes its last position; its count only says how many
-        records in it are still to come (for the depth)."""
+        hidden() > 0); the reader does not report it read (`handed`'s `skipped`)."""
         ahead = self._ahead
-        at = self._ahead_at
-        while at < len(ahead) and ahead[at][1] < pos:
-            self._ahead_count -= ahead[at][2]  # passed without reading all of it (a bad file skipped)
-            at += 1
-        if at == len(ahead) or pos < ahead[at][0]:
-            self._set_ahead_at(at)
-            return False
-        entry = ahead[at]
-        if entry[2] > 0:
-            entry[2] -= 1
-            self._ahead_count -= 1
-        if entry[1] == pos:
-            self._ahead_count -= entry[2]
-            at += 1
-        self._set_ahead_at(at)
-        return True
-
-    def _set_ahead_at(self, at: int) -> None:
-        if at >= len(self._ahead):
-            self._ahead = []
-            self._ahead_at = 0
-            self._ahead_count = 0
-        else:
-            self._ahead_at = at
+        skipped = ahead.skip(pos)
+        if not len(ahead):
+            self._ahead = _NONE_AHEAD
+        return skipped
 
     def finished_ahead(self, pos: int) -> bool:
         """Whether the record at `pos`, past the read position, was finished before a restart: skip()
         without its bookkeeping, a look that changes nothing (/channel/messages)."""
-        ahead = self._ahead
-        at = bisect_right(ahead, pos, lo=self._ahead_at, key=_first) - 1
-        return at >= self._ahead_at and pos <= ahead[at][1]
+        return len(self._ahead) > 0 and self._ahead.finished(pos)
 
     def handed(self, positions: list[int], first_index: int, next_pos: int, next_index: int,
                skipped: list[int] | None = None) -> None:
@@ -146,7 +194,7 @@ class Cursor:
 
     def hidden(self) -> int:
         """Records past the read position that will be skipped (finished before a restart)."""
-        return max(0, self._ahead_count)
+        return max(0, self._ahead.remaining)
 
     def moved_to(self, pos: int, index: int) -> None:
         """The reader jumped (a bad file skipped, or a seek): reading goes on from there."""
@@ -210,9 +258,7 @@ class Cursor:
         self._head = 0
         self._done = set()
         self._fins = []
-        self._ahead = []
-        self._ahead_at = 0
-        self._ahead_count = 0
+        self._ahead = _NONE_AHEAD
         self.held = {}
         self._new_fins = []
         self._new_holds = {}
@@ -222,20 +268,7 @@ class Cursor:
         says: a record written there later is a new one): the finished ranges and holds there go, and a
         range `end` cuts is counted again (`count(first, end)`: the records in [first, end)). How many
         entries went or were cut."""
-        changed = 0
-        kept: list[list[int]] = []
-        for entry in self._ahead[self._ahead_at:]:
-            if entry[0] >= end:
-                changed += 1
-                continue
-            if entry[1] >= end:
-                entry[1] = end - 1
-                entry[2] = count(entry[0], end)
-                changed += 1
-            kept.append(entry)
-        self._ahead = kept
-        self._ahead_at = 0
-        self._ahead_count = sum(entry[2] for entry in kept)
+        changed = self._ahead.cut_from(end, count) if len(self._ahead) else 0
         for pos in [pos for pos in self.held if pos >= end]:
             del self.held[pos]
             changed += 1
@@ -359,7 +392,7 @@ class Cursor:
 
     def _state_size(self) -> int:
         live = len(self._pos) - self._head - len(self._done)
-        return (64 + range_size() * (live + 1 + len(self._ahead) - self._ahead_at)
+        return (64 + range_size() * (live + 1 + len(self._ahead))
                 + held_size() * len(self.held))
 
     def snapshot(self) -> bytes:
@@ -367,9 +400,7 @@ class Cursor:
         mark = self.mark_delete()
         index = self.mark_index()
         ranges = self._finished_ranges()
-        at = self._ahead_at
-        for first, last, count in self._ahead[at:]:
-            ranges.append((max(first, self.read_pos), last, count))  # the front one may be part read
+        ranges.extend(self._ahead.ranges(self.read_pos))
         held = sorted((pos, st) for pos, st in self.held.items() if pos >= mark)
         self._persisted_mark = (mark, index)
         self._new_fins = []
@@ -401,15 +432,12 @@ class Cursor:
     def load(cls, data: bytes, epoch: int) -> tuple[Cursor, int]:
         """A cursor from its file; also how many bytes of it are sound (a crash may cut the last block).
         Raises CursorFileError for a file that is not a cursor of the log with this epoch."""
-        mark, index, ranges, held, sound = load(data, epoch)
+        mark, index, firsts, lasts, counts, held, sound = load(data, epoch)
         cursor = cls(mark, index, epoch)
         cursor._persisted_mark = (mark, index)
-        cursor._ahead = [[first, last, count] for first, last, count in ranges]
-        cursor._ahead_count = sum(count for _, _, count in ranges)
+        if len(firsts):
+            cursor._ahead = FinishedAhead(firsts, lasts, counts)
         cursor.held = held
         cursor._delta_bytes = sound
         return cursor, sound
 
-
-def _first(entry: list[int]) -> int:
-    return entry[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -92,13 +93,13 @@ def encode(mark: int, index: int, epoch: int, ranges: Sequence[Range], held: Seq
             return b"".join(blocks)
 
 
-def load(data: bytes, epoch: int) -> tuple[int, int, list[Range], dict[int, Held], int]:
-    """(mark, its index, the finished ranges past it in position order, the held records past it, how
-    many bytes of the file are sound). Raises CursorFileError for a file that is not a cursor of the log
-    with this epoch."""
+def load(data: bytes, epoch: int) -> tuple[int, int, array[int], array[int], array[int], dict[int, Held], int]:
+    """(mark, its index, the finished ranges past it in position order as three arrays: firsts, lasts,
+    counts; the held records past it; how many bytes of the file are sound). Raises CursorFileError for
+    a file that is not a cursor of the log with this epoch."""
     if not data.startswith(HEADER):
         raise CursorFileError("not a cursor file")
-    ranges: dict[int, tuple[int, int]] = {}
+    ranges = _Ranges()
     held: dict[int, Held] = {}
     mark = index = 0
     seen_mark = False
@@ -113,13 +114,61 @@ def load(data: bytes, epoch: int) -> tuple[int, int, list[Range], dict[int, Held
         except (struct.error, ValueError) as exc:
             if isinstance(exc, CursorFileError):
                 raise
+            ranges.undo_block()
             break
+        ranges.block_done()
         seen_mark = seen_mark or seen
         at += _BLOCK.size + length
     if not seen_mark:
         raise CursorFileError("no state in the cursor file")
-    kept = sorted((first, last, count) for first, (last, count) in ranges.items() if last >= mark)
-    return mark, index, kept, {pos: st for pos, st in held.items() if pos >= mark}, at
+    firsts, lasts, counts = ranges.kept(mark)
+    return mark, index, firsts, lasts, counts, {pos: st for pos, st in held.items() if pos >= mark}, at
+
+
+class _Ranges:
+    """The R entries read so far, in three arrays, in the order read (a later range with the same first
+    replaces an earlier one: kept() sorts and keeps the last of each)."""
+
+    __slots__ = ("firsts", "lasts", "counts", "_block_start")
+
+    def __init__(self) -> None:
+        self.firsts: array[int] = array("q")
+        self.lasts: array[int] = array("q")
+        self.counts: array[int] = array("q")
+        self._block_start = 0
+
+    def add(self, first: int, last: int, count: int) -> None:
+        self.firsts.append(first)
+        self.lasts.append(last)
+        self.counts.append(count)
+
+    def block_done(self) -> None:
+        self._block_start = len(self.firsts)
+
+    def undo_block(self) -> None:
+        """The block being read is not sound: what it added goes."""
+        cut = self._block_start
+        del self.firsts[cut:], self.lasts[cut:], self.counts[cut:]
+
+    def kept(self, mark: int) -> tuple[array[int], array[int], array[int]]:
+        """Those whose last is at or past `mark`, in position order, one per first (the last read)."""
+        firsts, lasts, counts = self.firsts, self.lasts, self.counts
+        order: Sequence[int] = range(len(firsts))
+        if any(firsts[i] >= firsts[i + 1] for i in range(len(firsts) - 1)):
+            order = sorted(order, key=firsts.__getitem__)  # stable: the last read of a first comes last
+        out_f: array[int] = array("q")
+        out_l: array[int] = array("q")
+        out_c: array[int] = array("q")
+        for i in order:
+            if lasts[i] < mark:
+                continue
+            if out_f and out_f[-1] == firsts[i]:
+                out_l[-1], out_c[-1] = lasts[i], counts[i]
+                continue
+            out_f.append(firsts[i])
+            out_l.append(lasts[i])
+            out_c.append(counts[i])
+        return out_f, out_l, out_c
 
 
 def _counted(body: bytes, at: int, record: struct.Struct) -> tuple[Iterator[tuple[Any, ...]], int]:
@@ -133,7 +182,7 @@ def _counted(body: bytes, at: int, record: struct.Struct) -> tuple[Iterator[tupl
     return record.iter_unpack(body[start:end]), end
 
 
-def _apply_block(body: bytes, mark: int, index: int, ranges: dict[int, tuple[int, int]],
+def _apply_block(body: bytes, mark: int, index: int, ranges: _Ranges,
                  held: dict[int, Held], epoch: int) -> tuple[int, int, bool]:
     """One block's entries on top of the state so far, in place. What a later mark leaves behind is
     dropped once, by load(), not here: marks only move forward within a file (a cursor that goes back
@@ -152,7 +201,7 @@ def _apply_block(body: bytes, mark: int, index: int, ranges: dict[int, tuple[int
             entries, at = _counted(body, at, _RANGE)
             for first, last, count in entries:
                 if last >= mark:
-                    ranges[first] = (last, count)
+                    ranges.add(first, last, count)
                     if held:
                         held.pop(first, None)
         elif kind == b"H":
