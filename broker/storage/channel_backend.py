@@ -213,8 +213,9 @@ class ChannelBackend:
         read back from there, so the topic's log is free. The channel gives those it holds in memory
         (position -> record, attempts, deadline in unix seconds; 0: none); the others must be in the
         deferred index (due or not). Only the ones before the first that is neither (in flight: its
-        timeout ends the wait) move, and only when that frees RECLAIM_RATIO times what it writes. Each
-        record is read once. Returns the positions moved (the channel drops its copies)."""
+        timeout ends the wait) move, and only when that frees RECLAIM_RATIO times what it writes (judged
+        first by the log's mean record size, before reading anything, then by the records read: each is
+        read once). Returns the positions moved (the channel drops its copies)."""
         reader = self.reader
         if reader is None or not pinning:
             return set()
@@ -230,6 +231,36 @@ class ChannelBackend:
         segments = reader.segments
         stop = pinning[len(movable)] if len(movable) < len(pinning) else segments.start_of(reader.file_num)
         freed = segments.distance(movable[0], stop)
+        if self._size_guess(movable, in_memory) * RECLAIM_RATIO > freed:
+            return set()  # it would not pay
+        records, holds, moved = self._copies(reader, movable, in_memory, indexed)
+        if not moved or sum(34 + len(record) for record in records) * RECLAIM_RATIO > freed:
+            return set()
+        stored = self.store(records, holds)
+        done = set(moved[:stored])
+        if done:
+            index.remove(done)
+            log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
+                     self.name, len(done))
+            reader.finish_many(sorted(done))
+        if len(pinning) == RECLAIM_CHUNK and stored == len(moved):
+            self._read_file = -1  # more may pin: look again at the next read
+        return done
+
+    def _size_guess(self, movable: list[int], in_memory: dict[int, tuple[bytes, int, float]]) -> int:
+        """What moving these would write: the memory's records as they are, the others at the topic
+        log's mean record size."""
+        assert self.reader is not None
+        segments = self.reader.segments
+        records = max(1, segments.tail_index - segments.start_index())
+        mean = segments.segment_bytes() // records
+        return sum(34 + len(in_memory[pos][0]) if pos in in_memory else mean for pos in movable)
+
+    def _copies(self, reader: LogReader, movable: list[int], in_memory: dict[int, tuple[bytes, int, float]],
+                indexed: dict[int, float]) -> tuple[list[bytes], list[tuple[int, float]], list[int]]:
+        """The records to write to the own queue, their (attempts, deadline in unix seconds), and their
+        positions in the topic's log: those the channel holds as they are, the indexed ones read back
+        (once), up to the first that cannot be read."""
         from_index = [pos for pos in movable if pos not in in_memory]
         read = reader.read_back(from_index) if from_index else Batch()
         found = dict(zip(read.positions, read.records))
@@ -253,19 +284,7 @@ class ChannelBackend:
             records.append(record)
             holds.append((attempts, deadline))
             moved.append(pos)
-        size = sum(34 + len(record) for record in records)
-        if not moved or size * RECLAIM_RATIO > freed:
-            return set()  # it would not pay
-        stored = self.store(records, holds)
-        done = set(moved[:stored])
-        if done:
-            index.remove(done)
-            log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
-                     self.name, len(done))
-            reader.finish_many(sorted(done))
-        if len(pinning) == RECLAIM_CHUNK and stored == len(moved):
-            self._read_file = -1  # more may pin: look again at the next read
-        return done
+        return records, holds, moved
 
     # --- admin --------------------------------------------------------------------------------
 

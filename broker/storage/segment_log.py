@@ -323,9 +323,7 @@ class SegmentLog:
                     log.warning("DISKQUEUE(%s) %s is missing (metadata writePos %d), recovering from %s",
                                 self.name, path, pos, self.file_name(later[0]))
                     self._starts.extend(self._after_gap(i) for i in range(1, later[0] - num + 1))
-                    num, pos = later[0], 0
-                    self.write_file_num, self.write_pos = num, 0
-                    self._first_index[num] = self.tail_index
+                    num, pos = self._write_file_is(later[0])
                     continue
                 if pos == 0:
                     break
@@ -338,24 +336,9 @@ class SegmentLog:
                               self.name, path, size, pos)
                 # positions up to the metadata's write position were given: the next file starts past them
                 self._starts.append(self._starts[-1] + pos)
-                num, pos = num + 1, 0
-                self.write_file_num, self.write_pos = num, 0
-                self._first_index[num] = self.tail_index
+                num, pos = self._write_file_is(num + 1)
                 continue
-            end, count = self._scan(num, pos, size, check=self._valid_record)
-            if end < size:
-                log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
-                            self.name, size - end, path)
-                os.truncate(path, end)
-            if count:
-                log.info("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
-                         "last metadata sync)", self.name, count, pos, path)
-                # a kill -9 leaves them in the page cache: the first round fsyncs them
-                if self._unsynced_from is None:
-                    self._unsynced_from = num
-            self.recovered += count
-            self.tail_index += count
-            self.write_file_num, self.write_pos = num, end
+            end = self._recover_file(num, pos, size)
             num, pos = num + 1, 0
             if not os.path.exists(self.file_name(num)):
                 break
@@ -367,6 +350,32 @@ class SegmentLog:
             self.first_file = self.write_file_num
             self._starts = self._starts[-1:]
         del self._starts[self.write_file_num - self.first_file + 1:]
+
+    def _write_file_is(self, num: int) -> tuple[int, int]:
+        """Recovery goes on in segment num, from its start: it is the write file until one after it is."""
+        self.write_file_num, self.write_pos = num, 0
+        self._first_index[num] = self.tail_index
+        return num, 0
+
+    def _recover_file(self, num: int, pos: int, size: int) -> int:
+        """The records of segment num from `pos` on are counted in (a torn one at the end cut off); it is
+        the write file up to where they end, which is returned."""
+        path = self.file_name(num)
+        end, count = self._scan(num, pos, size, check=self._valid_record)
+        if end < size:
+            log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
+                        self.name, size - end, path)
+            os.truncate(path, end)
+        if count:
+            log.info("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
+                     "last metadata sync)", self.name, count, pos, path)
+            # a kill -9 leaves them in the page cache: the first round fsyncs them
+            if self._unsynced_from is None:
+                self._unsynced_from = num
+        self.recovered += count
+        self.tail_index += count
+        self.write_file_num, self.write_pos = num, end
+        return end
 
     def _scan(self, num: int, pos: int, size: int, check: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
         """(end of the last whole, valid record from pos, how many records) in segment num up to size,

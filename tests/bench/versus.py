@@ -8,6 +8,9 @@ both see the same machine state; the figure per side is the median over the roun
 trio-nsqd's median over Go's. Where the hot modules are compiled (trio_nsq/compiled.py), trio-nsqd also
 runs as pure Python (TRIO_NSQ_COMPILE=0) in the same rounds: Go, compiled, pure, Go, compiled, pure...
 The machine (CPU, cores, Python) and the compiled modules are printed and written with the figures.
+With --baseline CHECKOUT (another checkout of trio-nsq with its own .venv, e.g. a `git worktree` of an
+earlier commit after `make .venv/.installed`), that trio-nsqd runs as a side of its own in the same rounds
+(`base`), so a change is measured against what it changes, interleaved, on the same machine state.
 The shape is NSQ's bench.sh: the topic and channel are created first,
 `bench_writer --size=200 --batch-size=200` publishes for --runfor, then `bench_reader` (RDY 2500, a FIN
 per message) reads the same broker for --runfor. Both tools open one connection per CPU.
@@ -58,15 +61,25 @@ def _post(url: str) -> None:
 
 
 # side -> how its broker starts: Go's nsqd, trio-nsqd as installed (compiled where it could be built),
-# trio-nsqd from its .py sources
+# trio-nsqd from its .py sources, and trio-nsqd of the --baseline checkout
 SIDES = ("go", "trio", "pure")
+BASELINE: list[str] = []  # the --baseline checkout, when given
+
+
+def side_broker(reference: str, side: str, *flags: str) -> Broker:
+    """A fresh broker of `side` with these flags."""
+    if side == "go":
+        return Broker(*flags, command=[os.path.join(reference, "nsqd")])
+    if side == "base":
+        # its own checkout on the path, not this one (nor the current directory: -P)
+        python = os.path.join(BASELINE[0], ".venv", "bin", "python")
+        return Broker(*flags, command=[python, "-P", "-m", "trio_nsq.broker"], env={"PYTHONPATH": BASELINE[0]})
+    return Broker(*flags, env={compiled.ENV: "0"} if side == "pure" else None)
 
 
 def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runfor: float,
              channels: int = 1) -> dict[str, float]:
-    command = [os.path.join(reference, "nsqd")] if side == "go" else None
-    env = {compiled.ENV: "0"} if side == "pure" else None
-    broker = Broker(*flags, command=command, env=env)
+    broker = side_broker(reference, side, *flags)
     try:
         _post(f"{broker.http_url}/topic/create?topic=bench")
         _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
@@ -91,8 +104,7 @@ def durable_reader(reference: str, side: str, runfor: float) -> dict[str, float]
     """bench_reader on a channel filled beforehand (bench_writer, default flags, then a clean stop), the
     broker restarted with --mem-queue-size=0 --sync-every=1: every message comes from disk and its FIN
     is bookkept durably (trio-nsqd: the channel's cursor; Go nsqd: its disk queue's read position)."""
-    command = [os.path.join(reference, "nsqd")] if side == "go" else None
-    broker = Broker(command=command, env={compiled.ENV: "0"} if side == "pure" else None)
+    broker = side_broker(reference, side)
     try:
         _post(f"{broker.http_url}/topic/create?topic=bench")
         _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
@@ -117,8 +129,7 @@ def backlog_reader(reference: str, side: str, runfor: float) -> dict[str, float]
     micro-batch's commit). The figures: messages/s, and messages per CPU-second of the broker over the
     read (its hand-off from topic to channel, deliveries and FINs). `runfor` is not used: the run ends
     when the backlog is read."""
-    command = [os.path.join(reference, "nsqd")] if side == "go" else None
-    broker = Broker(command=command, env={compiled.ENV: "0"} if side == "pure" else None)
+    broker = side_broker(reference, side)
     try:
         publish(broker.http_address, "backlog", BACKLOG)
         cpu = broker.cpu_seconds()
@@ -188,12 +199,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runfor", type=float, default=10.0, help="seconds per tool run")
     parser.add_argument("--only", nargs="*", default=None, help="scenario keys: " + " ".join([*SCENARIOS, *RUNNERS]))
     parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
+    parser.add_argument("--baseline", help="another trio-nsq checkout (with its .venv) to run beside this one")
+    parser.add_argument("--no-pure", action="store_true", help="leave the pure Python side out")
     args = parser.parse_args(argv)
     keys = args.only or [*SCENARIOS, *RUNNERS]
     info = machine()
     print(f"machine: {describe(info)}")
     # pure Python is a side of its own only where the installed trio-nsqd is compiled
-    sides = SIDES if info["compiled_modules"] else ("go", "trio")
+    sides: tuple[str, ...] = SIDES if info["compiled_modules"] and not args.no_pure else ("go", "trio")
+    if args.baseline:
+        BASELINE.append(os.path.abspath(args.baseline))
+        sides = (*sides, "base")
     samples: dict[str, dict[str, list[dict[str, float]]]] = {k: {side: [] for side in sides} for k in keys}
     for round_no in range(1, args.rounds + 1):
         for key in keys:
@@ -223,8 +239,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if pure:
                 results[name].update(pure_msg_s=medians["pure"], pure_ratio=ratios["pure"])
                 line += f" {_fmt(medians['pure']):>12} {ratios['pure']:>7.2f}"
+            if "base" in medians:
+                base = medians["base"]
+                results[name].update(base_msg_s=base, trio_over_base=medians["trio"] / base if base else float("inf"))
+                line += f"   baseline {_fmt(base)}: trio/baseline {results[name]['trio_over_base']:.3f}"
             print(line)
-    merge_report(args.output, {"reference": os.path.abspath(args.reference), "rounds": args.rounds,
+    merge_report(args.output, {"reference": os.path.abspath(args.reference), "baseline": args.baseline,
+                               "rounds": args.rounds,
                                "runfor_s": args.runfor, "machine": info, "cpus": info["cpus"],
                                "compiled_modules": info["compiled_modules"], "results": results},
                  "versus_go_nsqd")
