@@ -10,7 +10,7 @@ import logging
 import trio
 
 from trio_nsq.shared.http import serve_site
-from trio_nsq.shared.http_api import Router, plain
+from trio_nsq.shared.http_api import Reply, Router, plain
 from trio_nsq.shared.http_server import IDLE_TIMEOUT, Route, Site
 
 log = logging.getLogger("test")
@@ -180,3 +180,28 @@ async def test_the_poller_closes_a_silent_connection_and_its_connections_at_shut
             assert await kept.receive_some(100) == b""
         await kept.aclose()
         outer.cancel_scope.cancel()
+
+
+async def test_an_answer_larger_than_the_socket_takes_at_once_goes_out_once():
+    """A 16 MB answer (/stats of ten thousand topics is 13 MB) is written partly at once, the rest as the
+    client reads. Compiled, `view[os.write(fd, view):]` in that loop wrote some bytes twice: the client
+    read 50 to 90 MB for a content-length of 16 MB, until the linger timeout closed the connection."""
+    body = bytes(range(256)) * (1 << 16)
+
+    async def big(req, params):
+        return Reply(200, body, "application/octet-stream")
+    site = Site(Router({"GET": {"/big": Route(big)}}), log)
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(functools.partial(serve_site, site, "127.0.0.1:0"))
+        for _ in range(2):
+            stream = await trio.open_tcp_stream(host, port)
+            await stream.send_all(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = bytearray()
+            while chunk := await stream.receive_some(1 << 16):
+                answer += chunk
+                await trio.sleep(0)  # a client slower than the server's first write
+            await stream.aclose()
+            head, _, got = bytes(answer).partition(b"\r\n\r\n")
+            assert b"content-length: %d" % len(body) in head
+            assert len(got) == len(body) and got == body
+        nursery.cancel_scope.cancel()
