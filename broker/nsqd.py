@@ -17,6 +17,7 @@ import trio
 
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
+from trio_nsq.broker.storage.data_dir import DataDir
 from trio_nsq.broker.storage.files import write_synced
 from trio_nsq.broker.lookup import LookupManager
 from trio_nsq.broker.options import Options
@@ -29,7 +30,7 @@ from trio_nsq.broker.tls import build_server_context, tls_required, tls_required
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
 from trio_nsq.shared.lookup_protocol import register_cmd
-from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, encode_frame
 from trio_nsq.shared.service import error_text
 from trio_nsq.shared.tcp import serve_connection
@@ -64,11 +65,26 @@ class NSQD:
         self.channels_generation = 0
         self.health_error: str | None = None
         self._nursery: trio.Nursery | None = None
-        self._persist_wanted = trio.Event()
+        # nsqd.dat: changes counted, what the last write covered, each topic's entry kept as JSON (a write
+        # makes again only the entries of topics that changed: ten thousand topics are not dumped per
+        # creation), the writer woken by `_meta_wake`, callers waiting for a write woken by `_meta_written`
+        self._meta_changes = 0
+        self._meta_covered = 0
+        self._meta_failed = 0  # changes a failed write covered (retried by the next)
+        self._meta_entries: dict[str, bytes] = {}
+        self._meta_stale: set[str] = set()
+        self._meta_wake = trio.Event()
+        self._meta_written = trio.Event()
         self._metadata_lock = trio.Lock()  # one nsqd.dat write at a time
         self._lock_fd: int | None = None
         self._unix_paths: list[str] = []
         self._loading = False
+        # the data directory, listed once at start; topics take their names from it
+        self.data_dir = DataDir([])
+        # topics nsqd.dat names that are not open yet (in its order): opened in the background once the
+        # broker listens, or at once when something asks for one; `loaded` is set when none is left
+        self._pending: dict[str, dict[str, Any]] = {}
+        self.loaded = trio.Event()
         # lookup_loop subscribes here to hear of topics/channels coming and going
         self.notify_hooks: list[Callable[[str, Topic | Channel, bool], None]] = []
         self.lookup = LookupManager(self)
@@ -105,6 +121,7 @@ class NSQD:
                 await nursery.start(self.lookup.run)
                 nursery.start_soon(queue_scan_loop, self)
                 nursery.start_soon(self._persist_loop)
+                nursery.start_soon(self._open_pending_topics)
                 if self.options.statsd_address:
                     nursery.start_soon(statsd_loop, self)
                 task_status.started()
@@ -178,6 +195,12 @@ class NSQD:
                 commands.append(register_cmd(topic.name))
             for channel in topic.channels.values():
                 commands.append(register_cmd(topic.name, channel.name))
+        for name, entry in list(self._pending.items()):  # known from nsqd.dat, not open yet
+            channels = [c["name"] for c in _valid(entry.get("channels") or (), is_valid_channel_name, "channel")
+                        if not is_ephemeral(c["name"])]
+            commands.extend(register_cmd(name, channel) for channel in channels)
+            if not channels:
+                commands.append(register_cmd(name))
         return commands
 
     def set_health(self, error: str | None) -> None:
@@ -217,7 +240,10 @@ class NSQD:
         topic = self.topics.get(name)
         if topic is not None:
             return topic
-        topic = Topic(self, name)
+        entry = self._pending.pop(name, None)
+        if entry is not None:
+            return self._open_from_metadata(entry)
+        topic = Topic(self, name, self.data_dir.take(name))
         self.topics[name] = topic
         log.info("TOPIC(%s): created", name)
         if not self._loading:
@@ -228,9 +254,14 @@ class NSQD:
         return topic
 
     def get_existing_topic(self, name: str) -> Topic | None:
-        return self.topics.get(name)
+        topic = self.topics.get(name)
+        if topic is None and name in self._pending:
+            return self.get_topic(name)
+        return topic
 
     def delete_topic(self, name: str) -> None:
+        if name in self._pending:
+            self.get_topic(name)
         topic = self.topics.pop(name)  # KeyError(name) for a topic there is not
         log.info("TOPIC(%s): deleting", name)
         topic.exit()
@@ -253,46 +284,88 @@ class NSQD:
         for hook in self.notify_hooks:
             hook("topic" if isinstance(obj, Topic) else "channel", obj, created)
         if not obj.ephemeral and not (isinstance(obj, Channel) and obj.topic.ephemeral):
-            self.persist_metadata()
+            self.persist_metadata(obj.name if isinstance(obj, Topic) else obj.topic_name)
 
     # --- metadata (nsqd.dat) ------------------------------------------------------------------
 
     def metadata(self) -> dict[str, Any]:
         """nsqd.dat as Go nsqd writes it: its key order, and null for no topics or no channels (a Go
         nil slice), so the file is byte for byte what nsqd 1.3.0 writes for the same topics."""
-        topics = []
+        return json.loads(self._metadata_bytes())
+
+    @staticmethod
+    def _topic_entry(topic: Topic) -> dict[str, Any]:
+        channels = [
+            _with_settings({"name": ch.name, "paused": ch.paused}, ch.settings)
+            for ch in topic.channels.values() if not ch.ephemeral
+        ]
+        entry = {"name": topic.name, "paused": topic.paused, "channels": channels or None}
+        return _with_settings(entry, topic.settings)
+
+    def _metadata_bytes(self) -> bytes:
+        """nsqd.dat's bytes: each topic's entry made again only if it changed since the last call."""
+        entries = self._meta_entries
+        stale = self._meta_stale
+        for name in stale:
+            entries.pop(name, None)
+        stale.clear()
+        parts: list[bytes] = []
         for topic in self.topics.values():
             if topic.ephemeral:
                 continue
-            channels = [
-                _with_settings({"name": ch.name, "paused": ch.paused}, ch.settings)
-                for ch in topic.channels.values() if not ch.ephemeral
-            ]
-            entry = {"name": topic.name, "paused": topic.paused, "channels": channels or None}
-            topics.append(_with_settings(entry, topic.settings))
-        return {"topics": topics or None, "version": VERSION}
+            entry = entries.get(topic.name)
+            if entry is None:
+                entry = entries[topic.name] = _json(self._topic_entry(topic))
+            parts.append(entry)
+        parts.extend(map(_json, self._pending.values()))  # as nsqd.dat had them: not open yet
+        topics = b"[" + b",".join(parts) + b"]" if parts else b"null"
+        return b'{"topics":' + topics + b',"version":' + _json(VERSION) + b"}"
 
-    def _metadata_bytes(self) -> bytes:
-        return json.dumps(self.metadata(), separators=(",", ":")).encode()
+    def persist_metadata(self, topic: str | None = None) -> None:
+        """nsqd.dat is to be written again (`topic` changed; None: any may have): the writer does it,
+        one write covering every change made before it began."""
+        if topic is None:
+            self._meta_entries.clear()
+        else:
+            self._meta_stale.add(topic)
+        self._meta_changes += 1
+        self._meta_wake.set()
 
-    def persist_metadata(self) -> None:
-        """Ask the persist task to write nsqd.dat (coalesced: one write covers a burst of changes)."""
-        self._persist_wanted.set()
+    async def metadata_persisted(self) -> None:
+        """Return once a write begun after this call's changes has put nsqd.dat on disk (group commit:
+        creations arriving together share one write). Raises OSError if the write covering them failed."""
+        target = self._meta_changes
+        while self._meta_covered < target:
+            if self._meta_failed >= target:
+                raise OSError("failed to persist metadata")
+            await self._meta_written.wait()
 
     async def _persist_loop(self) -> None:
         while True:
-            await self._persist_wanted.wait()
-            self._persist_wanted = trio.Event()
+            if self._meta_covered >= self._meta_changes:
+                await self._meta_wake.wait()
+                self._meta_wake = trio.Event()
+                continue
             try:
                 await self.persist_metadata_now()
             except OSError as exc:
                 log.error("failed to persist metadata - %s", exc)
+                await trio.sleep(1.0)  # the disk is failing: again in a moment, not in a loop
 
     async def persist_metadata_now(self) -> None:
         """Write nsqd.dat now and return once it is on disk (a settings change is answered after it);
         one write at a time, as they share a temporary file name. Raises OSError."""
         async with self._metadata_lock:
-            await trio.to_thread.run_sync(self._write_metadata, self._metadata_bytes())
+            covers = self._meta_changes
+            try:
+                await trio.to_thread.run_sync(self._write_metadata, self._metadata_bytes())
+            except OSError:
+                self._meta_failed = max(self._meta_failed, covers)
+                raise
+            finally:
+                written, self._meta_written = self._meta_written, trio.Event()
+                written.set()
+            self._meta_covered = max(self._meta_covered, covers)
 
     def write_metadata_now(self) -> None:
         self._write_metadata(self._metadata_bytes())
@@ -304,31 +377,60 @@ class NSQD:
         os.replace(tmp, path)
 
     def load_metadata(self) -> None:
+        """nsqd.dat read and the data directory listed, once. The topics nsqd.dat names are opened once
+        the broker listens (_open_pending_topics), or at once when something asks for one first."""
+        self.data_dir = DataDir.read(self.data_path)
         path = os.path.join(self.data_path, METADATA_FILE)
         try:
             with open(path, "rb") as fh:
                 raw = fh.read()
         except FileNotFoundError:
+            self.loaded.set()
             return
         try:
             topics = _parse_metadata(raw)
         except ValueError as exc:
             raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from None
-        self._loading = True
+        for t in _valid(topics, is_valid_topic_name, "topic"):
+            self._pending.setdefault(t["name"], t)
+        if not self._pending:
+            self.loaded.set()
+
+    def _open_from_metadata(self, t: dict[str, Any]) -> Topic:
+        """A topic nsqd.dat names, with its channels, pauses and settings as it says (nothing told to the
+        lookupds, nothing written: they know it already)."""
+        name = t["name"]
+        loading, self._loading = self._loading, True
         try:
-            for t in _valid(topics, is_valid_topic_name, "topic"):
-                topic = self.get_topic(t["name"])
-                topic.paused = bool(t.get("paused"))
-                for c in _valid(t.get("channels") or (), is_valid_channel_name, "channel"):
-                    channel = topic.get_channel(c["name"])
-                    channel.paused = bool(c.get("paused"))
-                    if "config" in c:
-                        channel.settings = QueueSettings.from_json(c["config"])
-                if "config" in t or any("config" in c for c in t.get("channels") or ()):
-                    topic.settings = QueueSettings.from_json(t.get("config"))
-                    topic.apply_settings()
+            topic = Topic(self, name, self.data_dir.take(name))
+            self.topics[name] = topic
+            topic.paused = bool(t.get("paused"))
+            for c in _valid(t.get("channels") or (), is_valid_channel_name, "channel"):
+                channel = topic.get_channel(c["name"])
+                channel.paused = bool(c.get("paused"))
+                if "config" in c:
+                    channel.settings = QueueSettings.from_json(c["config"])
+            configured = "config" in t or any("config" in c for c in t.get("channels") or ())
+            if configured:
+                topic.settings = QueueSettings.from_json(t.get("config"))
         finally:
-            self._loading = False
+            self._loading = loading
+        if configured:
+            topic.apply_settings()  # a dead-letter topic it makes now is told of and written as new
+        if self._nursery is not None:
+            self._nursery.start_soon(topic.run)
+        if not self._pending:
+            self.loaded.set()
+        return topic
+
+    async def _open_pending_topics(self) -> None:
+        """The topics nsqd.dat names, opened one at a time between the event loop's other work (the
+        broker answers meanwhile: what asks for a topic opens it first; what needs them all, /stats,
+        waits for `loaded`)."""
+        while self._pending:
+            self.get_topic(next(iter(self._pending)))
+            await trio.lowlevel.checkpoint()
+        self.loaded.set()
 
     # --- data directory lock ------------------------------------------------------------------
 
@@ -353,6 +455,11 @@ class NSQD:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _json(value: Any) -> bytes:
+    """JSON as Go's encoding/json writes it here (compact; the keys in the order given)."""
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _with_settings(entry: dict[str, Any], settings: QueueSettings) -> dict[str, Any]:

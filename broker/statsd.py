@@ -98,6 +98,7 @@ async def statsd_loop(nsqd: NSQD) -> None:
     host, port = split_host_port(opts.statsd_address, default_host="127.0.0.1")
     while True:
         await trio.sleep(opts.statsd_interval)
+        await nsqd.loaded.wait()  # every topic open: counters are taken over all of them
         prefix = opts.statsd_prefix
         if "%s" in prefix:
             prefix = prefix.replace("%s", host_key(f"{opts.broadcast_address}:{nsqd.broadcast_http_port}"))

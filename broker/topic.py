@@ -10,7 +10,6 @@ its own, so a message is written once whatever the number of channels.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,7 +30,8 @@ from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, resolve
 from trio_nsq.broker.storage.records import looks_like_message
-from trio_nsq.broker.storage.segment_log import Place, SegmentLog
+from trio_nsq.broker.storage.data_dir import topic_of
+from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir
 from trio_nsq.broker.storage.sync_group import SyncGroup
 from trio_nsq.broker.storage.topic_log import TopicLog
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name
@@ -91,10 +91,15 @@ class Topic:
     awaits, so what is queued is consistent when the pump runs. Channel changes come from SUB and the
     HTTP API through get_channel/delete_channel."""
 
-    def __init__(self, nsqd: TopicOwner, name: str) -> None:
+    def __init__(self, nsqd: TopicOwner, name: str, names: list[str] | None = None) -> None:
+        """`names`: what the data directory held for this topic when the broker listed it at start
+        (DataDir); None: it is listed here."""
         self.nsqd = nsqd
         self.name = name
         self.ephemeral = is_ephemeral(name)
+        if names is None:
+            names = [] if self.ephemeral else [n for n in list_dir(nsqd.data_path) if topic_of(n) == name]
+        self._names = names
         opts = nsqd.options
         self.clock = nsqd.clock
         # publish timestamps (unix ns): the wall clock's, or the owner's clock where it has its own (a
@@ -116,7 +121,7 @@ class Topic:
             self.log = TopicLog(name, nsqd.data_path, self.group, max_bytes_per_file=opts.max_bytes_per_file,
                                 min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
                                 retention_time=opts.retention_time, retention_bytes=opts.retention_bytes,
-                                clock=self.clock)
+                                clock=self.clock, names=names)
         # with retention every message goes to the log (what is replayed must be there): no memory queue
         self.retains = self.log is not None and bool(opts.retention_time or opts.retention_bytes)
         # Idempotency-Keys accepted on /pub and /mpub; an ephemeral topic's stay in memory, as its messages
@@ -448,17 +453,17 @@ class Topic:
         channel's disk queue): opened when its files are there, or made when `create`."""
         name = f"{self.name}:{channel_name}"
         data_path = self.nsqd.data_path
-        if not create and not any(entry.startswith(name + ".diskqueue.") for entry in _listdir(data_path)):
+        if not create and not any(entry.startswith(name + ".diskqueue.") for entry in self._names):
             return None
         opts = self.nsqd.options
         segments = SegmentLog(name, data_path, max_bytes_per_file=opts.max_bytes_per_file,
                               min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
-                              on_write=self.group.wrote, valid_record=looks_like_message)
+                              on_write=self.group.wrote, valid_record=looks_like_message, names=self._names)
         start = Place(segments.start, segments.start_index())
         if segments.meta_found:
             start = Place(segments.position(*segments.meta_read), segments.meta_read_index)
         return LogReader(segments, name + ".diskqueue", self.group, start=start, tag=OWN, owns_log=True,
-                         clock=self.clock)
+                         clock=self.clock, names=self._names)
 
     def get_existing_channel(self, name: str) -> Channel | None:
         return self.channels.get(name)
@@ -471,6 +476,8 @@ class Topic:
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)
         channel.delete_files()  # the files are gone before the caller answers, as in nsqd
+        prefix = f"{self.name}:{name}."
+        self._names = [entry for entry in self._names if not entry.startswith(prefix)]
         if self.log is not None and channel.backend.reader is not None:
             self.log.forget(channel.backend.reader)
         self.nsqd.notify_channel(channel, created=False)
@@ -534,9 +541,3 @@ class Topic:
         self.group.fail_waiting()  # what waits for a round of this topic gets none
         self.idempotency.delete()
 
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []

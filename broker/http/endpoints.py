@@ -297,6 +297,7 @@ class Api:
     # --- /stats /metrics /openapi.json -----------------------------------------------------
 
     async def stats(self, req: Request, params: Mapping[str, str]) -> Reply:
+        await self.nsqd.loaded.wait()  # every topic nsqd.dat names is open (start-up opens them after listening)
         query = self._params(req)
 
         def first(key: str) -> str:
@@ -310,6 +311,7 @@ class Api:
         return Reply(200, stats_json(snapshot), JSON_TYPE)
 
     async def metrics(self, req: Request, params: Mapping[str, str]) -> Reply:
+        await self.nsqd.loaded.wait()
         return Reply(200, prometheus_text(self.nsqd).encode(), PROMETHEUS_TYPE, nsq_header=False)
 
     async def openapi(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -319,7 +321,17 @@ class Api:
 
     async def topic_create(self, req: Request, params: Mapping[str, str]) -> Reply:
         self._topic_from_query(req)
+        await self._metadata_persisted()
         return EMPTY
+
+    async def _metadata_persisted(self) -> None:
+        """A creation is answered once nsqd.dat names it (one write covers the creations that arrive
+        together), so a crash right after the answer does not lose the topic or channel."""
+        try:
+            await self.nsqd.metadata_persisted()
+        except OSError as exc:
+            log.error("failed to persist metadata - %s", exc)
+            raise HTTPError(500, "INTERNAL_ERROR") from None
 
     async def topic_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
         try:
@@ -357,7 +369,7 @@ class Api:
         else:
             target.unpause()
         # persisted at once so a crash cannot silently (un)pause it, as nsqd
-        self.nsqd.persist_metadata()
+        self.nsqd.persist_metadata(target.name if isinstance(target, Topic) else target.topic_name)
         return EMPTY
 
     # --- channels ---------------------------------------------------------------------------
@@ -365,6 +377,7 @@ class Api:
     async def channel_create(self, req: Request, params: Mapping[str, str]) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
         topic.get_channel(name)
+        await self._metadata_persisted()
         return EMPTY
 
     async def channel_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -475,6 +488,7 @@ class Api:
     async def _settings_persisted(self, what: str, changes: dict[str, Any], topic: Topic) -> None:
         """nsqd.dat, and the dead-letter topics the topic's channels now have, on disk before the answer."""
         log.info("%s: config %s", what, ", ".join(f"{key}={'' if v is None else v}" for key, v in changes.items()))
+        self.nsqd.persist_metadata(topic.name)
         try:
             await self.nsqd.persist_metadata_now()
         except OSError as exc:

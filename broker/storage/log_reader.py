@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.cursor import Cursor, CursorFileError
 from trio_nsq.broker.storage.deadlines import PublishDeadlines
 from trio_nsq.broker.storage.deferred_index import DeferredIndex
 from trio_nsq.broker.storage.files import remove_quietly
-from trio_nsq.broker.storage.segment_log import Place, SegmentLog
+from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir, temp_files
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
@@ -66,12 +65,15 @@ class LogReader:
         publish_deadlines: PublishDeadlines | None = None,
         owns_log: bool = False,
         clock: Callable[[], float] = time.time,
+        names: Sequence[str] | None = None,
     ) -> None:
         """`name`: the cursor file's stem (`topic:channel`), None-like when `group` is None (an ephemeral
         channel: nothing persisted). `start`: (position, index) where a reader with no cursor file starts.
         `tag` is or-ed into the positions of the messages it returns (a channel tells its two readers
         apart by it). `owns_log`: the segments are this reader's alone (a channel's own queue), so it also
-        persists their metadata and drops what it has finished."""
+        persists their metadata and drops what it has finished. `names`: the data directory's names for
+        this topic, when the caller has them (temp files a crash left are looked for there; else the
+        directory is listed)."""
         self.segments = segments
         self.name = name
         self.group = group
@@ -88,6 +90,7 @@ class LogReader:
         self._removing: list[tuple[str, bool, str]] = []
         self._meta_at = -META_INTERVAL  # an own log's metadata: when last written (a round's monotonic time)
         self._timestamp_of: tuple[int, int | None] = (-1, None)
+        self._names = names
         self.cursor = self._load(start)
         # its cursor file is on disk: what the log holds past it is found again after a kill -9 (a
         # reader made since the last round would start at the log's end)
@@ -109,7 +112,7 @@ class LogReader:
         if self.group is None:
             return fresh
         path = self.cursor_file_name()
-        self._remove_temp_files(path)
+        self._remove_temp_files(path, self._names)
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
@@ -165,17 +168,13 @@ class LogReader:
         return count
 
     @staticmethod
-    def _remove_temp_files(path: str) -> None:
+    def _remove_temp_files(path: str, names: Sequence[str] | None) -> None:
         """A crash during a snapshot's write leaves `<file>.<random>.tmp`: never read, so removed."""
         folder, name = os.path.split(path)
-        temp = re.compile(re.escape(name) + r"\.\d+\.tmp\Z")
-        try:
-            names = os.listdir(folder or ".")
-        except OSError:
-            return
-        for entry in names:
-            if temp.match(entry):
-                remove_quietly(os.path.join(folder, entry))
+        if names is None:
+            names = list_dir(folder or ".")
+        for entry in temp_files(names, name):
+            remove_quietly(os.path.join(folder, entry))
 
     # --- reading ------------------------------------------------------------------------------
 

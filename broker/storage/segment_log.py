@@ -79,9 +79,23 @@ class Place:
 
 def numbered_files(names: Iterable[str], stem: str) -> list[int]:
     """The numbers N of the files `<stem>.N.dat` among `names` (N written with six digits or more), in
-    order. A log's segments, and a topic log's deadline files."""
-    mine = re.compile(re.escape(stem) + r"\.(\d{6,})\.dat\Z")
-    return sorted(int(m.group(1)) for m in map(mine.match, names) if m is not None)
+    order. A log's segments, and a topic log's deadline files. (String tests, no regular expression:
+    it runs for every log a broker opens.)"""
+    prefix = stem + "."
+    found = []
+    for entry in names:
+        if entry.startswith(prefix) and entry.endswith(".dat"):
+            number = entry[len(prefix):-4]
+            if len(number) >= 6 and number.isdigit() and number.isascii():
+                found.append(int(number))
+    return sorted(found)
+
+
+def temp_files(names: Iterable[str], path_name: str) -> list[str]:
+    """The names `<path_name>.<digits>.tmp` among `names`: what a crash during a replace left."""
+    prefix = path_name + "."
+    return [entry for entry in names if entry.startswith(prefix) and entry.endswith(".tmp")
+            and entry[len(prefix):-4].isdigit() and entry[len(prefix):-4].isascii()]
 
 
 def list_dir(path: str) -> list[str]:
@@ -174,10 +188,8 @@ class SegmentLog:
 
     def _remove_temp_files(self, mine: list[str]) -> None:
         """A crash during a metadata write leaves `<meta>.<random>.tmp`: never read, so removed."""
-        temp = re.compile(re.escape(self.name) + r"\.diskqueue\.meta\.dat\.\d+\.tmp\Z")
-        for entry in mine:
-            if temp.match(entry):
-                remove_quietly(os.path.join(self.data_path, entry))
+        for entry in temp_files(mine, f"{self.name}.diskqueue.meta.dat"):
+            remove_quietly(os.path.join(self.data_path, entry))
 
     def _remove_stale_segments(self, existing: list[int]) -> None:
         """Segments below the first one kept: a crash after the metadata stopped naming them and before

@@ -81,6 +81,7 @@ class TopicLog:
         self.deleted = False
         if names is None:
             names = list_dir(data_path)
+        self._names = names  # what the data directory held for this topic at start (its channels' too)
         self.segments = SegmentLog(name, data_path, max_bytes_per_file=max_bytes_per_file,
                                    min_msg_size=min_msg_size, max_msg_size=max_msg_size, on_write=group.wrote,
                                    valid_record=looks_like_message, names=names)
@@ -232,7 +233,7 @@ class TopicLog:
         """A channel's reader of this log: a durable channel's cursor persists in `<name>.cursor.dat` (a
         new channel starts at what is not handed yet); an ephemeral one's starts there, in memory."""
         reader = LogReader(self.segments, name, self.group if durable else None, start=self.dispatched,
-                           publish_deadlines=self.publish_deadlines, clock=self.clock)
+                           publish_deadlines=self.publish_deadlines, clock=self.clock, names=self._names)
         self.readers.append(reader)
         if durable:
             self.durable.append(reader)
