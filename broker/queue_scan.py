@@ -68,11 +68,13 @@ async def queue_scan_loop(nsqd: NSQD) -> None:
                 await resize_pool(len(live))
                 if now >= next_refresh:
                     next_refresh = now + opts.queue_scan_refresh_interval
-            if not live:
-                continue
-            while True:
+            while live:
                 num = min(opts.queue_scan_selection_count, len(live))
-                for channel in random.sample(live, num):
+                sample = random.sample(live, num)
+                if any(channel.exiting for channel in sample):
+                    live = [ch for ch in live if not ch.exiting]  # gone since the list was taken
+                    continue
+                for channel in sample:
                     await work_send.send(channel)
                 dirty = 0
                 for _ in range(num):
