@@ -39,6 +39,8 @@ from trio_nsq.shared.version import VERSION
 log = logging.getLogger("nsqd")
 
 METADATA_FILE = "nsqd.dat"
+# topics closing at once at a clean exit
+CLOSING_AT_ONCE = 32
 
 
 class NSQD:
@@ -143,8 +145,16 @@ class NSQD:
             self.write_metadata_now()
         except OSError as exc:
             log.error("failed to persist metadata - %s", exc)
-        for topic in list(self.topics.values()):
-            await topic.close()
+        # topics close side by side, a few at a time: each waits for its last round's fsyncs, and ten
+        # thousand of them one after the other kept a clean exit (and so a restart) for minutes
+        limiter = trio.CapacityLimiter(CLOSING_AT_ONCE)
+
+        async def close(topic: Topic) -> None:
+            async with limiter:
+                await topic.close()
+        async with trio.open_nursery() as nursery:
+            for topic in list(self.topics.values()):
+                nursery.start_soon(close, topic)
 
     async def _start_http(self, nursery: trio.Nursery) -> None:
         """HTTP (and HTTPS) unless --http-address is empty, which turns it off as in nsqd."""
