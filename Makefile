@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.startup $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 3,)
 	$(BIN)/python -m tests.bench.idle_topics $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1,)
 	$(BIN)/python -m tests.bench.dpub $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--counts 100000 200000,)
+	$(BIN)/python -m tests.bench.deferred_index $(if $(QUICK),--counts 100000 200000 400000,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_interop --reference $(NSQ_REFERENCE),)
 	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 

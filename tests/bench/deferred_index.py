@@ -1,0 +1,199 @@
+"""A channel's deferred index at scale (broker/storage/deferred_index.py), before and after, in one run:
+
+    python -m tests.bench.deferred_index [--counts 1000000 2000000 4000000] [--rounds N]
+                                         [--old-rev REV] [--no-old] [--output bench-results.json]
+
+For each count, that many random deadlines (uniform over an hour, positions 0..count-1) are added one at
+a time through add(), as LogReader.read does: the time for all the adds (the loop, with a clock read
+around each call), the longest single add() (what it stalls the event loop), and nbytes() per entry and
+the runs it keeps. Then earliest(100) (GET /channel/messages), entries_in and remove of 1,000 positions
+spread over them all (reclaim), and all are made due and taken: due() until it moves none, the ready ones
+taken by 65,536 as Channel.take does (the longest due() and take_ready() call). The growth is the time
+of the adds at a count over that at the first count, against the entries' (x4 entries should cost at
+most x4.5 the time: O(n log n)).
+
+The old implementation (the file at --old-rev, the commit before the rewrite, by default) is read with
+`git show` into a temporary folder and loaded from there, measured the same way beside the new one:
+compiled with mypyc there when this process runs the new one compiled (so both are), pure Python when it
+does not (TRIO_NSQ_COMPILE=0). The figures go into bench-results.json under deferred_index.compiled or
+deferred_index.pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from types import ModuleType
+from typing import Any
+
+from tests.bench.machine import describe, machine, merge_report
+from trio_nsq import compiled
+from trio_nsq.broker.storage import deferred_index
+
+# the commit before DeferredIndex's rewrite (size-tiered runs merged a bounded step at a time)
+OLD_REV = "ad880d86df2a1d10bb4d4b85085b0d5a32692d41"
+PATH = "broker/storage/deferred_index.py"
+HOUR = 3600.0
+TAKE = 65_536  # what Channel.take asks of take_ready at most
+LOOKED_UP = 1_000  # positions entries_in and remove are given
+
+_SETUP = """
+import sys
+from setuptools import setup
+from mypyc.build import mypycify
+sys.argv = ["setup.py", "build_ext", "--inplace", "-q"]
+setup(name="old_deferred_index", ext_modules=mypycify(["old_deferred_index.py"], opt_level="3"))
+"""
+
+
+def _is_compiled(module: ModuleType) -> bool:
+    return (getattr(module, "__file__", None) or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def load_old(rev: str, folder: str, compile_it: bool) -> tuple[ModuleType, bool]:
+    """The DeferredIndex module as it was at `rev`, from a file in `folder` (compiled there with mypyc when
+    asked and possible): the module, and whether it is compiled."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    source = subprocess.run(["git", "show", f"{rev}:{PATH}"], cwd=root, check=True, capture_output=True).stdout
+    path = os.path.join(folder, "old_deferred_index.py")
+    with open(path, "wb") as fh:
+        fh.write(source)
+    if compile_it:
+        built = subprocess.run([sys.executable, "-c", _SETUP], cwd=folder, capture_output=True, text=True)
+        extensions = [name for name in os.listdir(folder) if name.startswith("old_deferred_index.")
+                      and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
+        if built.returncode == 0 and extensions:
+            path = os.path.join(folder, extensions[0])
+        else:
+            print(f"old implementation: mypyc failed, pure Python ({built.stderr.strip()[-300:]})", flush=True)
+    spec = importlib.util.spec_from_file_location("old_deferred_index", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, _is_compiled(module)
+
+
+def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    deadlines = array("d", [rng.uniform(0.0, HOUR) for _ in range(count)])  # an array: nothing for the GC
+    idx = cls(lambda: 0.0)
+    add = idx.add
+    clock = time.perf_counter
+    longest_add = 0.0
+    max_runs = 0
+    started = clock()
+    for pos in range(count):
+        t = clock()
+        add(deadlines[pos], pos)
+        t = clock() - t
+        if t > longest_add:
+            longest_add = t
+        if not pos & 4095 and len(idx._runs) > max_runs:
+            max_runs = len(idx._runs)
+    add_s = clock() - started
+    figures: dict[str, float] = {"add_s": add_s, "longest_add_ms": longest_add * 1000,
+                                 "bytes_per_entry": idx.nbytes() / count, "runs": len(idx._runs),
+                                 "max_runs": max(max_runs, len(idx._runs))}
+    t = clock()
+    idx.earliest(100)
+    figures["earliest_ms"] = (clock() - t) * 1000
+    wanted = set(range(0, count, max(1, count // LOOKED_UP)))
+    t = clock()
+    found = idx.entries_in(wanted)
+    figures["entries_in_ms"] = (clock() - t) * 1000
+    t = clock()
+    idx.remove(wanted)
+    figures["remove_ms"] = (clock() - t) * 1000
+    longest_due = longest_take = 0.0
+    calls = taken = 0
+    started = clock()
+    while True:
+        t = clock()
+        moved = idx.due(HOUR + 1.0)
+        t = clock() - t
+        longest_due = max(longest_due, t)
+        calls += 1
+        while True:
+            t = clock()
+            got = idx.take_ready(TAKE)
+            t = clock() - t
+            longest_take = max(longest_take, t)
+            taken += len(got)
+            if not got:
+                break
+        if not moved:
+            break
+    figures.update(drain_s=clock() - started, longest_due_ms=longest_due * 1000, due_calls=calls,
+                   longest_take_ms=longest_take * 1000)
+    if taken != count - len(found) or len(found) != len(wanted):
+        raise RuntimeError(f"{count:,} added, {len(found):,} of {len(wanted):,} found and removed, {taken:,} taken")
+    return figures
+
+
+def _line(name: str, count: int, f: dict[str, float], first: tuple[int, float]) -> str:
+    entries_x, time_x = count / first[0], f["add_s"] / first[1]
+    return (f"{name:<4} {count:>10,}: adds {f['add_s']:6.2f} s ({f['add_s'] / count * 1e6:5.2f} us each), "
+            f"longest add {f['longest_add_ms']:7.1f} ms, longest due {f['longest_due_ms']:7.1f} ms "
+            f"({f['due_calls']:,.0f} calls, all due and taken in {f['drain_s']:5.2f} s), longest take "
+            f"{f['longest_take_ms']:5.1f} ms, {f['bytes_per_entry']:5.2f} bytes/entry, {f['max_runs']:.0f} runs "
+            f"at most; earliest(100) {f['earliest_ms']:5.2f} ms, entries_in({LOOKED_UP:,}) "
+            f"{f['entries_in_ms']:6.0f} ms, remove({LOOKED_UP:,}) {f['remove_ms']:6.0f} ms; "
+            f"x{entries_x:.1f} entries: x{time_x:.2f} time")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--counts", type=int, nargs="*", default=[1_000_000, 2_000_000, 4_000_000])
+    parser.add_argument("--rounds", type=int, default=1, help="each figure is the median of this many")
+    parser.add_argument("--old-rev", default=OLD_REV, help="the commit whose DeferredIndex is the old one")
+    parser.add_argument("--no-old", action="store_true", help="the new implementation alone")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output", default="bench-results.json")
+    args = parser.parse_args(argv)
+    info = machine()
+    print(f"machine: {describe(info)}")
+    new_compiled = _is_compiled(deferred_index)
+    impls: dict[str, Any] = {"new": deferred_index.DeferredIndex}
+    old_compiled = False
+    with tempfile.TemporaryDirectory(prefix="old-deferred-index-") as folder:
+        if not args.no_old:
+            old, old_compiled = load_old(args.old_rev, folder, new_compiled)
+            impls["old"] = old.DeferredIndex
+        print(f"new: {'compiled' if new_compiled else 'pure Python'}"
+              + ("" if args.no_old else f"; old ({args.old_rev}): {'compiled' if old_compiled else 'pure Python'}"),
+              flush=True)
+        samples: dict[str, list[dict[str, float]]] = {}
+        for _ in range(args.rounds):
+            for count in args.counts:
+                for name, cls in impls.items():  # side by side, count by count
+                    samples.setdefault(f"{name}|{count}", []).append(run_once(cls, count, args.seed))
+                    print(f"  {name} {count:,} done in {samples[f'{name}|{count}'][-1]['add_s']:.2f} s", flush=True)
+    results: dict[str, Any] = {"machine": info, "new_compiled": new_compiled, "old_rev": None if args.no_old else args.old_rev,
+                               "old_compiled": old_compiled, "counts": {}}
+    print()
+    for name in impls:
+        first: tuple[int, float] | None = None
+        for count in args.counts:
+            runs = samples[f"{name}|{count}"]
+            med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            if first is None:
+                first = (count, med["add_s"])
+            med["entries_x"] = count / first[0]
+            med["time_x"] = med["add_s"] / first[1]
+            results["counts"].setdefault(str(count), {})[name] = med
+            print(_line(name, count, med, first))
+    merge_report(args.output, results, "deferred_index", "compiled" if new_compiled else "pure")
+    return results
+
+
+if __name__ == "__main__":
+    main()
