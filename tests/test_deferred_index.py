@@ -43,6 +43,23 @@ def test_one_delay_is_one_run_of_16_bytes_an_entry():
     assert idx.nbytes() == 0  # the runs went with their entries
 
 
+def test_a_few_delays_are_a_few_runs_appended_to():
+    """Publishers using three delays, interleaved: three runs, 16 bytes an entry, nothing buffered or merged."""
+    rng = random.Random(3)
+    idx = index()
+    expected = []
+    for i in range(60_000):
+        deadline = i * 0.001 + rng.choice([10.0, 60.0, 250.0])
+        idx.add(deadline, i)
+        expected.append((deadline, i))
+    assert len(idx._runs) == 3 and not idx._merges and not idx._pending_deadlines
+    assert idx.nbytes() == 16 * 60_000
+    out: list[int] = []
+    while idx.due(1e9):
+        out.extend(drain_ready(idx))
+    assert [expected[pos][0] for pos in out] == sorted(d for d, _ in expected)
+
+
 def run_bound(count: int, max_open: int = MAX_OPEN, pending_max: int = PENDING_MAX, fanout: int = FANOUT) -> int:
     """The most runs `count` entries make: the open ones, and at each level fewer than `fanout` resting
     and one merge (`fanout` inputs and its output)."""

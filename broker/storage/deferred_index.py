@@ -402,13 +402,24 @@ class DeferredIndex:
                 emptied = True
             else:
                 run.trim()
+        self._count -= moved
         if emptied:
             self._drop_empty()
-        self._count -= moved
         return moved
 
     def _drop_empty(self) -> None:
-        """Runs left empty go (a merge's output stays until the merge is done); the open runs follow."""
+        """Runs left empty go (a merge's output stays, emptied, until the merge is done; with nothing left
+        deferred the merges go too); the open runs follow."""
+        if not self._count:
+            ready, head = self._ready, self._ready_head
+            self.clear()
+            self._ready, self._ready_head = ready, head
+            return
+        for run in self._runs:
+            if run.kind == _OUTPUT and run.head and run.head == len(run.deadlines):
+                run.deadlines = array("d")
+                run.positions = array("Q")
+                run.head = 0
         self._runs = [run for run in self._runs if run.head < len(run.deadlines) or run.kind == _OUTPUT]
         if any(run.head == len(run.deadlines) for run in self._open):
             self._reopen([run for run in self._open if run.head < len(run.deadlines)])
