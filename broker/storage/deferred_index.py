@@ -122,9 +122,11 @@ class _Run:
     def size(self) -> int:
         return len(self.deadlines) - self.head
 
-    def trim(self) -> None:
+    def trim(self, share: int = 2) -> None:
+        """Consumed entries are cut off once more than 1/share of the arrays (a merge's inputs: 1/4, as
+        they are all consumed at once; copying the rest costs less than merging the entries cut)."""
         head = self.head
-        if head > _TRIM and head * 2 > len(self.deadlines):
+        if head > _TRIM and head * share > len(self.deadlines):
             del self.deadlines[:head]
             del self.positions[:head]
             self.mark -= head
@@ -350,7 +352,7 @@ class DeferredIndex:
             for run, cut in zip(inputs, cuts):
                 run.head = cut
         for run in inputs:
-            run.trim()
+            run.trim(4)
         if any(run.head == len(run.deadlines) for run in inputs):
             gone = [run for run in inputs if run.head == len(run.deadlines)]
             inputs = [run for run in inputs if run.head < len(run.deadlines)]
