@@ -5,12 +5,15 @@
 
 For each count, that many random deadlines (uniform over an hour, positions 0..count-1) are added one at
 a time through add(), as LogReader.read does: the time for all the adds (the loop, with a clock read
-around each call), the longest single add() (what it stalls the event loop), and nbytes() per entry and
-the runs it keeps. Then earliest(100) (GET /channel/messages), entries_in and remove of 1,000 positions
-spread over them all (reclaim), and all are made due and taken: due() until it moves none, the ready ones
-taken by 65,536 as Channel.take does (the longest due() and take_ready() call). The growth is the time
-of the adds at a count over that at the first count, against the entries' (x4 entries should cost at
-most x4.5 the time: O(n log n)).
+around each call), the longest single add() (what it stalls the event loop; on a shared machine another
+process taking the core can lengthen any call: --rounds gives medians), nbytes() per entry at the end
+and at most on the way (every 4,096 adds past a quarter of them: merges in progress hold what they have
+consumed of their inputs until it is cut off), and the runs it keeps. Then earliest(100) (GET
+/channel/messages), entries_in and remove of 1,000 positions spread over them all (reclaim), and all are
+made due and taken: due() until it moves none, the ready ones taken by 65,536 as Channel.take does (the
+longest due() and take_ready() calls; due()'s also in the thread's CPU time, which another process does
+not lengthen). The growth is the time of the adds at a count over that at the first count, against the
+entries' (x4 entries should cost at most x4.5 the time: O(n log n)).
 
 The old implementation (the file at --old-rev, the commit before the rewrite, by default) is read with
 `git show` into a temporary folder and loaded from there, measured the same way beside the new one:
@@ -88,8 +91,10 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
     idx = cls(lambda: 0.0)
     add = idx.add
     clock = time.perf_counter
+    cpu = time.thread_time
     longest_add = 0.0
     max_runs = 0
+    peak_bytes = 0.0
     started = clock()
     for pos in range(count):
         t = clock()
@@ -97,12 +102,14 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
         t = clock() - t
         if t > longest_add:
             longest_add = t
-        if not pos & 4095 and len(idx._runs) > max_runs:
-            max_runs = len(idx._runs)
+        if not pos & 4095:
+            max_runs = max(max_runs, len(idx._runs))
+            if pos >= count // 4:
+                peak_bytes = max(peak_bytes, idx.nbytes() / (pos + 1))
     add_s = clock() - started
     figures: dict[str, float] = {"add_s": add_s, "longest_add_ms": longest_add * 1000,
-                                 "bytes_per_entry": idx.nbytes() / count, "runs": len(idx._runs),
-                                 "max_runs": max(max_runs, len(idx._runs))}
+                                 "bytes_per_entry": idx.nbytes() / count, "peak_bytes_per_entry": peak_bytes,
+                                 "runs": len(idx._runs), "max_runs": max(max_runs, len(idx._runs))}
     t = clock()
     idx.earliest(100)
     figures["earliest_ms"] = (clock() - t) * 1000
@@ -113,14 +120,17 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
     t = clock()
     idx.remove(wanted)
     figures["remove_ms"] = (clock() - t) * 1000
-    longest_due = longest_take = 0.0
+    longest_due = longest_due_cpu = longest_take = 0.0
     calls = taken = 0
     started = clock()
     while True:
         t = clock()
+        c = cpu()
         moved = idx.due(HOUR + 1.0)
+        c = cpu() - c
         t = clock() - t
         longest_due = max(longest_due, t)
+        longest_due_cpu = max(longest_due_cpu, c)
         calls += 1
         while True:
             t = clock()
@@ -132,8 +142,8 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
                 break
         if not moved:
             break
-    figures.update(drain_s=clock() - started, longest_due_ms=longest_due * 1000, due_calls=calls,
-                   longest_take_ms=longest_take * 1000)
+    figures.update(drain_s=clock() - started, longest_due_ms=longest_due * 1000,
+                   longest_due_cpu_ms=longest_due_cpu * 1000, due_calls=calls, longest_take_ms=longest_take * 1000)
     if taken != count - len(found) or len(found) != len(wanted):
         raise RuntimeError(f"{count:,} added, {len(found):,} of {len(wanted):,} found and removed, {taken:,} taken")
     return figures
@@ -142,9 +152,11 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
 def _line(name: str, count: int, f: dict[str, float], first: tuple[int, float]) -> str:
     entries_x, time_x = count / first[0], f["add_s"] / first[1]
     return (f"{name:<4} {count:>10,}: adds {f['add_s']:6.2f} s ({f['add_s'] / count * 1e6:5.2f} us each), "
-            f"longest add {f['longest_add_ms']:7.1f} ms, longest due {f['longest_due_ms']:7.1f} ms "
-            f"({f['due_calls']:,.0f} calls, all due and taken in {f['drain_s']:5.2f} s), longest take "
-            f"{f['longest_take_ms']:5.1f} ms, {f['bytes_per_entry']:5.2f} bytes/entry, {f['max_runs']:.0f} runs "
+            f"longest add {f['longest_add_ms']:7.1f} ms, longest due "
+            f"{f['longest_due_ms']:7.1f} ms (CPU {f['longest_due_cpu_ms']:6.1f}; {f['due_calls']:,.0f} calls, all "
+            f"due and taken in {f['drain_s']:5.2f} s), longest take "
+            f"{f['longest_take_ms']:5.1f} ms, {f['bytes_per_entry']:5.2f} bytes/entry (at most "
+            f"{f['peak_bytes_per_entry']:5.2f} on the way), {f['max_runs']:.0f} runs "
             f"at most; earliest(100) {f['earliest_ms']:5.2f} ms, entries_in({LOOKED_UP:,}) "
             f"{f['entries_in_ms']:6.0f} ms, remove({LOOKED_UP:,}) {f['remove_ms']:6.0f} ms; "
             f"x{entries_x:.1f} entries: x{time_x:.2f} time")
@@ -177,8 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name, cls in impls.items():  # side by side, count by count
                     samples.setdefault(f"{name}|{count}", []).append(run_once(cls, count, args.seed))
                     print(f"  {name} {count:,} done in {samples[f'{name}|{count}'][-1]['add_s']:.2f} s", flush=True)
-    results: dict[str, Any] = {"machine": info, "new_compiled": new_compiled, "old_rev": None if args.no_old else args.old_rev,
-                               "old_compiled": old_compiled, "counts": {}}
+    results: dict[str, Any] = {"machine": info, "new_compiled": new_compiled, "old_compiled": old_compiled,
+                               "old_rev": None if args.no_old else args.old_rev, "counts": {}}
     print()
     for name in impls:
         first: tuple[int, float] | None = None
