@@ -231,7 +231,6 @@ class DeferredIndex:
                 self._pending_min = deadline
             self._pending_deadlines.append(deadline)
             self._pending_positions.append(pos)
-            self._last = None
             if len(self._pending_deadlines) >= self._pending_max:
                 self._flush_pending()
                 self._seal_idle()
