@@ -37,14 +37,14 @@ every moment; nothing else is assumed of them, so `due` and `earliest` read any 
   the output after everything already there. Output and inputs therefore stay sorted runs at every step,
   with every output entry <= every input entry; `due` consuming from the front of either, and `remove`
   dropping entries from any, keep both true. Each step moves at least `per` entries (the input that set
-  t gives `per`) and at most `step` (8,192) in all, per = step / inputs: bounded work, and progress (when
+  t gives `per`) and at most `step` (4,096) in all, per = step / inputs: bounded work, and progress (when
   one input alone gives some, or is left, up to `slice_max` of it are copied, not sorted).
 - How much merging is done when: every entry that enters the tiers (a buffer sorted, an open run sealed)
   owes every merge in progress 2 entries of work, paid lowest level first when a full buffer is sorted
-  (and when due() sorts a partial one): at most `work` (32,768 entries, ~8 ms) a call, or what a full
-  buffer owes if that is more (2 x 4,096 x the merges in progress, with over 4 of them: so merging keeps
-  up at any size), the rest at the next call. While entries only come in, a run of level c holds
-  pending_max * fanout**c entries (a sealed open run between that and fanout times it), so a merge at
+  (and when due() sorts a partial one): at most `work` (16,384 entries, ~4 ms in pure Python) a call, or
+  what a full buffer owes if that is more (2 x 4,096 x the merges in progress, with over 2 of them: so
+  merging keeps up at any size), the rest at the next call. While entries only come in, a run of level c
+  holds pending_max * fanout**c entries (a sealed open run between that and fanout times it), so a merge at
   level c moves pending_max * fanout**(c+1) and is done once half as many have entered the tiers, while
   level c gathers `fanout` runs again only once that many have: one merge a level at a time, fewer than
   `fanout` runs resting at each level (the tests check both). Entries coming due only take work away.
@@ -52,18 +52,21 @@ every moment; nothing else is assumed of them, so `due` and `earliest` read any 
   at 4M random deadlines 3 levels and, measured, 109 runs at most. A larger fanout merges an entry
   fewer times (log_fanout) for more runs to look at: 32 rather than 16 took 10-15% less time at 4M, for
   109 runs at most rather than 67.
-- `due(now)` moves what is due, earliest first: everything due if that is at most `due_max` (32,768,
+- `due(now)` moves what is due, earliest first: everything due if that is at most `due_max` (16,384,
   sorted when several runs give some) or, from a single run, `slice_max` (1,048,576, a memory copy);
-  else the same cut over the runs whose front is due, t at most now, per = due_max / runs: what it moves
-  is due and at most anything left. The rest moves at the next call (a channel's queue scan counts a
-  due() that moved some as work and samples again at once while enough of its channels have some).
+  else what is at most a deadline t found by halving the span between the earliest front and the latest
+  due entry (a bisect a run each time, 40 times at most) until between due_max / 2 and due_max are at
+  most t (or the same cut as a merge's, per = due_max / runs, when more than due_max share the earliest
+  deadline): what it moves is due and at most anything left. The rest moves at the next call (a
+  channel's queue scan counts a due() that moved some as work, and samples again at once while enough of
+  its channels have some).
 
 What bounds a call, then: add is O(1) (a bisect when the last open run does not take the entry), and a
-full buffer adds its sort (4,096 entries) and at most `work` + `step` entries of merging (more only
-with over 4 merges in progress: billions of entries); due, a look at
-each run's front, a bisect a run and at most `due_max` entries sorted (or `slice_max` copied); earliest,
-n and the runs; take_ready, n. Cutting consumed entries off a run's front copies at most half of it.
-entries_in and remove look at every entry, in C (a set lookup each).
+full buffer adds its sort (4,096 entries) and at most `work` + `step` entries of merging (more only with
+over 2 merges in progress: past 128M entries); due, a look at each run's front, 41 bisects a run at
+most and at most `due_max` entries sorted (or `slice_max` copied); earliest, n and the runs;
+take_ready, n. Cutting consumed entries off a run's front copies at most half of it. entries_in and
+remove look at every entry, in C (a set lookup each).
 
 Who calls it: the Channel (add through LogReader.read, due from the queue scan, take_ready from take,
 clear on empty and seek, entries_in and remove from reclaim, earliest from GET /channel/messages); /stats
@@ -87,11 +90,11 @@ PENDING_MAX: Final = 4096
 # runs resting at one level that are merged into one
 FANOUT: Final = 32
 # entries one merge step moves at most (sorted)
-STEP: Final = 8192
+STEP: Final = 4096
 # merge work (entries sorted) one call does at most (unless the entries it sorted owe more), and what
 # one due() sorts at most
-WORK: Final = 32768
-DUE_MAX: Final = 32768
+WORK: Final = 16384
+DUE_MAX: Final = 16384
 # entries moved from a single run (a memory copy, not a sort) in one step or one due() at most
 SLICE_MAX: Final = 1 << 20
 # consumed entries at a run's (or the ready queue's) front are cut off once more than this many
@@ -393,9 +396,7 @@ class DeferredIndex:
             moved = cut - run.head
             run.head = cut
         else:
-            cuts = [bisect_right(run.deadlines, now, run.head) for run in runs]
-            if sum(cuts) - sum(run.head for run in runs) > self._due_max:
-                cuts = _cut(runs, max(1, self._due_max // len(runs)), now)
+            cuts = _due_cuts(runs, now, self._due_max)
             moved = _due_into(runs, cuts, self._ready)
             for run, cut in zip(runs, cuts):
                 run.head = cut
@@ -553,6 +554,36 @@ def _cut(runs: list[_Run], per: int, upto: float) -> list[int]:
             if deadline < t:
                 t = deadline
     return [bisect_right(run.deadlines, t, run.head, min(run.head + per, len(run.deadlines))) for run in runs]
+
+
+def _due_cuts(runs: list[_Run], now: float, limit: int) -> list[int]:
+    """Where to cut the runs' fronts so that what is taken is due, at most `limit`, and at most anything
+    left: everything due if it is no more than `limit`; else everything at most a deadline t, halving
+    between the earliest front and the latest due entry until limit / 2 to limit are taken."""
+    heads = 0
+    for run in runs:
+        heads += run.head
+    cuts = [bisect_right(run.deadlines, now, run.head) for run in runs]
+    if sum(cuts) - heads <= limit:
+        return cuts
+    low = min([run.deadlines[run.head] for run in runs])
+    high = max([run.deadlines[cut - 1] for run, cut in zip(runs, cuts) if cut > run.head])
+    best = [bisect_right(run.deadlines, low, run.head) for run in runs]
+    if sum(best) - heads > limit:  # more than `limit` share the earliest deadline
+        return _cut(runs, max(1, limit // len(runs)), now)
+    for _ in range(40):
+        mid = low + (high - low) / 2
+        if not low < mid < high:
+            break
+        cuts = [bisect_right(run.deadlines, mid, run.head) for run in runs]
+        taken = sum(cuts) - heads
+        if taken > limit:
+            high = mid
+        else:
+            low, best = mid, cuts
+            if taken * 2 >= limit:
+                break
+    return best
 
 
 def _pieces(runs: list[_Run], cuts: list[int]) -> tuple[array[float], array[int], int]:
