@@ -155,7 +155,7 @@ def test_scattered_deadlines_are_merged_as_they_come(seed, bounds):
         levels = [merge.level for merge in idx._merges]
         assert len(levels) == len(set(levels))
         merged.update(levels)
-        resting = [run.level for run in idx._runs if run.kind == 1]
+        resting = [run.level for run in idx._runs if run.kind == 1]  # resting: sealed, not in a merge
         assert all(resting.count(level) < fanout for level in resting)
     assert len(merged) >= 2, "the bounds are chosen so that merges of two levels or more are seen"
     for run in idx._runs:
