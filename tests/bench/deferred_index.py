@@ -5,15 +5,15 @@
 
 For each count, that many random deadlines (uniform over an hour, positions 0..count-1) are added one at
 a time through add(), as LogReader.read does: the time for all the adds (the loop, with a clock read
-around each call), the longest single add() (what it stalls the event loop; on a shared machine another
-process taking the core can lengthen any call: see --rounds), nbytes() per entry at the end
-and at most on the way (every 4,096 adds past a quarter of them: merges in progress hold what they have
-consumed of their inputs until it is cut off), and the runs it keeps. Then earliest(100) (GET
-/channel/messages), entries_in and remove of 1,000 positions spread over them all (reclaim), and all are
-made due and taken: due() until it moves none, the ready ones taken by 65,536 as Channel.take does (the
-longest due() and take_ready() calls; due()'s also in the thread's CPU time, which another process does
-not lengthen). The growth is the time of the adds at a count over that at the first count, against the
-entries' (x4 entries should cost at most x4.5 the time: O(n log n)).
+around each call; wall and the thread's CPU time, which another process taking the core does not
+lengthen), the longest single add() (what it stalls the event loop, wall time: see --rounds), nbytes()
+per entry at the end and at most on the way (every 4,096 adds past a quarter of them: merges in progress
+hold what they have consumed of their inputs until it is cut off), and the runs it keeps. Then
+earliest(100) (GET /channel/messages), entries_in and remove of 1,000 positions spread over them all
+(reclaim), and all are made due and taken: due() until it moves none, the ready ones taken by 65,536 as
+Channel.take does (the longest due() and take_ready() calls; due()'s in CPU time too). The growth is the
+CPU time of the adds at a count over that at the first count, against the entries' (x4 entries should
+cost at most x4.5 the time: O(n log n)).
 
 The old implementation (the file at --old-rev, the commit before the rewrite, by default) is read with
 `git show` into a temporary folder and loaded from there, measured the same way beside the new one:
@@ -96,6 +96,7 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
     max_runs = 0
     peak_bytes = 0.0
     started = clock()
+    started_cpu = cpu()
     for pos in range(count):
         t = clock()
         add(deadlines[pos], pos)
@@ -106,8 +107,9 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
             max_runs = max(max_runs, len(idx._runs))
             if pos >= count // 4:
                 peak_bytes = max(peak_bytes, idx.nbytes() / (pos + 1))
+    add_cpu_s = cpu() - started_cpu
     add_s = clock() - started
-    figures: dict[str, float] = {"add_s": add_s, "longest_add_ms": longest_add * 1000,
+    figures: dict[str, float] = {"add_s": add_s, "add_cpu_s": add_cpu_s, "longest_add_ms": longest_add * 1000,
                                  "bytes_per_entry": idx.nbytes() / count, "peak_bytes_per_entry": peak_bytes,
                                  "runs": len(idx._runs), "max_runs": max(max_runs, len(idx._runs))}
     t = clock()
@@ -150,8 +152,9 @@ def run_once(cls: Any, count: int, seed: int) -> dict[str, float]:
 
 
 def _line(name: str, count: int, f: dict[str, float], first: tuple[int, float]) -> str:
-    entries_x, time_x = count / first[0], f["add_s"] / first[1]
-    return (f"{name:<4} {count:>10,}: adds {f['add_s']:6.2f} s ({f['add_s'] / count * 1e6:5.2f} us each), "
+    entries_x, time_x = count / first[0], f["add_cpu_s"] / first[1]
+    return (f"{name:<4} {count:>10,}: adds {f['add_s']:6.2f} s (CPU {f['add_cpu_s']:6.2f} s, "
+            f"{f['add_cpu_s'] / count * 1e6:5.2f} us each), "
             f"longest add {f['longest_add_ms']:7.1f} ms, longest due "
             f"{f['longest_due_ms']:7.1f} ms (CPU {f['longest_due_cpu_ms']:6.1f}; {f['due_calls']:,.0f} calls, all "
             f"due and taken in {f['drain_s']:5.2f} s), longest take "
@@ -159,7 +162,7 @@ def _line(name: str, count: int, f: dict[str, float], first: tuple[int, float]) 
             f"{f['peak_bytes_per_entry']:5.2f} on the way), {f['max_runs']:.0f} runs "
             f"at most; earliest(100) {f['earliest_ms']:5.2f} ms, entries_in({LOOKED_UP:,}) "
             f"{f['entries_in_ms']:6.0f} ms, remove({LOOKED_UP:,}) {f['remove_ms']:6.0f} ms; "
-            f"x{entries_x:.1f} entries: x{time_x:.2f} time")
+            f"x{entries_x:.1f} entries: x{time_x:.2f} CPU time")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -201,9 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             med = {key: (min if key.startswith("longest_") else statistics.median)(run[key] for run in runs)
                    for key in runs[0]}
             if first is None:
-                first = (count, med["add_s"])
+                first = (count, med["add_cpu_s"])
             med["entries_x"] = count / first[0]
-            med["time_x"] = med["add_s"] / first[1]
+            med["time_x"] = med["add_cpu_s"] / first[1]
             results["counts"].setdefault(str(count), {})[name] = {**med, "rounds": runs}
             print(_line(name, count, med, first))
     merge_report(args.output, results, "deferred_index", "compiled" if new_compiled else "pure")
