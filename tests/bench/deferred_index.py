@@ -178,9 +178,10 @@ def run_once(cls: Any, count: int, seed: int, cpu_calls: bool) -> dict[str, floa
 
 def _line(name: str, count: int, f: dict[str, float], first: tuple[int, float]) -> str:
     entries_x, time_x = count / first[0], f["add_cpu_s"] / first[1]
+    nan = float("nan")
     return (f"{name:<4} {count:>10,}: adds {f['add_s']:6.2f} s (CPU {f['add_cpu_s']:6.2f} s, "
             f"{f['add_cpu_s'] / count * 1e6:5.2f} us each), "
-            f"longest add {f['longest_add_ms']:7.1f} ms (CPU {f.get('longest_add_cpu_ms', float('nan')):6.1f}), longest due "
+            f"longest add {f['longest_add_ms']:7.1f} ms (CPU {f.get('longest_add_cpu_ms', nan):6.1f}), longest due "
             f"{f['longest_due_ms']:7.1f} ms (CPU {f['longest_due_cpu_ms']:6.1f}; {f['due_calls']:,.0f} calls, all "
             f"due and taken in {f['drain_s']:5.2f} s), longest take "
             f"{f['longest_take_ms']:5.1f} ms, {f['bytes_per_entry']:5.2f} bytes/entry (at most "
