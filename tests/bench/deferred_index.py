@@ -17,7 +17,8 @@ at a count over that at the first count, against the entries' (x4 entries should
 time: O(n log n)).
 
 The old implementation (the file at --old-rev, the commit before the rewrite, by default) is read with
-`git show` into a temporary folder and loaded from there, measured the same way beside the new one:
+`git show` into a temporary folder and loaded from there, measured the same way beside the new one (each
+count of each in a process of its own, so none runs in a heap another has left):
 compiled with mypyc there when this process runs the new one compiled (so both are), pure Python when it
 does not (TRIO_NSQ_COMPILE=0). The figures go into bench-results.json under deferred_index.compiled or
 deferred_index.pure.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
+import multiprocessing
 import os
 import random
 import statistics
@@ -63,9 +65,9 @@ def _is_compiled(module: ModuleType) -> bool:
     return (getattr(module, "__file__", None) or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
-def load_old(rev: str, folder: str, compile_it: bool) -> tuple[ModuleType, bool]:
-    """The DeferredIndex module as it was at `rev`, from a file in `folder` (compiled there with mypyc when
-    asked and possible): the module, and whether it is compiled."""
+def old_module(rev: str, folder: str, compile_it: bool) -> str:
+    """The DeferredIndex module as it was at `rev`, a file in `folder` (compiled there with mypyc when asked
+    and possible): its path."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     source = subprocess.run(["git", "show", f"{rev}:{PATH}"], cwd=root, check=True, capture_output=True).stdout
     path = os.path.join(folder, "old_deferred_index.py")
@@ -79,11 +81,22 @@ def load_old(rev: str, folder: str, compile_it: bool) -> tuple[ModuleType, bool]
             path = os.path.join(folder, extensions[0])
         else:
             print(f"old implementation: mypyc failed, pure Python ({built.stderr.strip()[-300:]})", flush=True)
+    return path
+
+
+def _load(path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location("old_deferred_index", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module, _is_compiled(module)
+    return module
+
+
+def _measure(old_path: str | None, count: int, seed: int, cpu_calls: bool) -> dict[str, float]:
+    """In a process of its own (spawned): what one implementation, old (from its file) or new, does with
+    `count` entries, in a heap nothing else has used."""
+    cls = _load(old_path).DeferredIndex if old_path else deferred_index.DeferredIndex
+    return run_once(cls, count, seed, cpu_calls)
 
 
 def _deadlines(count: int, seed: int) -> array[float]:
@@ -207,20 +220,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine()
     print(f"machine: {describe(info)}")
     new_compiled = _is_compiled(deferred_index)
-    impls: dict[str, Any] = {"new": deferred_index.DeferredIndex}
+    impls: dict[str, str | None] = {"new": None}
     old_compiled = False
+    spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="old-deferred-index-") as folder:
         if not args.no_old:
-            old, old_compiled = load_old(args.old_rev, folder, new_compiled)
-            impls["old"] = old.DeferredIndex
+            impls["old"] = old_module(args.old_rev, folder, new_compiled)
+            old_compiled = impls["old"].endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
         print(f"new: {'compiled' if new_compiled else 'pure Python'}"
-              + ("" if args.no_old else f"; old ({args.old_rev}): {'compiled' if old_compiled else 'pure Python'}"),
-              flush=True)
+              + ("" if args.no_old else f"; old ({args.old_rev}): {'compiled' if old_compiled else 'pure Python'}")
+              + "; each count of each in a fresh process", flush=True)
         samples: dict[str, list[dict[str, float]]] = {}
         for _ in range(args.rounds):
             for count in args.counts:
-                for name, cls in impls.items():  # side by side, count by count
-                    figures = run_once(cls, count, args.seed, not args.no_cpu_calls)
+                for name, path in impls.items():  # side by side, count by count
+                    with spawn.Pool(1) as pool:
+                        figures = pool.apply(_measure, (path, count, args.seed, not args.no_cpu_calls))
                     samples.setdefault(f"{name}|{count}", []).append(figures)
                     print(f"  {name} {count:,} done in {figures['add_s']:.2f} s", flush=True)
     results: dict[str, Any] = {"machine": info, "new_compiled": new_compiled, "old_compiled": old_compiled,
