@@ -1,15 +1,17 @@
 """DeferredIndex (broker/storage/deferred_index.py): a channel's deferred records as (deadline, position), against a
 model: every entry comes out once, when due and not before, earliest first; in-order deadlines take 16
-bytes an entry; scattered ones stay in a bounded number of sorted runs."""
+bytes an entry; scattered ones stay in a bounded number of sorted runs, merged a bounded step at a time."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from trio_nsq.broker.storage.deferred_index import MAX_RUNS, DeferredIndex
+from trio_nsq.broker.storage.deferred_index import FANOUT, MAX_OPEN, PENDING_MAX, DeferredIndex
 
 
 def index() -> DeferredIndex:
@@ -41,13 +43,39 @@ def test_one_delay_is_one_run_of_16_bytes_an_entry():
     assert idx.nbytes() == 0  # the runs went with their entries
 
 
+def test_a_few_delays_are_a_few_runs_appended_to():
+    """Publishers using three delays, interleaved: three runs, 16 bytes an entry, nothing buffered or merged."""
+    rng = random.Random(3)
+    idx = index()
+    expected = []
+    for i in range(60_000):
+        deadline = i * 0.001 + rng.choice([10.0, 60.0, 250.0])
+        idx.add(deadline, i)
+        expected.append((deadline, i))
+    assert len(idx._runs) == 3 and not idx._merges and not idx._pending_deadlines
+    assert idx.nbytes() == 16 * 60_000
+    out: list[int] = []
+    while idx.due(1e9):
+        out.extend(drain_ready(idx))
+    assert [expected[pos][0] for pos in out] == sorted(d for d, _ in expected)
+
+
+def run_bound(count: int, max_open: int = MAX_OPEN, pending_max: int = PENDING_MAX, fanout: int = FANOUT) -> int:
+    """The most runs `count` entries make: the open ones, and at each level fewer than `fanout` resting
+    and one merge (`fanout` inputs and its output)."""
+    levels = 1
+    while pending_max * fanout ** levels < count:
+        levels += 1
+    return max_open + 2 * fanout * (levels + 1)
+
+
 def test_scattered_deadlines_come_out_sorted_from_a_bounded_number_of_runs():
     rng = random.Random(7)
     idx = index()
     entries = [(rng.uniform(0, 1000), pos) for pos in range(60_000)]
     for deadline, pos in entries:
         idx.add(deadline, pos)
-        assert len(idx._runs) <= MAX_RUNS + 1
+        assert len(idx._runs) <= run_bound(60_000)
     assert len(idx) == 60_000
     by_pos = dict((pos, deadline) for deadline, pos in entries)
     out: list[int] = []
@@ -107,3 +135,201 @@ def test_against_a_model(ops):
         assert sorted(idx.entries()) == sorted(deferred.items())
     idx.due(1e9)
     assert sorted(drain_ready(idx)) == sorted(ready + list(deferred))
+
+
+@pytest.mark.parametrize("bounds", [(2, 8, 2), (4, 32, 4), (16, 32, 8)])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_scattered_deadlines_are_merged_as_they_come(seed, bounds):
+    """Small bounds (so a few thousand entries make several levels): merging keeps up with the entries
+    added (one merge a level at a time, fewer than `fanout` runs resting at a level), every run stays
+    sorted all along, and what comes out is every entry, earliest first."""
+    max_open, pending_max, fanout = bounds
+    rng = random.Random(seed)
+    idx = DeferredIndex(lambda: 0.0, max_open=max_open, pending_max=pending_max, fanout=fanout,
+                        step=2 * fanout, work=8 * fanout, due_max=5 * fanout, slice_max=64)
+    count = 3000
+    merged: set[int] = set()
+    for pos in range(count):
+        idx.add(rng.uniform(0, 1000) if pos % 7 else 500.0 + pos * 1e-3, pos | (1 << 63))
+        assert len(idx._runs) <= run_bound(count, max_open, pending_max, fanout)
+        levels = [merge.level for merge in idx._merges]
+        assert len(levels) == len(set(levels))
+        merged.update(levels)
+        resting = [run.level for run in idx._runs if run.kind == 1]  # resting: sealed, not in a merge
+        assert all(resting.count(level) < fanout for level in resting)
+    assert len(merged) >= 2, "the bounds are chosen so that merges of two levels or more are seen"
+    for run in idx._runs:
+        tail = run.deadlines[run.head:]
+        assert all(a <= b for a, b in zip(tail, tail[1:]))
+    deadlines = dict((pos, deadline) for pos, deadline in idx.entries())
+    out: list[int] = []
+    while idx.due(1e9):
+        out.extend(drain_ready(idx))
+    assert [deadlines[pos] for pos in out] == sorted(deadlines.values())  # earliest first, across calls
+    assert sorted(out) == sorted(deadlines) and len(idx) == 0
+
+
+def test_positions_are_unsigned_64_bit():
+    idx = index()
+    top = 2**64 - 1
+    for i, pos in enumerate([top, 1 << 63, (1 << 63) | 5, 0, top - 1]):
+        idx.add(10.0 - i, pos)
+    assert sorted(idx.entries_in({top, 1 << 63, 7})) == [(1 << 63, 9.0), (top, 10.0)]
+    idx.remove({(1 << 63) | 5})
+    assert idx.due(100.0) == 4
+    assert drain_ready(idx) == [top - 1, 0, 1 << 63, top]
+
+
+# bounds of the index under test: tiny ones reach every path (buffers, sealed open runs, merges of
+# several levels, due() moving part of what is due) in a few dozen entries
+CONFIGS = [
+    dict(max_open=1, pending_max=2, fanout=2, step=2, work=3, due_max=2, slice_max=3),
+    dict(max_open=2, pending_max=4, fanout=3, step=5, work=8, due_max=6, slice_max=9),
+    dict(max_open=4, pending_max=16, fanout=4, step=16, work=64, due_max=32, slice_max=64),
+    dict(),
+]
+DELAYS = [10.0, 60.0, 250.0]
+TOP = 2**64 - 1
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random interleavings of every call against a plain model (a dict of the deferred entries, a list
+    of the ready ones in the order due() moved them)."""
+
+    @initialize(config=st.sampled_from(range(len(CONFIGS))))
+    def start(self, config):
+        self.idx = DeferredIndex(lambda: 0.0, **CONFIGS[config])
+        self.deferred: dict[int, float] = {}
+        self.ready: list[tuple[int, float, int]] = []  # (batch, deadline, position) in due order
+        self.batch = 0
+        self.clock = 0.0
+        self.in_order = 0.0
+        self.counter = 0
+
+    def _entries(self, mode, offsets, tag):
+        deadlines, positions = [], []
+        for offset in offsets:
+            if mode == "in order":  # one delay: deadlines in the order they come
+                self.in_order = max(self.in_order, self.clock + 100.0) + offset / 1000
+                deadline = self.in_order
+            elif mode == "few delays":
+                deadline = self.clock + DELAYS[int(offset) % 3] + self.counter * 1e-6
+            else:
+                deadline = self.clock + (round(offset) if offset > 250 else offset)  # ties too
+            self.counter += 1
+            pos = {"plain": self.counter, "own": (1 << 63) | self.counter, "top": TOP - self.counter}[tag]
+            deadlines.append(deadline)
+            positions.append(pos)
+            self.deferred[pos] = deadline
+        return deadlines, positions
+
+    entries_strategy = dict(mode=st.sampled_from(["in order", "few delays", "scattered"]),
+                            offsets=st.lists(st.floats(0, 300, allow_nan=False), min_size=1, max_size=30),
+                            tag=st.sampled_from(["plain", "own", "top"]))
+
+    @rule(**entries_strategy)
+    def add(self, mode, offsets, tag):
+        for deadline, pos in zip(*self._entries(mode, offsets, tag)):
+            self.idx.add(deadline, pos)
+
+    @rule(**entries_strategy)
+    def add_many(self, mode, offsets, tag):
+        self.idx.add_many(*self._entries(mode, offsets, tag))
+
+    @rule(advance=st.floats(0, 120, allow_nan=False))
+    def due(self, advance):
+        """What one due() moves: due, the earliest of what there is, and something when any is due."""
+        self.clock += advance
+        before = self.deferred
+        moved_count = self.idx.due(self.clock)
+        left = dict(self.idx.entries())
+        moved = [(before[pos], pos) for pos in before if pos not in left]
+        assert len(moved) == moved_count
+        assert left == {pos: d for pos, d in before.items() if pos in left}
+        assert all(deadline <= self.clock for deadline, _ in moved)
+        if moved and left:
+            assert max(moved)[0] <= min(left.values())
+        if not moved:
+            assert all(deadline > self.clock for deadline in left.values())
+        self.batch += 1
+        self.ready.extend(sorted((self.batch, deadline, pos) for deadline, pos in moved))
+        self.deferred = left
+
+    @rule()
+    def due_all(self):
+        """due() again while it moves some: then nothing due is left."""
+        while self.deferred and min(self.deferred.values()) <= self.clock:
+            self.due(0.0)
+        assert self.idx.due(self.clock) == 0
+
+    @rule(n=st.integers(1, 40))
+    def take_ready(self, n):
+        got = self.idx.take_ready(n)
+        expected = self.ready[:min(n, len(self.ready))]
+        order = {pos: (batch, deadline) for batch, deadline, pos in self.ready}
+        assert len(got) == len(expected) and len(set(got)) == len(got)
+        # in the order they became due (equal deadlines of one due() in any order)
+        assert [order[pos] for pos in got] == [(batch, deadline) for batch, deadline, _ in expected]
+        taken = set(got)
+        self.ready = [entry for entry in self.ready if entry[2] not in taken]
+
+    def _some(self, every, which):
+        everything = sorted(self.deferred) + [pos for _, _, pos in self.ready]
+        return {pos for i, pos in enumerate(everything) if i % every == which} | {12345}
+
+    @rule(every=st.integers(1, 5), which=st.integers(0, 4))
+    def entries_in(self, every, which):
+        wanted = self._some(every, which)
+        expected = [(p, d) for p, d in self.deferred.items() if p in wanted]
+        expected += [(p, 0.0) for _, _, p in self.ready if p in wanted]
+        assert sorted(self.idx.entries_in(wanted)) == sorted(expected)
+
+    @rule(every=st.integers(1, 5), which=st.integers(0, 4))
+    def remove(self, every, which):
+        gone = self._some(every, which)
+        self.idx.remove(gone)
+        self.deferred = {p: d for p, d in self.deferred.items() if p not in gone}
+        self.ready = [entry for entry in self.ready if entry[2] not in gone]
+
+    @rule(which=st.integers(0, 10**6))
+    def remove_one(self, which):
+        everything = sorted(self.deferred) + [pos for _, _, pos in self.ready]
+        if everything:
+            self.remove(len(everything), which % len(everything))
+
+    @rule()
+    def clear(self):
+        self.idx.clear()
+        self.deferred = {}
+        self.ready = []
+
+    @rule(n=st.integers(0, 50))
+    def earliest(self, n):
+        got = self.idx.earliest(n)
+        assert [d for d, _ in got] == sorted(self.deferred.values())[:n]
+        assert len(set(got)) == len(got) and all(self.deferred[pos] == d for d, pos in got)
+
+    @invariant()
+    def agrees(self):
+        if not hasattr(self, "idx"):
+            return
+        assert len(self.idx) == len(self.deferred) and self.idx.ready_count() == len(self.ready)
+        assert sorted(self.idx.entries()) == sorted(self.deferred.items())
+        for run in self.idx._runs:
+            tail = run.deadlines[run.head:]
+            assert all(a <= b for a, b in zip(tail, tail[1:]))
+
+    def teardown(self):
+        """Every entry comes out once: the ready ones, then the deferred ones when made due."""
+        if not hasattr(self, "idx"):
+            return
+        out = drain_ready(self.idx)
+        while self.idx.due(float("inf")):
+            out.extend(drain_ready(self.idx))
+        assert sorted(out) == sorted(list(self.deferred) + [pos for _, _, pos in self.ready])
+        assert len(self.idx) == 0 and self.idx.ready_count() == 0
+
+
+IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                          derandomize=True)
+test_index_machine = IndexMachine.TestCase
