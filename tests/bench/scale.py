@@ -13,24 +13,26 @@ does: its .venv's python, `-P -m trio_nsq.broker`, PYTHONPATH that checkout). Th
 ports with a fresh data directory and the same flags for every side: `--mem-queue-size=0`, so Go nsqd keeps
 its queues on disk as trio-nsqd keeps its logs, and the files per topic are what they are in production.
 
-1. **topics** (N of --topics; the growth x(large/small) is the point): a real nsqlookupd of the side's own
-   kind (Go's nsqlookupd beside Go nsqd, `python -m trio_nsq.lookupd` of the same checkout beside
-   trio-nsqd) and the broker started with `--lookupd-tcp-address` pointing to it, as deployed. N topics
-   made through the HTTP API, each `/topic/create`, two `/channel/create` (`a`, `b`) and one `/pub`, in
-   that order per topic, the topics split over PARALLEL threads each on one keep-alive HTTP/1.1 connection
-   (http.client), so the broker always has PARALLEL requests in hand and the client is not what is
-   measured: the creation time. Checked through /stats: every topic there with its two channels, each of
+1. **topics** (N of --topics; the growth x(large/small) is the point): N topics made through the HTTP API,
+   each `/topic/create`, two `/channel/create` (`a`, `b`) and one `/pub`, in that order per topic, the
+   topics split over PARALLEL threads each on one keep-alive HTTP/1.1 connection (http.client), so the
+   broker always has PARALLEL requests in hand and the client is not what is measured: the creation time
+   (the broker has no lookupd then, as issue 43 measured it; --lookupd-from-start gives it its lookupd
+   from its start instead). Checked through /stats: every topic there with its two channels, each of
    depth 1. Then the median of 5 `/stats?format=json`, the broker's CPU % over 20 s after 5 s of rest
-   (tests/bench/idle_topics.py), its RSS and its open files (/proc/PID/fd). Then (scenario 4, where N is
-   --admin-topics) the nsqadmin pages, once the lookupd lists every topic. Then the broker stopped by
-   SIGTERM (the time to its exit), the lookupd started afresh on its ports (so what it lists next is the
-   restarted broker's registration) and the broker spawned again: the time from spawn to listening (its TCP
-   and HTTP ports accept), to every topic with its channels and depths in /stats (polled every max(50 ms,
-   4 x the last answer): the polling takes at most a fifth of a broker that answers on its only thread),
-   and to the lookupd's `/topics` listing all N (registration); then the median of 5 `/lookup?topic=<one>`
-   and of 5 `/topics` at the lookupd. Last a kill -9 and a spawn again: to listening and to everything in
-   /stats. A wait longer than --cap seconds is given up: the figure is shown as `>cap` and what comes
-   after it is not measured.
+   (tests/bench/idle_topics.py), its RSS and its open files (/proc/PID/fd). Then a real nsqlookupd of the
+   side's own kind (Go's nsqlookupd beside Go nsqd, `python -m trio_nsq.lookupd` of the same checkout
+   beside trio-nsqd) is given to the running broker (`PUT /config/nsqlookupd_tcp_addresses`): the time
+   until the lookupd's `/topics` lists all N, then the median of 5 `/lookup?topic=<one>` and of 5
+   `/topics` at the lookupd, and (scenario 4, where N is --admin-topics) the nsqadmin pages. Then the
+   broker stopped by SIGTERM (the time to its exit), the lookupd started afresh on its ports (what it
+   lists next is the restarted broker's registration) and the broker spawned again with
+   `--lookupd-tcp-address`: the time from spawn to listening (its TCP and HTTP ports accept), to every
+   topic with its channels and depths in /stats (polled every max(50 ms, 4 x the last answer): the
+   polling takes at most a fifth of a broker that answers on its only thread), and to the lookupd's
+   `/topics` listing all N (registration). Last a kill -9 and a spawn again: to listening and to
+   everything in /stats. A wait longer than --cap seconds is given up: the figure is shown as `>cap` and
+   what comes after it is not measured.
 2. **channels** (C of --channels): one topic with C channels made by `/channel/create` (same client),
    10,000 messages published by `/mpub` of 1,000, the time until /stats shows every channel holding all
    10,000 (from the first /mpub), RSS and open files; then SIGTERM and spawn again: to listening and to
@@ -241,6 +243,7 @@ class Admin(Daemon):
 
 
 REFERENCE: list[str] = []  # the --reference folder, when given
+LOOKUPD_FROM_START = False  # --lookupd-from-start: the topics are made with the lookupd there
 
 
 def new_broker(side: str, *flags: str) -> Broker:
@@ -419,16 +422,16 @@ def registered(lookupd: Lookupd, n: int, started: float, cap: float) -> float:
 
 def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callable[[str], None],
                 admin_only: bool = False) -> dict[str, Any]:
-    """Scenario 1 (and 4 with `with_admin`; only 4 with `admin_only`). The broker is registered with its
-    lookupd from its start, as in a deployment; the lookupd is started afresh for the restart, so the
-    registration measured is the restarted broker's."""
+    """Scenario 1 (and 4 with `with_admin`; only 4 with `admin_only`)."""
     tmp = Path(tempfile.mkdtemp(prefix="trio-nsq-scale-"))
     lookupd = new_lookupd(side, tmp)
     broker: Broker | None = None
     figures: dict[str, Any] = {}
+    expected = {topic_name(i) for i in range(n)}
     try:
         lookupd.start(timeout=30)
-        broker = new_broker(side, *FLAGS, f"--lookupd-tcp-address={lookupd.tcp_address}")
+        at_start = (f"--lookupd-tcp-address={lookupd.tcp_address}",) if LOOKUPD_FROM_START else ()
+        broker = new_broker(side, *FLAGS, *at_start)
         assert broker.proc is not None
         try:
             figures["create_s"] = create_topics(broker, n, report)
@@ -444,17 +447,38 @@ def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callabl
             figures["rss_mb"] = broker.rss_mb()
             figures["open_files"] = open_files(broker.proc.pid)
         report("made " + _shown(figures))
+
+        # the running broker told of its lookupd (PUT /config/nsqlookupd_tcp_addresses): it registers all
+        started = time.perf_counter()
+        if not LOOKUPD_FROM_START:
+            client = Http(broker.http_address)
+            status, data = client.request("PUT", "/config/nsqlookupd_tcp_addresses",
+                                          json.dumps([lookupd.tcp_address]).encode())
+            client.close()
+            if status != 200:
+                raise Invalid(f"PUT /config/nsqlookupd_tcp_addresses: {status} {data[:200]!r}")
+        figures["join_s"] = registered(lookupd, n, started, cap)
+        at_lookupd = Http(lookupd.http_address)
+        figures["lookup_ms"], doc = at_lookupd.timed(f"/lookup?topic={topic_name(n // 2)}")
+        if len(doc.get("producers") or []) != 1 or sorted(doc.get("channels") or []) != list(CHANNELS):
+            raise Invalid(f"lookupd /lookup: {str(doc)[:300]}")
+        figures["lookupd_topics_ms"], doc = at_lookupd.timed("/topics")
+        if set(doc["topics"]) != expected:
+            raise Invalid(f"lookupd /topics: {len(doc['topics']):,} topics, not {n:,}")
+        at_lookupd.close()
+        report("registered " + _shown(figures, after="open_files" if not admin_only else "stats_ms"))
         if with_admin:
-            registered(lookupd, n, time.perf_counter(), cap)
             figures.update(admin_pages(tmp, lookupd, n))
-            report("nsqadmin " + _shown(figures, after="open_files" if not admin_only else "stats_ms"))
+            report("nsqadmin " + _shown(figures, after="lookupd_topics_ms"))
         if admin_only:
             return figures
 
-        # SIGTERM; a fresh lookupd on the same ports; spawn again
+        # SIGTERM; a fresh lookupd on the same ports (what it lists is the restarted broker's); spawn again
         figures["shutdown_s"] = stop(broker, signal.SIGTERM, timeout=max(cap, 60))
         lookupd.stop()
         lookupd.start(timeout=30)
+        if not LOOKUPD_FROM_START:
+            broker.args.append(f"--lookupd-tcp-address={lookupd.tcp_address}")
         started, figures["restart_listening_s"] = spawn(broker, cap)
         registration: dict[str, Any] = {}
 
@@ -474,15 +498,6 @@ def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callabl
         finally:
             watcher.join()
             figures["registration_s"] = registration.get("s", f">{cap:.0f}")
-        if "s" in registration:
-            at_lookupd = Http(lookupd.http_address)
-            figures["lookup_ms"], doc = at_lookupd.timed(f"/lookup?topic={topic_name(n // 2)}")
-            if len(doc.get("producers") or []) != 1 or sorted(doc.get("channels") or []) != list(CHANNELS):
-                raise Invalid(f"lookupd /lookup: {str(doc)[:300]}")
-            figures["lookupd_topics_ms"], doc = at_lookupd.timed("/topics")
-            if set(doc["topics"]) != {topic_name(i) for i in range(n)}:
-                raise Invalid(f"lookupd /topics: {len(doc['topics']):,} topics, not {n:,}")
-            at_lookupd.close()
         report("restarted " + _shown(figures, after=_last_before("shutdown_s", figures)))
 
         # kill -9 and spawn again
@@ -490,7 +505,7 @@ def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callabl
         started, figures["kill_listening_s"] = spawn(broker, cap)
         figures["kill_stats_s"] = wait_all(broker, started, cap, lambda d: topics_held(d, n)[0] == n)
         check_topics(_get_json(broker.http_address, "/stats?format=json", 120), n)
-        report("killed " + _shown(figures, after="lookupd_topics_ms"))
+        report("killed " + _shown(figures, after="registration_s"))
         return figures
     except Capped as exc:
         figures.setdefault(_next_missing(figures, TOPIC_KEYS), f">{cap:.0f}")
@@ -688,6 +703,9 @@ FIGURES: dict[str, list[tuple[str, str, str]]] = {
         ("idle_cpu_pct", "idle CPU", "%"),
         ("rss_mb", "RSS", "MB"),
         ("open_files", "open files", ""),
+        ("join_s", "lookupd added: until its /topics lists all", "s"),
+        ("lookup_ms", "lookupd /lookup?topic=", "ms"),
+        ("lookupd_topics_ms", "lookupd /topics", "ms"),
         ("admin_go_topics_ms", "Go nsqadmin /api/topics", "ms"),
         ("admin_go_topic_ms", "Go nsqadmin /api/topics/<topic>", "ms"),
         ("admin_trio_topics_ms", "trio-nsqadmin /api/topics", "ms"),
@@ -696,8 +714,6 @@ FIGURES: dict[str, list[tuple[str, str, str]]] = {
         ("restart_listening_s", "restart: spawn to listening", "s"),
         ("restart_stats_s", "restart: spawn to all in /stats", "s"),
         ("registration_s", "restart: spawn to all in lookupd /topics", "s"),
-        ("lookup_ms", "lookupd /lookup?topic=", "ms"),
-        ("lookupd_topics_ms", "lookupd /topics", "ms"),
         ("kill_listening_s", "kill -9, restart: spawn to listening", "s"),
         ("kill_stats_s", "kill -9, restart: spawn to all in /stats", "s"),
     ],
@@ -718,7 +734,8 @@ FIGURES: dict[str, list[tuple[str, str, str]]] = {
         ("open_files", "open files", ""),
     ],
 }
-FIGURES["admin"] = [f for f in FIGURES["topics"] if f[0] in ("create_s", "stats_ms") or f[0].startswith("admin_")]
+FIGURES["admin"] = [f for f in FIGURES["topics"]
+                    if f[0] in ("create_s", "stats_ms", "join_s", "lookup_ms", "lookupd_topics_ms") or f[0].startswith("admin_")]
 TOPIC_KEYS = [k for k, _, _ in FIGURES["topics"] if not k.startswith("admin_")]
 CHANNEL_KEYS = [k for k, _, _ in FIGURES["channels"]]
 UNITS = {key: unit for figures in FIGURES.values() for key, _, unit in figures}
@@ -826,7 +843,32 @@ def summarize(samples: dict[str, dict[int, dict[str, list[dict[str, Any]]]]], si
                       + "".join(f" {('-' if growth[s] is None else ('>' if capped[s] else '') + f'{growth[s]:.1f}'):>13}"
                                 for s in sides))
                 summary[scenario][key]["growth"] = growth
+    admin_table(summary, sides)
     return summary
+
+
+def admin_table(summary: dict[str, Any], sides: list[str]) -> None:
+    """nsqadmin's pages: Go's nsqadmin beside trio-nsqadmin over each side's broker and lookupd (the columns
+    above are the broker's side, not the admin's)."""
+    for scenario in ("topics", "admin"):
+        figures = summary.get(scenario, {})
+        sizes = sorted({size for key in figures if key.startswith("admin_") for size in figures[key] if size != "growth"},
+                       key=int)
+        for size in sizes:
+            print(f"\n  nsqadmin pages with {int(size):,} topics, medians of {MEDIAN_OF} (the same broker and lookupd for both)")
+            print(f"    {'broker and lookupd':<20} {'page':<22} {'Go nsqadmin':>12} {'trio-nsqadmin':>14} {'trio/Go':>8}")
+            for side in sides:
+                for page, label in (("topics", "/api/topics"), ("topic", "/api/topics/<topic>")):
+                    go = figures.get(f"admin_go_{page}_ms", {}).get(size, {}).get("median", {}).get(side)
+                    ours = figures.get(f"admin_trio_{page}_ms", {}).get(size, {}).get("median", {}).get(side)
+                    if ours is None:
+                        continue
+                    go_n, ours_n = _number_or_none(go), _number_or_none(ours)
+                    ratio = ours_n / go_n if go_n and ours_n is not None else None
+                    figures.setdefault(f"admin_{page}_trio_over_go", {})[f"{size} {side}"] = ratio
+                    print(f"    {side:<20} {label:<22}"
+                          f" {'-' if go is None else _fmt('admin_go_topics_ms', go):>12}"
+                          f" {_fmt('admin_trio_topics_ms', ours):>14} {'-' if ratio is None else f'{ratio:.2f}':>8}")
 
 
 def _number_or_none(value: Any) -> float | None:
@@ -854,9 +896,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", nargs="*", choices=SCENARIOS, default=None)
     parser.add_argument("--sides", nargs="*", default=None, help="only these of go, trio, base")
+    parser.add_argument("--lookupd-from-start", action="store_true",
+                        help="start the brokers of scenarios 1 and 4 with --lookupd-tcp-address: topics made with it")
     parser.add_argument("--cap", type=float, default=900.0, help="seconds a wait (start, load, fill) is given")
     parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
     args = parser.parse_args(argv)
+    global LOOKUPD_FROM_START
+    LOOKUPD_FROM_START = args.lookupd_from_start
     if args.reference:
         REFERENCE.append(os.path.abspath(args.reference))
     sides = (["go"] if args.reference else []) + ["trio"]
@@ -911,7 +957,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = summarize(samples, sides, sizes)
     merge_report(args.output, {
         "reference": REFERENCE[0] if REFERENCE else None, "baseline": args.baseline, "sides": sides,
-        "rounds": args.rounds, "cap_s": args.cap, "flags": list(FLAGS), "parallel_http_connections": PARALLEL,
+        "rounds": args.rounds, "cap_s": args.cap, "flags": list(FLAGS), "lookupd_from_start": LOOKUPD_FROM_START, "parallel_http_connections": PARALLEL,
         "sizes": {s: sizes[s] for s in plan}, "open_files_limit": limits, "load_average_at_start": load,
         "machine": info, "summary": summary,
         "samples": {s: {str(size): by_side for size, by_side in by_size.items()} for s, by_size in samples.items()},
