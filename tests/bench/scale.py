@@ -35,12 +35,14 @@ its queues on disk as trio-nsqd keeps its logs, and the files per topic are what
    what comes after it is not measured.
 2. **channels** (C of --channels): one topic with C channels made by `/channel/create` (same client),
    10,000 messages published by `/mpub` of 1,000, the time until /stats shows every channel holding all
-   10,000 (from the first /mpub), RSS and open files; then SIGTERM and spawn again: to listening and to
-   every channel in /stats with its 10,000.
+   10,000 (from the first /mpub; given --fill-cap seconds), RSS and open files; then SIGTERM and spawn
+   again: to listening and to every channel in /stats with its 10,000.
 3. **consumers** (K of --consumers): K TCP connections, each `SUB` to its own ephemeral channel of one
    topic (`c<i>#ephemeral`) and `RDY 1`, opened in runs of 200 (each run's OKs read before the next), and
    kept by a thread that answers heartbeats: the time to connect them all, /stats checked (K channels,
-   one client each, before and after), then the broker's CPU % over 20 s after 5 s of rest and its RSS.
+   one client each, before and after), then the broker's CPU % after 5 s of rest over 30 s, not 20: nsqd's
+   heartbeat interval, so that every connection's first heartbeat falls in the window once, however long
+   the connecting took (the heartbeats answered in it are counted), and its RSS and open files.
    The bench process raises its open-files limit to the hard limit (the brokers inherit it); a run that
    needs more than that is reported as failed, not measured.
 4. **admin**: with N = --admin-topics topics on one broker (made as in 1, registered with its lookupd),
@@ -88,6 +90,7 @@ PARALLEL = 4  # keep-alive HTTP connections creating at once
 MEDIAN_OF = 5
 PROGRESS = 60.0  # seconds between progress lines of a long creation
 REST, IDLE = 5.0, 20.0  # seconds left alone, then seconds of CPU measured
+HEARTBEAT = 30.0  # nsqd's heartbeat interval for a client that does not IDENTIFY: the consumers' CPU window
 MESSAGES = 10_000  # published to the topic of many channels
 MPUB_BATCH = 1000
 CONNECT_RUN = 200  # consumers connected before their OKs are read
@@ -244,6 +247,7 @@ class Admin(Daemon):
 
 REFERENCE: list[str] = []  # the --reference folder, when given
 LOOKUPD_FROM_START = False  # --lookupd-from-start: the topics are made with the lookupd there
+FILL_CAP = [600.0]  # --fill-cap: seconds the channels are given to hold every message
 
 
 def new_broker(side: str, *flags: str) -> Broker:
@@ -263,12 +267,18 @@ def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def idle_cpu(broker: Broker) -> float:
-    """The broker's CPU % over IDLE seconds, after REST seconds of rest."""
+def idle_cpu(broker: Broker, seconds: float = IDLE, during: Callable[[], Any] | None = None) -> float:
+    """The broker's CPU % over `seconds`, after REST seconds of rest; `during` is called as the window opens
+    and as it closes."""
     time.sleep(REST)
     cpu = broker.cpu_seconds()
-    time.sleep(IDLE)
-    return (broker.cpu_seconds() - cpu) / IDLE * 100
+    if during:
+        during()
+    time.sleep(seconds)
+    cpu = broker.cpu_seconds() - cpu
+    if during:
+        during()
+    return cpu / seconds * 100
 
 
 def _log_hint(broker: Broker) -> str:
@@ -508,7 +518,8 @@ def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callabl
         report("killed " + _shown(figures, after="registration_s"))
         return figures
     except Capped as exc:
-        figures.setdefault(_next_missing(figures, TOPIC_KEYS), f">{cap:.0f}")
+        if not any(isinstance(v, str) for v in figures.values()):  # not marked where it was given up
+            figures[_next_missing(figures, TOPIC_KEYS)] = f">{cap:.0f}"
         figures["capped"] = str(exc)
         return figures
     finally:
@@ -556,9 +567,13 @@ def many_channels(side: str, c: int, cap: float, report: Callable[[str], None]) 
                 raise Invalid(f"/mpub: {status} {data[:200]!r}{_log_hint(broker)}")
         figures["publish_s"] = time.perf_counter() - started
         client.close()
-        figures["fill_s"] = poll_until(
-            lambda remaining: channels_held(_get_json(broker.http_address, stats_path, remaining), c) == c,
-            started, cap, adaptive=True)
+        try:
+            figures["fill_s"] = poll_until(
+                lambda remaining: channels_held(_get_json(broker.http_address, stats_path, remaining), c) == c,
+                started, FILL_CAP[0], adaptive=True)
+        except Capped:
+            figures["fill_s"] = f">{FILL_CAP[0]:.0f}"
+            raise
         figures["rss_mb"] = broker.rss_mb()
         figures["open_files"] = open_files(broker.proc.pid)
         report("made " + _shown(figures))
@@ -570,8 +585,13 @@ def many_channels(side: str, c: int, cap: float, report: Callable[[str], None]) 
         report("restarted " + _shown(figures, after="open_files"))
         return figures
     except Capped as exc:
-        held = channels_held(_get_json(broker.http_address, stats_path, 60), c) if broker.is_alive() else None
-        figures[_next_missing(figures, CHANNEL_KEYS)] = f">{cap:.0f}"
+        held = "?"
+        if broker.is_alive():
+            doc = _get_json(broker.http_address, stats_path, 60)
+            depths = sum(ch["depth"] for t in doc.get("topics") or [] for ch in t.get("channels") or [])
+            held = f"{channels_held(doc, c):,} of {c:,}; {depths:,} of {c * MESSAGES:,} messages in them"
+        if not any(isinstance(v, str) for v in figures.values()):  # not marked where it was given up
+            figures[_next_missing(figures, CHANNEL_KEYS)] = f">{cap:.0f}"
         figures["capped"] = f"{exc} (channels holding all {MESSAGES:,}: {held})"
         return figures
     finally:
@@ -678,14 +698,18 @@ def many_consumers(side: str, k: int, cap: float, report: Callable[[str], None])
             raise Invalid(f"{exc} (broker's open files {open_files(broker.proc.pid):,}){_log_hint(broker)}") from None
         figures["connect_s"] = time.perf_counter() - started
         check_consumers(broker, k, consumers)
-        figures["idle_cpu_pct"] = idle_cpu(broker)
+        if figures["connect_s"] + REST > HEARTBEAT:
+            raise Invalid(f"connecting took {figures['connect_s']:.0f} s: the CPU window would not hold one "
+                          f"heartbeat per consumer")
+        heartbeats: list[int] = []
+        figures["idle_cpu_pct"] = idle_cpu(broker, HEARTBEAT, lambda: heartbeats.append(consumers.heartbeats))
         figures["rss_mb"] = broker.rss_mb()
         figures["open_files"] = open_files(broker.proc.pid)
         check_consumers(broker, k, consumers)
         if consumers.unexpected:
             raise Invalid(f"consumers were sent {consumers.unexpected}")
-        figures["heartbeats_answered"] = consumers.heartbeats
-        report(_shown(figures) + f" (heartbeats answered {consumers.heartbeats:,})")
+        figures["heartbeats_in_window"] = heartbeats[1] - heartbeats[0]
+        report(_shown(figures) + f" (heartbeats answered in the CPU window: {figures['heartbeats_in_window']:,})")
         return figures
     finally:
         if consumers is not None:
@@ -729,7 +753,7 @@ FIGURES: dict[str, list[tuple[str, str, str]]] = {
     ],
     "consumers": [
         ("connect_s", "connect, SUB, RDY 1 (runs of 200)", "s"),
-        ("idle_cpu_pct", "idle CPU", "%"),
+        ("idle_cpu_pct", "idle CPU over 30 s (one heartbeat each)", "%"),
         ("rss_mb", "RSS", "MB"),
         ("open_files", "open files", ""),
     ],
@@ -899,10 +923,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lookupd-from-start", action="store_true",
                         help="start the brokers of scenarios 1 and 4 with --lookupd-tcp-address: topics made with it")
     parser.add_argument("--cap", type=float, default=900.0, help="seconds a wait (start, load, fill) is given")
+    parser.add_argument("--fill-cap", type=float, default=600.0,
+                        help="seconds the many channels are given to hold every message")
     parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
     args = parser.parse_args(argv)
     global LOOKUPD_FROM_START
     LOOKUPD_FROM_START = args.lookupd_from_start
+    FILL_CAP[0] = args.fill_cap
     if args.reference:
         REFERENCE.append(os.path.abspath(args.reference))
     sides = (["go"] if args.reference else []) + ["trio"]
@@ -957,7 +984,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = summarize(samples, sides, sizes)
     merge_report(args.output, {
         "reference": REFERENCE[0] if REFERENCE else None, "baseline": args.baseline, "sides": sides,
-        "rounds": args.rounds, "cap_s": args.cap, "flags": list(FLAGS), "lookupd_from_start": LOOKUPD_FROM_START, "parallel_http_connections": PARALLEL,
+        "rounds": args.rounds, "cap_s": args.cap, "fill_cap_s": args.fill_cap, "flags": list(FLAGS), "lookupd_from_start": LOOKUPD_FROM_START, "parallel_http_connections": PARALLEL,
         "sizes": {s: sizes[s] for s in plan}, "open_files_limit": limits, "load_average_at_start": load,
         "machine": info, "summary": summary,
         "samples": {s: {str(size): by_side for size, by_side in by_size.items()} for s, by_size in samples.items()},
