@@ -768,14 +768,18 @@ class Connection:
             if self.stream is not None:
                 await self.stream.send_all(data)
                 return
+            # an offset counted outside the try: compiled (mypyc), `view = view[os.write(...):]` inside it
+            # was not kept across the await, and every write started where the first one had ended
             view = memoryview(data)
-            while view:
+            done = 0
+            while done < len(view):
                 await trio.lowlevel.wait_writable(self.fd)
                 try:
-                    view = view[os.write(self.fd, view):]
+                    sent = os.write(self.fd, view[done:])
                 except BlockingIOError:
                     continue
                 except OSError as exc:
                     raise trio.BrokenResourceError(exc) from exc
+                done += sent
             return
         raise trio.BrokenResourceError("the client read nothing for the idle timeout")
