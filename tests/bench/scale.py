@@ -431,12 +431,11 @@ def registered(lookupd: Lookupd, n: int, started: float, cap: float) -> float:
 
 
 def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callable[[str], None],
-                admin_only: bool = False) -> dict[str, Any]:
-    """Scenario 1 (and 4 with `with_admin`; only 4 with `admin_only`)."""
+                figures: dict[str, Any], admin_only: bool = False) -> dict[str, Any]:
+    """Scenario 1 (and 4 with `with_admin`; only 4 with `admin_only`), into `figures`."""
     tmp = Path(tempfile.mkdtemp(prefix="trio-nsq-scale-"))
     lookupd = new_lookupd(side, tmp)
     broker: Broker | None = None
-    figures: dict[str, Any] = {}
     expected = {topic_name(i) for i in range(n)}
     try:
         lookupd.start(timeout=30)
@@ -448,6 +447,7 @@ def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callabl
         except Invalid as exc:
             files = open_files(broker.proc.pid) if broker.is_alive() else "gone"
             raise Invalid(f"{exc} (the broker's open files now {files}){_log_hint(broker)}") from None
+        report("created " + _shown(figures))
         stats = Http(broker.http_address)
         figures["stats_ms"], doc = stats.timed("/stats?format=json")
         stats.close()
@@ -456,7 +456,7 @@ def many_topics(side: str, n: int, cap: float, with_admin: bool, report: Callabl
             figures["idle_cpu_pct"] = idle_cpu(broker)
             figures["rss_mb"] = broker.rss_mb()
             figures["open_files"] = open_files(broker.proc.pid)
-        report("made " + _shown(figures))
+        report("made " + _shown(figures, after="create_s"))
 
         # the running broker told of its lookupd (PUT /config/nsqlookupd_tcp_addresses): it registers all
         started = time.perf_counter()
@@ -545,9 +545,8 @@ def channels_held(doc: dict[str, Any], c: int) -> int:
     return 0
 
 
-def many_channels(side: str, c: int, cap: float, report: Callable[[str], None]) -> dict[str, Any]:
+def many_channels(side: str, c: int, cap: float, report: Callable[[str], None], figures: dict[str, Any]) -> dict[str, Any]:
     broker = new_broker(side, *FLAGS)
-    figures: dict[str, Any] = {}
     stats_path = "/stats?format=json&topic=ch&include_clients=false"
     try:
         client = Http(broker.http_address)
@@ -681,9 +680,8 @@ def check_consumers(broker: Broker, k: int, consumers: Consumers) -> None:
                       f"{consumers.closed} consumers closed by the broker")
 
 
-def many_consumers(side: str, k: int, cap: float, report: Callable[[str], None]) -> dict[str, Any]:
+def many_consumers(side: str, k: int, cap: float, report: Callable[[str], None], figures: dict[str, Any]) -> dict[str, Any]:
     broker = new_broker(side, *FLAGS)
-    figures: dict[str, Any] = {}
     consumers: Consumers | None = None
     try:
         client = Http(broker.http_address)
@@ -890,9 +888,10 @@ def admin_table(summary: dict[str, Any], sides: list[str]) -> None:
                     go_n, ours_n = _number_or_none(go), _number_or_none(ours)
                     ratio = ours_n / go_n if go_n and ours_n is not None else None
                     figures.setdefault(f"admin_{page}_trio_over_go", {})[f"{size} {side}"] = ratio
-                    print(f"    {side:<20} {label:<22}"
-                          f" {'-' if go is None else _fmt('admin_go_topics_ms', go):>12}"
-                          f" {_fmt('admin_trio_topics_ms', ours):>14} {'-' if ratio is None else f'{ratio:.2f}':>8}")
+                    shown = {k: "-" if v is None else v if v == "lost" else _fmt("admin_go_topics_ms", v)
+                             for k, v in (("go", go), ("ours", ours))}
+                    print(f"    {side:<20} {label:<22} {shown['go']:>12} {shown['ours']:>14}"
+                          f" {'-' if ratio is None else f'{ratio:.2f}':>8}")
 
 
 def _number_or_none(value: Any) -> float | None:
@@ -961,23 +960,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     def report(text: str, scenario: str = scenario, size: int = size, side: str = side) -> None:
                         print(f"round {round_no} {scenario} {size:>6,} {side:<4} {text}", flush=True)
 
+                    figures: dict[str, Any] = {}
                     try:
                         if scenario == "topics":
-                            figures = many_topics(side, size, args.cap, admin_inline and size == args.admin_topics,
-                                                  report)
+                            many_topics(side, size, args.cap, admin_inline and size == args.admin_topics, report,
+                                        figures)
                         elif scenario == "channels":
-                            figures = many_channels(side, size, args.cap, report)
+                            many_channels(side, size, args.cap, report, figures)
                         elif scenario == "consumers":
-                            figures = many_consumers(side, size, args.cap, report)
+                            many_consumers(side, size, args.cap, report, figures)
                         else:
-                            figures = many_topics(side, size, args.cap, True, report, admin_only=True)
+                            many_topics(side, size, args.cap, True, report, figures, admin_only=True)
                         if "capped" in figures:
                             report(f"gave up: {figures['capped']}")
                     except Invalid as exc:
-                        figures = {"invalid": str(exc)}
+                        # what was measured before is kept apart: not a figure of the table
+                        figures = {"invalid": str(exc), "measured_before": figures}
                         report(f"LOST, no figure: {exc}")
                     except Exception as exc:  # a broken run is reported, the others still run
-                        figures = {"invalid": f"{exc!r}"}
+                        figures = {"invalid": f"{exc!r}", "measured_before": figures}
                         report(f"FAILED: {exc!r}\n{traceback.format_exc()}")
                     samples[scenario][size][side].append(figures)
     print(f"\nmedians of {args.rounds} round(s); {(time.time() - started) / 60:.1f} minutes")
