@@ -211,7 +211,7 @@ class Daemon:
         log them; the ports are read from them, so a flag of port 0 works too), then ready_url answers.
         With `ready_by_log` off (a --log-level above info hides those lines) both ports must accept."""
         if self.ready_by_log:
-            found = {kind: int(port) for kind, port in _LISTENING.findall(self.log_text()[offset:])}
+            found = {kind: int(port) for kind, port in _LISTENING.findall(self.log_text(offset))}
             if any(kind not in found for kind in self.listeners):
                 return False
             self.tcp_port, self.http_port = found.get("TCP", self.tcp_port), found["HTTP"]
@@ -260,11 +260,15 @@ class Daemon:
             self._log_file.close()
             self._log_file = None
 
-    def log_text(self) -> str:
+    def log_text(self, offset: int = 0) -> str:
+        """The log from byte `offset` on (a start's offset is the file's size then: in bytes, not in
+        characters, which differ once a line holds a character of more than one byte, as Go's `µs`)."""
         if self._log_file is not None:
             self._log_file.flush()
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as fh:
+                fh.seek(offset)
+                return fh.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
 
