@@ -18,8 +18,8 @@ import trio
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.storage.data_dir import DataDir
-from trio_nsq.broker.storage.files import write_synced
 from trio_nsq.broker.lookup import LookupManager
+from trio_nsq.broker.metadata import METADATA_FILE, Metadata, valid
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.v2_poller import V2Poller
 from trio_nsq.broker.protocol_v2 import ProtocolV2
@@ -38,7 +38,6 @@ from trio_nsq.shared.version import VERSION
 
 log = logging.getLogger("nsqd")
 
-METADATA_FILE = "nsqd.dat"
 # topics closing at once at a clean exit
 CLOSING_AT_ONCE = 32
 
@@ -67,17 +66,7 @@ class NSQD:
         self.channels_generation = 0
         self.health_error: str | None = None
         self._nursery: trio.Nursery | None = None
-        # nsqd.dat: changes counted, what the last write covered, each topic's entry kept as JSON (a write
-        # makes again only the entries of topics that changed: ten thousand topics are not dumped per
-        # creation), the writer woken by `_meta_wake`, callers waiting for a write woken by `_meta_written`
-        self._meta_changes = 0
-        self._meta_covered = 0
-        self._meta_failed = 0  # changes a failed write covered (retried by the next)
-        self._meta_entries: dict[str, bytes] = {}
-        self._meta_stale: set[str] = set()
-        self._meta_wake = trio.Event()
-        self._meta_written = trio.Event()
-        self._metadata_lock = trio.Lock()  # one nsqd.dat write at a time
+        self.meta = Metadata(self)  # nsqd.dat and its journal
         self._lock_fd: int | None = None
         self._unix_paths: list[str] = []
         self._loading = False
@@ -122,7 +111,7 @@ class NSQD:
                     log.info("HTTP: listening on %s", address_text(*self.http_address))
                 await nursery.start(self.lookup.run)
                 nursery.start_soon(queue_scan_loop, self)
-                nursery.start_soon(self._persist_loop)
+                nursery.start_soon(self.meta.run)
                 nursery.start_soon(self._open_pending_topics)
                 if self.options.statsd_address:
                     nursery.start_soon(statsd_loop, self)
@@ -206,7 +195,7 @@ class NSQD:
             for channel in topic.channels.values():
                 commands.append(register_cmd(topic.name, channel.name))
         for name, entry in list(self._pending.items()):  # known from nsqd.dat, not open yet
-            channels = [c["name"] for c in _valid(entry.get("channels") or (), is_valid_channel_name, "channel")
+            channels = [c["name"] for c in valid(entry.get("channels") or (), is_valid_channel_name, "channel")
                         if not is_ephemeral(c["name"])]
             commands.extend(register_cmd(name, channel) for channel in channels)
             if not channels:
@@ -293,115 +282,49 @@ class NSQD:
             return
         for hook in self.notify_hooks:
             hook("topic" if isinstance(obj, Topic) else "channel", obj, created)
-        if not obj.ephemeral and not (isinstance(obj, Channel) and obj.topic.ephemeral):
-            self.persist_metadata(obj.name if isinstance(obj, Topic) else obj.topic_name)
+        if isinstance(obj, Topic):
+            if not obj.ephemeral:
+                self.persist_metadata(obj.name)
+        elif not obj.ephemeral and not obj.topic.ephemeral:
+            self.persist_metadata(obj.topic_name, obj.name)
 
-    # --- metadata (nsqd.dat) ------------------------------------------------------------------
+    # --- metadata (nsqd.dat, broker/metadata.py) ------------------------------------------------
 
     def metadata(self) -> dict[str, Any]:
         """nsqd.dat as Go nsqd writes it: its key order, and null for no topics or no channels (a Go
         nil slice), so the file is byte for byte what nsqd 1.3.0 writes for the same topics."""
-        return json.loads(self._metadata_bytes())
+        return json.loads(self.meta.metadata_bytes())
 
-    @staticmethod
-    def _topic_entry(topic: Topic) -> dict[str, Any]:
-        channels = [
-            _with_settings({"name": ch.name, "paused": ch.paused}, ch.settings)
-            for ch in topic.channels.values() if not ch.ephemeral
-        ]
-        entry = {"name": topic.name, "paused": topic.paused, "channels": channels or None}
-        return _with_settings(entry, topic.settings)
-
-    def _metadata_bytes(self) -> bytes:
-        """nsqd.dat's bytes: each topic's entry made again only if it changed since the last call."""
-        entries = self._meta_entries
-        stale = self._meta_stale
-        for name in stale:
-            entries.pop(name, None)
-        stale.clear()
-        parts: list[bytes] = []
-        for topic in self.topics.values():
-            if topic.ephemeral:
-                continue
-            entry = entries.get(topic.name)
-            if entry is None:
-                entry = entries[topic.name] = _json(self._topic_entry(topic))
-            parts.append(entry)
-        parts.extend(map(_json, self._pending.values()))  # as nsqd.dat had them: not open yet
-        topics = b"[" + b",".join(parts) + b"]" if parts else b"null"
-        return b'{"topics":' + topics + b',"version":' + _json(VERSION) + b"}"
-
-    def persist_metadata(self, topic: str | None = None) -> None:
-        """nsqd.dat is to be written again (`topic` changed; None: any may have): the writer does it,
-        one write covering every change made before it began."""
-        if topic is None:
-            self._meta_entries.clear()
-        else:
-            self._meta_stale.add(topic)
-        self._meta_changes += 1
-        self._meta_wake.set()
+    def persist_metadata(self, topic: str, channel: str = "") -> None:
+        """`topic` (or only its `channel`) changed: on disk with the next write."""
+        self.meta.changed(topic, channel)
 
     async def metadata_persisted(self) -> None:
-        """Return once a write begun after this call's changes has put nsqd.dat on disk (group commit:
-        creations arriving together share one write). Raises OSError if the write covering them failed."""
-        target = self._meta_changes
-        while self._meta_covered < target:
-            if self._meta_failed >= target:
-                raise OSError("failed to persist metadata")
-            await self._meta_written.wait()
-
-    async def _persist_loop(self) -> None:
-        while True:
-            if self._meta_covered >= self._meta_changes:
-                await self._meta_wake.wait()
-                self._meta_wake = trio.Event()
-                continue
-            try:
-                await self.persist_metadata_now()
-            except OSError as exc:
-                log.error("failed to persist metadata - %s", exc)
-                await trio.sleep(1.0)  # the disk is failing: again in a moment, not in a loop
+        """Return once a write begun after this call's changes is on disk (group commit: creations
+        arriving together share one write). Raises OSError if the write covering them failed."""
+        await self.meta.persisted()
 
     async def persist_metadata_now(self) -> None:
-        """Write nsqd.dat now and return once it is on disk (a settings change is answered after it);
-        one write at a time, as they share a temporary file name. Raises OSError."""
-        async with self._metadata_lock:
-            covers = self._meta_changes
-            try:
-                await trio.to_thread.run_sync(self._write_metadata, self._metadata_bytes())
-            except OSError:
-                self._meta_failed = max(self._meta_failed, covers)
-                raise
-            finally:
-                written, self._meta_written = self._meta_written, trio.Event()
-                written.set()
-            self._meta_covered = max(self._meta_covered, covers)
+        """Write what changed now and return once it is on disk (a settings change is answered after it)."""
+        await self.meta.persist_now()
 
     def write_metadata_now(self) -> None:
-        self._write_metadata(self._metadata_bytes())
+        self.meta.write_now()
 
-    def _write_metadata(self, data: bytes) -> None:
-        path = os.path.join(self.data_path, METADATA_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        write_synced(tmp, data)  # 0600, as Go nsqd's writeSyncFile
-        os.replace(tmp, path)
+    def pending_topics(self) -> list[dict[str, Any]]:
+        """The entries of the topics nsqd.dat names that are not open yet."""
+        return list(self._pending.values())
 
     def load_metadata(self) -> None:
-        """nsqd.dat read and the data directory listed, once. The topics nsqd.dat names are opened once
-        the broker listens (_open_pending_topics), or at once when something asks for one first."""
+        """nsqd.dat (and its journal) read and the data directory listed, once. The topics nsqd.dat names
+        are opened once the broker listens (_open_pending_topics), or at once when something asks first."""
         self.data_dir = DataDir.read(self.data_path)
-        path = os.path.join(self.data_path, METADATA_FILE)
         try:
-            with open(path, "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            self.loaded.set()
-            return
-        try:
-            topics = _parse_metadata(raw)
+            topics = self.meta.load()
         except ValueError as exc:
+            path = os.path.join(self.data_path, METADATA_FILE)
             raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from None
-        for t in _valid(topics, is_valid_topic_name, "topic"):
+        for t in valid(topics, is_valid_topic_name, "topic"):
             self._pending.setdefault(t["name"], t)
         if not self._pending:
             self.loaded.set()
@@ -415,7 +338,7 @@ class NSQD:
             topic = Topic(self, name, self.data_dir.take(name))
             self.topics[name] = topic
             topic.paused = bool(t.get("paused"))
-            for c in _valid(t.get("channels") or (), is_valid_channel_name, "channel"):
+            for c in valid(t.get("channels") or (), is_valid_channel_name, "channel"):
                 channel = topic.get_channel(c["name"])
                 channel.paused = bool(c.get("paused"))
                 if "config" in c:
@@ -465,46 +388,3 @@ class NSQD:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def _json(value: Any) -> bytes:
-    """JSON as Go's encoding/json writes it here (compact; the keys in the order given)."""
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def _with_settings(entry: dict[str, Any], settings: QueueSettings) -> dict[str, Any]:
-    """A topic's or channel's nsqd.dat entry, with what was set on it under "config" (not in nsqd, which
-    ignores the key; nothing is added where nothing is set, so the file stays Go's byte for byte)."""
-    if not settings.is_empty():
-        entry["config"] = settings.to_json()
-    return entry
-
-
-def _valid(entries: Any, is_valid: Callable[[str], bool], kind: str) -> Iterator[dict[str, Any]]:
-    """The nsqd.dat entries with a valid name; nsqd skips the others with a warning."""
-    for entry in entries:
-        name = entry.setdefault("name", "")
-        if is_valid(name):
-            yield entry
-        else:
-            log.warning("skipping creation of invalid %s %s", kind, name)
-
-
-def _parse_metadata(raw: bytes) -> list[dict[str, Any]]:
-    """The topics of an nsqd.dat; Go writes null for an empty list. Raises ValueError for a file Go's
-    json.Unmarshal into nsqd's struct would refuse (not JSON, or a field of the wrong type)."""
-    meta = json.loads(raw)
-    if not isinstance(meta, dict):
-        raise ValueError("not a JSON object")
-    topics = meta.get("topics") or []
-    if not isinstance(topics, list) or not all(isinstance(t, dict) for t in topics):
-        raise ValueError("'topics' is not a list of objects")
-    for t in topics:
-        channels = t.get("channels") or []
-        if not isinstance(channels, list) or not all(isinstance(c, dict) for c in channels):
-            raise ValueError("'channels' is not a list of objects")
-        for item in [t, *channels]:
-            if not isinstance(item.get("name", ""), str) or not isinstance(item.get("paused", False), bool):
-                raise ValueError("a name that is not a string or a paused that is not a bool")
-    return topics
-

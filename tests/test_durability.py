@@ -304,6 +304,51 @@ def test_data_directory_is_locked(broker_factory, tmp_path):
     assert proc.returncode != 0 and "in use" in proc.stderr
 
 
+def test_topics_and_channels_answered_survive_kill_9(broker_factory):
+    """A creation is answered once its line is in nsqd.dat's journal (fsynced), not once nsqd.dat is written
+    again: kill -9 while creations go on, and the restart has every topic and channel answered (and the
+    deleted and paused ones as answered); the journal is compacted into nsqd.dat then."""
+    import httpx
+    broker = broker_factory()
+    answered: list[int] = []
+    done: list[str] = []
+
+    def create() -> None:
+        with httpx.Client(base_url=broker.http_url, timeout=10) as client:
+            try:
+                for i in range(100_000):
+                    if i == 40:
+                        assert client.post("/channel/delete?topic=k7&channel=a").status_code == 200
+                        assert client.post("/topic/delete?topic=k8").status_code == 200
+                        assert client.post("/channel/pause?topic=k9&channel=a").status_code == 200
+                        done.append("changed")
+                    assert client.post(f"/topic/create?topic=k{i}").status_code == 200
+                    assert client.post(f"/channel/create?topic=k{i}&channel=a").status_code == 200
+                    answered.append(i)
+            except (httpx.HTTPError, AssertionError):
+                return  # the broker is gone
+
+    creator = threading.Thread(target=create)
+    creator.start()
+    deadline = time.monotonic() + 60
+    while len(answered) < 80 and creator.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    broker.kill()  # creations still coming: nsqd.dat has not been compacted for their last second
+    creator.join()
+    assert done and len(answered) >= 80
+    broker.start()
+    stats = broker.get("/stats?format=json").json()
+    channels = {t["topic_name"]: {c["channel_name"]: c["paused"] for c in t["channels"]} for t in stats["topics"]}
+    for i in answered:
+        assert channels.get(f"k{i}") == ({} if i == 7 else {"a": i == 9}) or i == 8, (i, channels.get(f"k{i}"))
+    assert "k8" not in channels
+    deadline = time.monotonic() + 10
+    while (broker.data_path / "nsqd.dat.journal").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    meta = json.loads((broker.data_path / "nsqd.dat").read_text())
+    assert len(meta["topics"]) == len(channels) and not (broker.data_path / "nsqd.dat.journal").exists()
+
+
 def test_metadata_survives_restart(broker_factory):
     broker = broker_factory()
     _create_channel(broker, "meta", "ch1")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import trio
 
+from trio_nsq.broker.metadata import read_metadata
 from trio_nsq.broker.storage.data_dir import DataDir, topic_of
 from trio_nsq.testing.embed import run_nsqd
 
@@ -88,9 +89,9 @@ async def test_the_broker_answers_before_its_topics_are_open(tmp_path):
         # a creation now: nsqd.dat names it and every topic not open yet
         nsqd.get_topic("late")
         await nsqd.metadata_persisted()
-        written = json.loads((tmp_path / "nsqd.dat").read_bytes())
-        assert {t["name"] for t in written["topics"]} == {f"t{i}" for i in range(30)} | {"late"}
-        assert all(len(t["channels"]) == 2 for t in written["topics"] if t["name"] != "late")
+        written = on_disk(tmp_path)
+        assert {t["name"] for t in written} == {f"t{i}" for i in range(30)} | {"late"}
+        assert all(len(t["channels"]) == 2 for t in written if t["name"] != "late")
         # a request naming one not open yet opens it (with its channels and its message)
         pending = next(f"t{i}" for i in range(30) if f"t{i}" not in nsqd.topics)
         answer = await http(running, "POST", f"/channel/empty?topic={pending}&channel=a")
@@ -109,11 +110,11 @@ async def test_a_creation_is_answered_once_nsqd_dat_names_it(tmp_path):
         async def create(i: int) -> None:
             answer = await http(running, "POST", f"/topic/create?topic=c{i}")
             assert answer.status_code == 200
-            names = [t["name"] for t in json.loads((tmp_path / "nsqd.dat").read_bytes())["topics"]]
+            names = [t["name"] for t in on_disk(tmp_path)]
             assert f"c{i}" in names  # on disk before the answer
             answer = await http(running, "POST", f"/channel/create?topic=c{i}&channel=x")
             assert answer.status_code == 200
-            topics = json.loads((tmp_path / "nsqd.dat").read_bytes())["topics"]
+            topics = on_disk(tmp_path)
             assert [c["name"] for t in topics if t["name"] == f"c{i}" for c in t["channels"]] == ["x"]
         async with trio.open_nursery() as clients:
             for i in range(20):  # together: they share writes
@@ -125,16 +126,17 @@ async def test_a_failed_nsqd_dat_write_is_a_500_and_the_next_one_succeeds(tmp_pa
     async with trio.open_nursery() as nursery:
         running = await nursery.start(lambda task_status: run_nsqd(data_path=str(tmp_path), task_status=task_status))
         nsqd = running.server
-        real = nsqd._write_metadata
+        real = nsqd.meta._append
 
-        def failing(data: bytes) -> None:
+        def failing(lines: bytes) -> None:
+            with open(tmp_path / "nsqd.dat.journal", "ab") as fh:
+                fh.write(lines[:7])  # a short write: what it left is written over by the next append
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(nsqd, "_write_metadata", failing)
+        monkeypatch.setattr(nsqd.meta, "_append", failing)
         assert (await http(running, "POST", "/topic/create?topic=refused")).status_code == 500
-        monkeypatch.setattr(nsqd, "_write_metadata", real)
+        monkeypatch.setattr(nsqd.meta, "_append", real)
         await trio.sleep(1.2)  # the writer tries again
-        names = [t["name"] for t in json.loads((tmp_path / "nsqd.dat").read_bytes())["topics"]]
-        assert names == ["refused"]
+        assert [t["name"] for t in on_disk(tmp_path)] == ["refused"]
         assert (await http(running, "POST", "/topic/create?topic=next")).status_code == 200
         nursery.cancel_scope.cancel()
 
@@ -157,5 +159,13 @@ async def test_what_changes_a_topics_entry_is_written(tmp_path, changes):
             assert (await http(running, "POST", "/channel/config?topic=t&channel=c&max_depth=5")).status_code == 200
             want = [{"name": "t", "paused": False, "channels": [{"name": "c", "paused": False, "config": {"max_depth": 5}}]},
                     {"name": "u", "paused": False, "channels": None}]
-        assert json.loads((tmp_path / "nsqd.dat").read_bytes())["topics"] == want
+        assert on_disk(tmp_path) == want
         nursery.cancel_scope.cancel()
+    assert json.loads((tmp_path / "nsqd.dat").read_bytes())["topics"] == want  # a clean exit compacts
+
+
+def on_disk(data: Path) -> list[dict[str, Any]]:
+    """The topics nsqd.dat and its journal hold (what a broker started on `data` now would load)."""
+    topics, good, size = read_metadata(str(data))
+    assert good == size
+    return topics

@@ -369,7 +369,10 @@ class Api:
         else:
             target.unpause()
         # persisted at once so a crash cannot silently (un)pause it, as nsqd
-        self.nsqd.persist_metadata(target.name if isinstance(target, Topic) else target.topic_name)
+        if isinstance(target, Topic):
+            self.nsqd.persist_metadata(target.name)
+        else:
+            self.nsqd.persist_metadata(target.topic_name, target.name)
         return EMPTY
 
     # --- channels ---------------------------------------------------------------------------
