@@ -53,7 +53,12 @@ def _topic(t: TopicStats) -> str:
 
 
 def _channel(c: ChannelStats) -> str:
-    clients = "null" if c.clients is None else go_json([client_json(client) for client in c.clients]).decode()
+    if c.clients is None:
+        clients = "null"
+    elif not c.clients:  # most channels of a broker with thousands: no encoder made for an empty list
+        clients = "[]"
+    else:
+        clients = go_json([client_json(client) for client in c.clients]).decode()
     return (f'{{"channel_name":{_string(c.channel_name)},"depth":{c.depth},"backend_depth":{c.backend_depth},'
             f'"in_flight_count":{c.in_flight_count},"deferred_count":{c.deferred_count},'
             f'"message_count":{c.message_count},"requeue_count":{c.requeue_count},'
