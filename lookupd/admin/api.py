@@ -75,19 +75,39 @@ class Admin:
             raise HTTPError(502, f"UPSTREAM_ERROR: {errors.message()}")
         return _ok({"topics": names}, errors)
 
-    async def _topic_rows(self, topic: str, errors: Errors) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        producers = await self.cluster.producers(errors)
+    async def _topic_rows(self, topic: str, errors: Errors,
+                          every_node: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The topic's row on each node that has it: the nodes the lookupds list for it (a page), or every
+        node they know, tombstoned for the topic or not (`every_node`: an action reaches them all)."""
+        if every_node:
+            producers = await self.cluster.producers(errors)
+        else:
+            producers = await self.cluster.topic_producers(topic, errors)
         nodes = [p["node"] for p in producers]
         stats = await self.cluster.stats(nodes, errors, topic)
         return node_topic_rows(stats, producers, topic), producers
 
     async def topic(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()
-        rows, _ = await self._topic_rows(params["topic"], errors)
+        topic = params["topic"]
+        producers = await self.cluster.topic_producers(topic, errors)
+        nodes = [p["node"] for p in producers]
+        found: dict[str, Any] = {}
+
+        async def stats() -> None:
+            found["stats"] = await self.cluster.stats(nodes, errors, topic)
+
+        async def settings() -> None:
+            found["settings"] = await self._settings_of(nodes, f"/topic/config?topic={_q(topic)}")
+        # side by side: the page waits for one round trip after the lookupds', as Go's nsqadmin's does
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stats)
+            nursery.start_soon(settings)
+        rows = node_topic_rows(found["stats"], producers, topic)
         if not rows:
             raise HTTPError(404, "TOPIC_NOT_FOUND" if not errors.failed else f"UPSTREAM_ERROR: {errors.message()}")
         out = aggregate_topic(rows)
-        out["settings"] = await self._settings(rows, f"/topic/config?topic={_q(params['topic'])}")
+        out["settings"] = found["settings"]
         return _ok(out, errors)
 
     async def channel(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -132,9 +152,12 @@ class Admin:
         return _ok({"state": state, "count": count, "messages": messages}, errors)
 
     async def _settings(self, rows: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
+        return await self._settings_of([r["node"] for r in rows], path)
+
+    async def _settings_of(self, nodes: list[str], path: str) -> dict[str, Any] | None:
         """trio-nsqd's settings of the topic or channel, as the first node that has them answers (a Go
         nsqd has none: 404); None when no node does. Each node keeps its own: the page edits them all."""
-        for node in sorted({r["node"] for r in rows}):
+        for node in sorted(set(nodes)):
             try:
                 answer = await self.cluster.get_json(node, path)
             except (httpx.HTTPError, ValueError):
@@ -211,7 +234,7 @@ class Admin:
                         post: Callable[[str, str], Awaitable[Any]] | None = None) -> list[Any]:
         """POST path on every nsqd that has the topic (through `post`, cluster.post by default); what each
         that took it answered (one entry a node)."""
-        rows, _ = await self._topic_rows(topic, errors)
+        rows, _ = await self._topic_rows(topic, errors, every_node=True)
         post = post or self.cluster.post
         answers: list[Any] = []
         for node in sorted({r["node"] for r in rows}):

@@ -10,6 +10,7 @@ Called by api.py's handlers; each call makes its own requests (nothing is cached
 from __future__ import annotations
 
 import logging
+import urllib.parse
 from typing import Any
 
 import attrs
@@ -130,6 +131,26 @@ class Cluster:
             entry["topics"].sort(key=lambda t: t["topic"])
         return [merged[node] for node in sorted(merged)]
 
+    async def topic_producers(self, topic: str, errors: Errors) -> list[dict[str, Any]]:
+        """The nsqds that have `topic`, as nsqadmin's GetTopicProducers: each lookupd's /lookup?topic=
+        (not /nodes, which lists every topic of every node: ten thousand names for one page), merged by
+        broadcast address and HTTP port; every nsqd when there is no lookupd."""
+        if not self.lookupds:
+            return await self.producers(errors)
+        merged: dict[str, dict[str, Any]] = {}
+        path = "/lookup?topic=" + urllib.parse.quote(topic, safe="")
+        for lookupd, answer in sorted((await self._each(self.lookupds, path, errors)).items()):
+            for p in answer.get("producers") or []:
+                node = f"{p['broadcast_address']}:{p['http_port']}"
+                entry = merged.setdefault(node, {
+                    "remote_addresses": [], "remote_address": p.get("remote_address", ""),
+                    "hostname": p.get("hostname", ""), "broadcast_address": p["broadcast_address"],
+                    "tcp_port": p["tcp_port"], "http_port": p["http_port"], "version": p.get("version", ""),
+                    "topics": [{"topic": topic, "tombstoned": False}], "out_of_date": False, "node": node,
+                })
+                entry["remote_addresses"].append(f"{lookupd}/{p.get('remote_address', '')}")
+        return [merged[node] for node in sorted(merged)]
+
     async def nodes(self, errors: Errors) -> list[str]:
         """The HTTP addresses of every nsqd (host:http_port)."""
         return [p["node"] for p in await self.producers(errors)]
@@ -145,7 +166,7 @@ class Cluster:
 
     async def stats(self, nodes: list[str], errors: Errors, topic: str = "") -> dict[str, dict[str, Any]]:
         """Each node's /stats?format=json, by node."""
-        path = "/stats?format=json" + (f"&topic={topic}" if topic else "")
+        path = "/stats?format=json" + ("&topic=" + urllib.parse.quote(topic, safe="") if topic else "")
         return await self._each(nodes, path, errors)
 
     # --- the rows nsqadmin shows ---------------------------------------------------------------------

@@ -94,7 +94,10 @@ def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runf
             count = _held_by_all(broker)
             figures["written_per_payload_byte"] = (_write_bytes(broker) - written) / (count * 200)
         if read:
+            cpu = broker.cpu_seconds()
             figures["reader"] = _tool(os.path.join(reference, "bench_reader"), *common, "--channel=ch")
+            # the broker's CPU per message read: what the noise of a shared machine moves least
+            figures["reader_per_cpu_s"] = figures["reader"] * runfor / max(broker.cpu_seconds() - cpu, 1e-9)
         return figures
     finally:
         broker.close()
@@ -184,7 +187,8 @@ RUNNERS: dict[str, tuple[str, Callable[[str, str, float], dict[str, float]]]] = 
 }
 
 # figure -> how the table names it: NSQ's tools, or ours (msg/s, or messages per broker CPU-second)
-LABELS = {"writer": "bench_writer", "reader": "bench_reader", "backlog": "backlog_reader",
+LABELS = {"writer": "bench_writer", "reader": "bench_reader", "reader_per_cpu_s": "bench_reader per broker CPU-s",
+          "backlog": "backlog_reader",
           "backlog_per_cpu_s": "backlog_reader per CPU-s", "written_per_payload_byte": "bytes written per payload byte"}
 
 
