@@ -91,6 +91,34 @@ def test_a_go_data_dir_with_nulls_loads_and_drains(tmp_path):
         broker.stop()
 
 
+def test_a_go_data_dir_with_a_thousand_topics_loads(tmp_path):
+    """Go nsqd's directory of 1,000 topics with two channels each (its channel queues holding what its
+    topic queues handed over): every topic and channel opens, each with its message, and a journal-less
+    nsqd.dat written at the clean exit names them all, as Go's did."""
+    broker = BrokerProcess(tmp_path)
+    data = broker.data_path
+    entries = []
+    for i in range(1000):
+        topic = f"many{i:04d}"
+        write_queue(data, topic, [b"m"], read=1)
+        for channel in ("a", "b"):
+            write_queue(data, f"{topic}:{channel}", [b"m%d" % i])
+        entries.append({"name": topic, "paused": False,
+                        "channels": [{"name": "a", "paused": False}, {"name": "b", "paused": False}]})
+    (data / "nsqd.dat").write_bytes(json.dumps({"topics": entries, "version": "1.3.0"}, separators=(",", ":")).encode())
+    broker.start()
+    try:
+        topics = stats(broker)
+        assert len(topics) == 1000
+        assert all([c["depth"] for c in t["channels"]] == [1, 1] for t in topics.values())
+        assert drain(broker, "many0999", "b", 1) == [b"m999"]
+    finally:
+        assert broker.stop() == 0
+    assert not (data / "nsqd.dat.journal").exists()
+    written = json.loads((data / "nsqd.dat").read_bytes())
+    assert [t["name"] for t in written["topics"]] == [e["name"] for e in entries]
+
+
 def test_an_empty_go_data_dir_loads(tmp_path):
     broker = BrokerProcess(tmp_path)
     (broker.data_path / "nsqd.dat").write_bytes(GO_EMPTY_NSQD_DAT)
