@@ -114,14 +114,7 @@ class Cluster:
         merged: dict[str, dict[str, Any]] = {}
         for lookupd, answer in sorted((await self._each(self.lookupds, "/nodes", errors)).items()):
             for p in answer.get("producers") or []:
-                node = f"{p['broadcast_address']}:{p['http_port']}"
-                entry = merged.setdefault(node, {
-                    "remote_addresses": [], "remote_address": p.get("remote_address", ""),
-                    "hostname": p.get("hostname", ""), "broadcast_address": p["broadcast_address"],
-                    "tcp_port": p["tcp_port"], "http_port": p["http_port"], "version": p.get("version", ""),
-                    "topics": [], "out_of_date": False, "node": node,
-                })
-                entry["remote_addresses"].append(f"{lookupd}/{p.get('remote_address', '')}")
+                entry = _merged(merged, lookupd, p, [])
                 known = {t["topic"] for t in entry["topics"]}
                 tombstones = p.get("tombstones") or [False] * len(p.get("topics") or [])
                 for topic, tombstoned in zip(p.get("topics") or [], tombstones):
@@ -141,14 +134,7 @@ class Cluster:
         path = "/lookup?topic=" + urllib.parse.quote(topic, safe="")
         for lookupd, answer in sorted((await self._each(self.lookupds, path, errors)).items()):
             for p in answer.get("producers") or []:
-                node = f"{p['broadcast_address']}:{p['http_port']}"
-                entry = merged.setdefault(node, {
-                    "remote_addresses": [], "remote_address": p.get("remote_address", ""),
-                    "hostname": p.get("hostname", ""), "broadcast_address": p["broadcast_address"],
-                    "tcp_port": p["tcp_port"], "http_port": p["http_port"], "version": p.get("version", ""),
-                    "topics": [{"topic": topic, "tombstoned": False}], "out_of_date": False, "node": node,
-                })
-                entry["remote_addresses"].append(f"{lookupd}/{p.get('remote_address', '')}")
+                _merged(merged, lookupd, p, [{"topic": topic, "tombstoned": False}])
         return [merged[node] for node in sorted(merged)]
 
     async def nodes(self, errors: Errors) -> list[str]:
@@ -170,6 +156,21 @@ class Cluster:
         return await self._each(nodes, path, errors)
 
     # --- the rows nsqadmin shows ---------------------------------------------------------------------
+
+
+def _merged(merged: dict[str, dict[str, Any]], lookupd: str, p: dict[str, Any],
+            topics: list[dict[str, Any]]) -> dict[str, Any]:
+    """A lookupd's producer `p` merged into `merged` by broadcast address and HTTP port (nsqadmin's
+    producer: the lookupd/remote address it registered through added); its entry."""
+    node = f"{p['broadcast_address']}:{p['http_port']}"
+    entry = merged.setdefault(node, {
+        "remote_addresses": [], "remote_address": p.get("remote_address", ""),
+        "hostname": p.get("hostname", ""), "broadcast_address": p["broadcast_address"],
+        "tcp_port": p["tcp_port"], "http_port": p["http_port"], "version": p.get("version", ""),
+        "topics": topics, "out_of_date": False, "node": node,
+    })
+    entry["remote_addresses"].append(f"{lookupd}/{p.get('remote_address', '')}")
+    return entry
 
 
 def e2e(result: dict[str, Any] | None, topic: str = "", channel: str = "", host: str = "") -> dict[str, Any]:
