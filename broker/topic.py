@@ -30,7 +30,7 @@ from trio_nsq.broker.message import Message, encode_record
 from trio_nsq.broker.quantile import Quantile
 from trio_nsq.broker.queue_settings import QueueSettings, resolve
 from trio_nsq.broker.storage.records import looks_like_message
-from trio_nsq.broker.storage.data_dir import topic_of
+from trio_nsq.broker.storage.data_dir import ChannelNames, topic_of
 from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir
 from trio_nsq.broker.storage.sync_group import SyncGroup
 from trio_nsq.broker.storage.topic_log import TopicLog
@@ -100,6 +100,7 @@ class Topic:
         if names is None:
             names = [] if self.ephemeral else [n for n in list_dir(nsqd.data_path) if topic_of(n) == name]
         self._names = names
+        self._channel_names = ChannelNames(names)
         opts = nsqd.options
         self.clock = nsqd.clock
         # publish timestamps (unix ns): the wall clock's, or the owner's clock where it has its own (a
@@ -433,7 +434,9 @@ class Topic:
             ephemeral = is_ephemeral(name)
             reader = None
             if self.log is not None:
-                reader = self.log.reader_for(f"{self.name}:{name}", durable=not ephemeral)
+                path_name = f"{self.name}:{name}"
+                reader = self.log.reader_for(path_name, durable=not ephemeral,
+                                             names=self._channel_names.of(path_name))
             backend = ChannelBackend(f"{self.name}:{name}", reader, partial(self._open_own, name),
                                      ephemeral=ephemeral, now=trio.current_time, wall=self.clock)
             channel = Channel(self, name, self.mem_queue_size, backend, self.clock)
@@ -453,17 +456,18 @@ class Topic:
         channel's disk queue): opened when its files are there, or made when `create`."""
         name = f"{self.name}:{channel_name}"
         data_path = self.nsqd.data_path
-        if not create and not any(entry.startswith(name + ".diskqueue.") for entry in self._names):
+        names = self._channel_names.of(name)
+        if not create and not any(entry.startswith(name + ".diskqueue.") for entry in names):
             return None
         opts = self.nsqd.options
         segments = SegmentLog(name, data_path, max_bytes_per_file=opts.max_bytes_per_file,
                               min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
-                              on_write=self.group.wrote, valid_record=looks_like_message, names=self._names)
+                              on_write=self.group.wrote, valid_record=looks_like_message, names=names)
         start = Place(segments.start, segments.start_index())
         if segments.meta_found:
             start = Place(segments.position(*segments.meta_read), segments.meta_read_index)
         return LogReader(segments, name + ".diskqueue", self.group, start=start, tag=OWN, owns_log=True,
-                         clock=self.clock, names=self._names)
+                         clock=self.clock, names=names)
 
     def get_existing_channel(self, name: str) -> Channel | None:
         return self.channels.get(name)
@@ -476,8 +480,7 @@ class Topic:
         for client in list(channel.clients.values()):
             self.nsqd.spawn(client.close)
         channel.delete_files()  # the files are gone before the caller answers, as in nsqd
-        prefix = f"{self.name}:{name}."
-        self._names = [entry for entry in self._names if not entry.startswith(prefix)]
+        self._channel_names.forget(f"{self.name}:{name}")
         if self.log is not None and channel.backend.reader is not None:
             self.log.forget(channel.backend.reader)
         self.nsqd.notify_channel(channel, created=False)

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from trio_nsq.broker.metadata import read_metadata
-from trio_nsq.broker.storage.data_dir import DataDir, topic_of
+from trio_nsq.broker.storage.data_dir import ChannelNames, DataDir, topic_of
 from trio_nsq.testing.embed import run_nsqd
 
 
@@ -48,6 +48,21 @@ async def make_topics(data: Path, count: int) -> None:
                     assert (await client.post(f"/channel/create?topic=t{i}&channel={channel}")).status_code == 200
                 assert (await client.post(f"/pub?topic=t{i}", content=b"m%d" % i)).status_code == 200
         nursery.cancel_scope.cancel()
+
+
+def test_a_channel_finds_its_own_files_among_its_topics():
+    """Channel names may hold dots: `c` and `c.v2` share a bucket. A channel gets the names that start with
+    its own `<topic>:<channel>.` (`c`'s include `c.v2`'s, as the whole listing did before: each reader and
+    queue tests its exact file names), never another bucket's."""
+    names = ["t.diskqueue.000000.dat", "t:c.cursor.dat", "t:c.diskqueue.000001.dat", "t:c.v2.cursor.dat",
+             "t:c.v2.cursor.dat.9.tmp", "t:cc.cursor.dat", "t:d.diskqueue.meta.dat"]
+    channels = ChannelNames(names)
+    assert channels.of("t:c") == ["t:c.cursor.dat", "t:c.diskqueue.000001.dat", "t:c.v2.cursor.dat",
+                                  "t:c.v2.cursor.dat.9.tmp"]
+    assert channels.of("t:c.v2") == ["t:c.v2.cursor.dat", "t:c.v2.cursor.dat.9.tmp"]
+    assert channels.of("t:d") == ["t:d.diskqueue.meta.dat"] and channels.of("t:e") == []
+    channels.forget("t:c.v2")
+    assert channels.of("t:c.v2") == [] and channels.of("t:c") == ["t:c.cursor.dat", "t:c.diskqueue.000001.dat"]
 
 
 async def test_the_data_directory_is_listed_once_whatever_it_holds(tmp_path, monkeypatch):

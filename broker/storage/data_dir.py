@@ -58,3 +58,39 @@ class DataDir:
     def topics(self) -> list[str]:
         """The topics with files the listing found and no one took yet."""
         return list(self._by_topic)
+
+
+class ChannelNames:
+    """A topic's names of its channels' files (`<topic>:<channel>.*`: cursors, own queues), by channel:
+    opening or creating one of a thousand channels looks at its own files, not at every channel's.
+    Channel names may hold dots, so names are kept in buckets by what precedes the first dot after the
+    colon, and a channel's are the names of its bucket that start with `<topic>:<channel>.`.
+
+    Who calls it: Topic, when it opens a channel's reader or own queue and when it deletes a channel."""
+
+    def __init__(self, names: list[str]) -> None:
+        self._buckets: dict[str, list[str]] = {}
+        for name in names:
+            if ":" in name:
+                self._buckets.setdefault(_bucket(name), []).append(name)
+
+    def of(self, path_name: str) -> list[str]:
+        """The names that start with `<path_name>.` (`<topic>:<channel>`): its files, and those of a
+        channel whose name continues its own with a dot (each reader and queue tests its exact names)."""
+        prefix = path_name + "."
+        return [name for name in self._buckets.get(_bucket(prefix), ()) if name.startswith(prefix)]
+
+    def forget(self, path_name: str) -> None:
+        """The channel's files are gone (and so the names of it a start-up listing had)."""
+        prefix = path_name + "."
+        bucket = _bucket(prefix)
+        kept = [name for name in self._buckets.get(bucket, ()) if not name.startswith(prefix)]
+        if kept:
+            self._buckets[bucket] = kept
+        else:
+            self._buckets.pop(bucket, None)
+
+
+def _bucket(name: str) -> str:
+    dot = name.find(".", name.find(":") + 1)
+    return name[:dot] if dot >= 0 else name

@@ -229,11 +229,13 @@ class TopicLog:
 
     # --- readers ------------------------------------------------------------------------------
 
-    def reader_for(self, name: str, *, durable: bool) -> LogReader:
+    def reader_for(self, name: str, *, durable: bool, names: list[str] | None = None) -> LogReader:
         """A channel's reader of this log: a durable channel's cursor persists in `<name>.cursor.dat` (a
-        new channel starts at what is not handed yet); an ephemeral one's starts there, in memory."""
+        new channel starts at what is not handed yet); an ephemeral one's starts there, in memory.
+        `names`: the start-up listing's names of the channel's files (default: the topic's)."""
         reader = LogReader(self.segments, name, self.group if durable else None, start=self.dispatched,
-                           publish_deadlines=self.publish_deadlines, clock=self.clock, names=self._names)
+                           publish_deadlines=self.publish_deadlines, clock=self.clock,
+                           names=self._names if names is None else names)
         self.readers.append(reader)
         if durable:
             self.durable.append(reader)
