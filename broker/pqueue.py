@@ -162,6 +162,9 @@ class MessagePQueue:
                         self._take(msg, out)
         if sources > 1:
             out.sort(key=_deadline)
+        if out:
+            # the live ones it took may leave stale entries (a message pushed again, elsewhere) outnumbering them
+            self._maybe_compact()
         return out
 
     def next_deadline(self) -> float | None:

@@ -459,3 +459,20 @@ def test_pqueue_against_a_model(ops):
             for k in got:
                 del model[k]
         assert len(q) == len(model)
+
+
+def test_expired_messages_taken_leave_the_stale_entries_bounded():
+    """The state machine's find: messages put in flight, pushed again with deadlines due now (their lane
+    entries go stale), then taken as expired: the queue holds few live ones and ~1,600 stale entries, so
+    taking them must compact as a FIN or a push does."""
+    machine = PQueueMachine()
+    steps = [lambda: machine.deliver_many(start=0, n=1, timeout=30),
+             lambda: machine.push_many(start=437, n=706, spread=1),
+             lambda: machine.deliver_many(start=1, n=907, timeout=30),
+             lambda: machine.push_many(start=1, n=908, spread=0),
+             lambda: machine.scan(dt=0)]
+    for step in steps:
+        step()
+        machine.entries_stay_bounded()
+        machine.next_deadline_is_the_models()  # drops stale entries at the heap's front, as the machine did
+        machine.same_contents()
