@@ -506,6 +506,17 @@ def _dead_letter_topics(data: str, clock: trio.testing.MockClock) -> tuple[Topic
     return topic, owner.topics["t-c-dlq"]
 
 
+async def _published_and_moved(data: str, clock: trio.testing.MockClock) -> tuple[Topic, Topic]:
+    """The two topics, one message published to t (durable) and moved to the dead letters (not yet)."""
+    topic, dead = _dead_letter_topics(data, clock)
+    await dead.group.sync_round()
+    published = topic.publish([b"m0"])
+    assert published.sync is not None
+    await published.sync.sync()
+    _move_one(topic)
+    return topic, dead
+
+
 def _move_one(topic: Topic) -> None:
     channel = topic.get_channel("c")
     [msg] = channel.take(1)
@@ -524,12 +535,7 @@ def test_a_dead_letter_move_whose_copy_is_not_durable_is_not_finished(power_loss
     data = power_loss.data_dir
 
     async def move() -> tuple[Topic, Topic]:
-        topic, dead = _dead_letter_topics(data, clock)
-        await dead.group.sync_round()
-        published = topic.publish([b"m0"])
-        assert published.sync is not None
-        await published.sync.sync()
-        _move_one(topic)
+        topic, dead = await _published_and_moved(data, clock)
         channel = topic.get_channel("c")
         assert channel.dead_lettered_count == 1 and channel.dead_letters_pending == 1
         if dead_round == "fails":
@@ -575,12 +581,7 @@ def test_a_redrive_is_finished_in_the_dead_letter_channel_after_its_copy_is_dura
     data = power_loss.data_dir
 
     async def redrive() -> tuple[Topic, Topic]:
-        topic, dead = _dead_letter_topics(data, clock)
-        await dead.group.sync_round()
-        published = topic.publish([b"m0"])
-        assert published.sync is not None
-        await published.sync.sync()
-        _move_one(topic)
+        topic, dead = await _published_and_moved(data, clock)
         await dead.group.sync_round()
         await topic.group.sync_round()  # moved: finished on c, durable in the dead-letter topic
         dead_channel = dead.get_channel(DEAD_LETTERS_CHANNEL)

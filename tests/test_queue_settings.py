@@ -13,13 +13,11 @@ import trio
 import trio.testing
 
 from trio_nsq.broker.channel import Channel
-from trio_nsq.broker.message import Message
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.queue_settings import QueueSettings, SettingsError, default_dead_letter_topic, parse_updates, resolve
 from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Topic, TopicFull
-from tests.topic_owner import Owner, kill
+from tests.topic_owner import CLIENT, Owner, deliver, drain, kill
 
-CLIENT = 1
 
 
 def owner(d: Path, clock: trio.testing.MockClock | None = None, **options: Any) -> Owner:
@@ -68,23 +66,6 @@ async def restart(own: Owner, topic: Topic, synced: bool = True) -> Topic:
         kill(each)
     own.topics.clear()
     return Topic(own, "t")  # type: ignore[arg-type]
-
-
-def deliver(channel: Channel, n: int = 500, now: float = 0.0, timeout: float = 60.0) -> list[Message]:
-    """What a consumer's message pump does: take, count the attempt, put in flight."""
-    msgs = channel.take(n)
-    for msg in msgs:
-        msg.attempts += 1
-    channel.start_in_flight_many(msgs, CLIENT, now, timeout)
-    return msgs
-
-
-def drain(channel: Channel) -> list[bytes]:
-    out: list[bytes] = []
-    while msgs := deliver(channel):
-        channel.finish_messages(CLIENT, [m.id for m in msgs])
-        out.extend(m.body for m in msgs)
-    return out
 
 
 # --- parsing and resolving --------------------------------------------------------------------------

@@ -20,35 +20,17 @@ import trio
 import trio.testing
 
 from trio_nsq.broker.channel import Channel
-from trio_nsq.broker.message import Message
 from trio_nsq.broker.storage import cursor_file
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.cursor import Cursor
 from trio_nsq.broker.topic import Topic
 from tests.power_loss import PowerLoss, power_loss  # noqa: F401 (the fixture)
-from tests.topic_owner import Owner, kill
+from tests.topic_owner import CLIENT, Owner, deliver, drain, kill
 
-CLIENT = 1
 
 
 def open_topic(d: Path, clock: trio.testing.MockClock | None = None, **options: Any) -> Topic:
     return Topic(Owner(d, clock, **options), "t")  # type: ignore[arg-type]
-
-
-def deliver(channel: Channel, n: int = 1000, now: float = 0.0, timeout: float = 60.0) -> list[Message]:
-    msgs = channel.take(n)
-    for msg in msgs:
-        msg.attempts += 1
-    channel.start_in_flight_many(msgs, CLIENT, now, timeout)
-    return msgs
-
-
-def drain(channel: Channel) -> list[bytes]:
-    out: list[bytes] = []
-    while msgs := deliver(channel):
-        channel.finish_messages(CLIENT, [m.id for m in msgs])
-        out.extend(m.body for m in msgs)
-    return out
 
 
 def meta_lines(d: Path, name: str = "t") -> list[str]:

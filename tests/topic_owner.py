@@ -1,5 +1,5 @@
 """What Topic needs of NSQD, for in-process tests of a topic and its channels (tests/test_topic_log.py,
-tests/test_delivery_machine.py), and kill -9 done to a topic in process."""
+tests/test_delivery_machine.py), kill -9 done to a topic in process, and a consumer's delivery (deliver, drain)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import trio.testing
 
 from trio_nsq.broker.channel import Channel
+from trio_nsq.broker.message import Message
 from trio_nsq.broker.options import Options
 from trio_nsq.broker.topic import Topic
 
@@ -59,3 +60,24 @@ def kill(topic: Topic) -> None:
         channel.close()
     if topic.log is not None:
         topic.log.close()
+
+
+CLIENT = 1  # the consumer deliver() puts messages in flight for
+
+
+def deliver(channel: Channel, n: int = 1000, now: float = 0.0, timeout: float = 60.0) -> list[Message]:
+    """What a consumer's message pump does: take, count the attempt, put in flight."""
+    msgs = channel.take(n)
+    for msg in msgs:
+        msg.attempts += 1
+    channel.start_in_flight_many(msgs, CLIENT, now, timeout)
+    return msgs
+
+
+def drain(channel: Channel) -> list[bytes]:
+    """Deliver and FIN until the channel has nothing left; the bodies in delivery order."""
+    out: list[bytes] = []
+    while msgs := deliver(channel):
+        channel.finish_messages(CLIENT, [m.id for m in msgs])
+        out.extend(m.body for m in msgs)
+    return out
