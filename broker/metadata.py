@@ -266,7 +266,8 @@ class Metadata:
         """Write now what changed and return once it is on disk. Raises OSError."""
         async with self._lock:
             covers = self.changes
-            lines = self._journal_lines()
+            keys, self._unjournaled = self._unjournaled, {}
+            lines = self._journal_lines(keys)
             compact = self._compact or self._journal_size + len(lines) > max(JOURNAL_MIN, self._dat_size)
             self._compact = False
             try:
@@ -276,7 +277,8 @@ class Metadata:
                     await trio.to_thread.run_sync(self._append, lines)
             except OSError:
                 self.failed = max(self.failed, covers)
-                self._unjournaled_again(lines)
+                # the changes it held are written by the next write (as they are then)
+                self._unjournaled = {**keys, **self._unjournaled}
                 self._compact = self._compact or compact
                 raise
             finally:
@@ -286,12 +288,12 @@ class Metadata:
 
     def write_now(self) -> None:
         """A compaction in the caller's thread (a clean exit): nsqd.dat as Go's, no journal left."""
-        self._compact_files(self._journal_lines(), self.metadata_bytes())
+        keys, self._unjournaled = self._unjournaled, {}
+        self._compact_files(self._journal_lines(keys), self.metadata_bytes())
         self.covered = self.changes
 
-    def _journal_lines(self) -> bytes:
-        """The journal lines of what changed since the last write (taken: a failed write puts them back)."""
-        keys, self._unjournaled = self._unjournaled, {}
+    def _journal_lines(self, keys: dict[tuple[str, str], None]) -> bytes:
+        """The journal lines of the topics and channels in `keys`, as they are now."""
         whole = {topic for topic, channel in keys if not channel}
         topics = self.nsqd.topics
         lines = []
@@ -305,13 +307,6 @@ class Metadata:
                 entry = None if channel is None or channel.ephemeral else channel_entry(channel)
                 lines.append(dumps(["C", topic_name, channel_name, entry]))
         return b"".join(line + b"\n" for line in lines)
-
-    def _unjournaled_again(self, lines: bytes) -> None:
-        """After a failed write, the changes it held are written by the next one (as they are then)."""
-        for line in lines.splitlines():
-            record = json.loads(line)
-            key = (record[1], record[2] if record[0] == "C" else "")
-            self._unjournaled.setdefault(key, None)
 
     def metadata_bytes(self) -> bytes:
         """nsqd.dat's bytes: each topic's entry made again only if it changed since the last call."""
