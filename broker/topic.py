@@ -123,8 +123,9 @@ class Topic:
                                 min_msg_size=MIN_VALID_MSG_LENGTH, max_msg_size=opts.max_msg_size + MIN_VALID_MSG_LENGTH,
                                 retention_time=opts.retention_time, retention_bytes=opts.retention_bytes,
                                 clock=self.clock, names=names)
-        # with retention every message goes to the log (what is replayed must be there): no memory queue
-        self.retains = self.log is not None and bool(opts.retention_time or opts.retention_bytes)
+        # with retention, or once read by position, every message goes to the log (what is replayed or
+        # read by position must be there): no memory queue
+        self.retains = self.log is not None and bool(opts.retention_time or opts.retention_bytes or self.log.positional)
         # Idempotency-Keys accepted on /pub and /mpub; an ephemeral topic's stay in memory, as its messages
         self.idempotency = IdempotencyKeys(
             name, None if self.ephemeral else nsqd.data_path,
@@ -308,6 +309,30 @@ class Topic:
             self._drop_over_depth()
         sync = self.group if written and self.sync_every == 1 else None
         return Published(len(bodies), sync, sync is not None and written == len(bodies))
+
+    def keep_whole_log(self) -> None:
+        """A positional reader came (the HTTP log API): from now on every message is written to the log,
+        as with --mem-queue-size=0, and what waits in the memory queue for a channel goes there now, so
+        that the log holds every message published after this call. Persisted in the log's metadata."""
+        log_ = self.log
+        if log_ is None or log_.positional:
+            return
+        log_.mark_positional()
+        self.retains = True
+        if self.memory:
+            msgs = list(self.memory)
+            self.memory.clear()
+            stored = 0
+            try:
+                log_.append([msg.encode() for msg in msgs])
+                stored = len(msgs)
+            except BackendError as exc:
+                stored = exc.stored
+                log.error("TOPIC(%s): failed to move %d messages from memory to its log, they stay in memory - %s",
+                          self.name, len(msgs) - stored, exc)
+                self.memory.extend(msgs[stored:])
+            self._appended(stored)
+        log.info("TOPIC(%s): read by position: every message goes to its log", self.name)
 
     def _admit(self, n: int) -> None:
         """Raises TopicFull when n more messages would pass a maximum depth whose policy is to refuse:

@@ -33,6 +33,7 @@ MODULES: tuple[str, ...] = (
     "trio_nsq.broker.storage.log_reader",
     "trio_nsq.broker.storage.channel_backend",
     "trio_nsq.broker.storage.deferred_index",
+    "trio_nsq.broker.storage.log_index",
     "trio_nsq.broker.storage.topic_log",
     "trio_nsq.broker.storage.sync_group",
     "trio_nsq.broker.client_v2",

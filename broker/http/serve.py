@@ -10,6 +10,7 @@ from typing import Any
 import trio
 
 from trio_nsq.broker.http.endpoints import Api
+from trio_nsq.broker.http.log_api import LogApi
 from trio_nsq.broker.stats import GC_PAUSES
 from trio_nsq.shared.http import join_host_port, serve_site
 from trio_nsq.shared.http_api import JSON_TYPE, Reply, Router
@@ -21,7 +22,8 @@ log = logging.getLogger("nsqd")
 def routes(api: Api) -> dict[str, dict[str, Route]]:
     """nsqd's routes (method -> httprouter path -> Route), as nsqd/http.go registers them: /ping, /pub
     and /mpub are answered in place when the request came whole; /pub and /mpub are not logged, as
-    nsqd's are not."""
+    nsqd's are not. /log/* are not nsqd's: a topic's log read by position (log_api.py)."""
+    logs = LogApi(api)
     return {
         "GET": {
             "/ping": Route(api.ping, api.ping_now),
@@ -33,6 +35,10 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/topic/config": Route(api.topic_config),
             "/channel/config": Route(api.channel_config),
             "/channel/messages": Route(api.channel_messages),
+            "/log/positions": Route(logs.positions),
+            "/log/position": Route(logs.position),
+            "/log/splits": Route(logs.splits),
+            "/log/read": Route(logs.read, logged=False),
         },
         "POST": {
             "/pub": Route(api.pub, api.pub_now, logged=False),
@@ -51,6 +57,7 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/topic/config": Route(api.topic_config),
             "/channel/config": Route(api.channel_config),
             "/channel/redrive": Route(api.channel_redrive),
+            "/log/commit": Route(logs.commit),
         },
         "PUT": {"/config/:opt": Route(api.config)},
     }

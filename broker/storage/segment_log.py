@@ -163,6 +163,7 @@ class SegmentLog:
         self.meta_found = False  # a metadata file was there
         self.epoch = 0  # ties cursor files to these files: 0 until an extension is found or made
         self.extension: dict[str, str] = {}  # our owner's lines (`key value`)
+        self.epoch_loaded = False  # the epoch was read from the metadata (else made here, not on disk yet)
         self._legacy = False  # the metadata is trio-nsq-log 1's: files found past it start at n << 40
 
         mine = self._my_files(list_dir(data_path) if names is None else names)
@@ -270,6 +271,7 @@ class SegmentLog:
                                 num << LEGACY_SHIFT if legacy else self._after_gap(1))
         self.tail_index = tail
         self.extension = ext
+        self.epoch_loaded = True
         return True
 
     def _span(self) -> int:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.deadlines import PublishDeadlines
 from trio_nsq.broker.storage.files import close_quietly, remove_quietly
+from trio_nsq.broker.storage.log_index import LogIndex
 from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.storage.records import looks_like_message
 from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir, numbered_files
@@ -105,6 +106,13 @@ class TopicLog:
         self.durable_tail = segments.synced_at_open
         self._round_tail = self.durable_tail
         self._suspect = False  # a round failed: the durable tail stays until a restart
+        # read by position (the HTTP log API): every message is written here, none kept in memory only
+        self.positional = segments.extension.get("positional") == "1"
+        # the log id (the epoch) is in a metadata file on disk: until it is, it is not given out (a crash
+        # before would make another)
+        self.epoch_on_disk = segments.epoch_loaded
+        self._meta_in_round = False
+        self._index: LogIndex | None = None
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
         self._load_deadlines(segments.start, deadline_files)
         if segments.recovered:
@@ -314,6 +322,71 @@ class TopicLog:
         """A reader went back to `start` (a seek): deadlines still ahead there count again."""
         self._load_deadlines(start, self._deadline_files())
 
+    # --- positional readers (the HTTP log API) ------------------------------------------------
+
+    @property
+    def log_id(self) -> str:
+        """The log's identity: its epoch, made when the log was created (a topic created again, or a
+        data directory replaced, has another)."""
+        return f"{self.segments.epoch:016x}"
+
+    @property
+    def index(self) -> LogIndex:
+        if self._index is None:
+            self._index = LogIndex(self.segments)
+        return self._index
+
+    def mark_positional(self) -> None:
+        """A positional reader came: the metadata says so from the next round on (the topic writes every
+        message here from now)."""
+        if not self.positional:
+            self.positional = True
+            self._meta_at = -META_INTERVAL
+            self.group.request_round()
+
+    def request_meta(self) -> None:
+        """The metadata is written by the next round (the log id goes to disk)."""
+        self._meta_at = -META_INTERVAL
+        self.group.request_round()
+
+    def first_stamp(self, num: int) -> int | None:
+        return self._first_timestamp(num)
+
+    def deadlines_between(self, first: int, end: int) -> list[tuple[int, float]]:
+        """(position, unix deadline) of the deferred records in [first, end) of one segment, from its
+        deadline file (entries in position order: found by bisection, a few preads)."""
+        num = self.segments.file_of(first)
+        try:
+            fd = os.open(self.deadline_file_name(num), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return []
+        size = _DEADLINE.size
+        try:
+            count = os.fstat(fd).st_size // size
+
+            def position(i: int) -> int:
+                return int(_DEADLINE.unpack(os.pread(fd, size, i * size))[0])
+
+            lo, hi = 0, count
+            while lo < hi:  # the first entry at or past `first`
+                mid = (lo + hi) // 2
+                if position(mid) < first:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out: list[tuple[int, float]] = []
+            at = lo
+            while at < count:
+                data = os.pread(fd, size * min(4096, count - at), at * size)
+                for pos, deadline, _ in _DEADLINE.iter_unpack(data[:len(data) - len(data) % size]):
+                    if pos >= end:
+                        return out
+                    out.append((pos, deadline))
+                at += 4096
+            return out
+        finally:
+            close_quietly(fd)
+
     # --- what /stats says ---------------------------------------------------------------------
 
     def first_position(self) -> int:
@@ -386,6 +459,9 @@ class TopicLog:
             if mark < go_pos:
                 go_pos, go_index = mark, reader.cursor.mark_index()
         extra = [f"dispatched {dispatched}"]
+        if self.positional:
+            extra.append("positional 1")
+        self._meta_in_round = True
         plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(go_pos, go_index, extra)))
 
     def _retained(self, needed_file: int) -> int:
@@ -412,6 +488,8 @@ class TopicLog:
     def finished(self, plan: RoundPlan, ok: bool) -> None:
         if ok:
             self._removing = []
+            if self._meta_in_round:
+                self.epoch_on_disk = True
             if not self._suspect:
                 self.durable_tail = self._round_tail
         else:
@@ -424,6 +502,7 @@ class TopicLog:
             self._meta_dispatched = ""
             self.segments.files_changed_again()
         self._taken = []
+        self._meta_in_round = False
 
     # --- end ----------------------------------------------------------------------------------
 
