@@ -324,6 +324,7 @@ def openapi_spec() -> dict:
          _param("limit", "at most this many messages", schema={"type": "integer", "minimum": 0, "maximum": 1000,
                                                                "default": 100})])}
     _settings_paths(paths, op, bad_query)
+    _log_paths(paths, op, bad_query)
     return {
         "openapi": "3.0.3",
         "info": {"title": "trio-nsq nsqd HTTP API", "version": VERSION, "description":
@@ -334,3 +335,69 @@ def openapi_spec() -> dict:
         "paths": paths,
         "components": {"schemas": _schemas()},
     }
+
+
+def _log_paths(paths: dict, op: Any, bad_query: str) -> None:
+    """Not in nsqd: a topic's log read by position (broker/http/log_api.py; README "Reading a topic by
+    position")."""
+    topic = _param("topic", "the topic", required=True)
+    log_id = _param("log_id", "the log id the caller expects (409 LOG_ID_MISMATCH when the log is another)")
+    integer = {"type": "integer", "minimum": 0}
+
+    def pos(name: str, description: str, required: bool = True) -> dict:
+        return _param(name, description, required=required, schema=integer)
+
+    def answer(description: str, *fields: str) -> dict:
+        props = {"log_id": {"type": "string"}, **{f: _INTEGER for f in fields}}
+        return {"description": description, "content": {"application/json": {"schema": {
+            "type": "object", "properties": props}}}}
+
+    common = ("MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", "TOPIC_HAS_NO_LOG", bad_query)
+    position_errors = ("POSITION_PAST_END", "POSITION_NOT_A_RECORD")
+    not_found = _err("TOPIC_NOT_FOUND", "POSITION_GONE")
+    paths["/log/positions"] = {"get": op(
+        "Not in nsqd: the log's first position, its durable end (nothing past it is served) and its id",
+        {"200": answer("first/first_index: the first record kept; end/end_index: the durable tail",
+                       "first", "first_index", "end", "end_index", "first_timestamp"),
+         "400": _err(*common), "404": _err("TOPIC_NOT_FOUND")}, [topic])}
+    paths["/log/position"] = {"get": op(
+        "Not in nsqd: a position: the first record at or after `timestamp`, or the boundary after at most "
+        "`records` records and `bytes` bytes from `from`",
+        {"200": answer("a record boundary and its index", "position", "index"),
+         "400": _err(*common, "INVALID_ARG_TIMESTAMP", "MISSING_ARG_FROM", "INVALID_ARG_FROM",
+                     "INVALID_ARG_RECORDS", "INVALID_ARG_BYTES", *position_errors),
+         "404": not_found, "409": _err("LOG_ID_MISMATCH")},
+        [topic, _param("timestamp", "unix milliseconds", schema=integer), pos("from", "a position", False),
+         pos("records", "at most this many records", False), pos("bytes", "at most this many bytes", False), log_id])}
+    paths["/log/splits"] = {"get": op(
+        "Not in nsqd: record boundaries cutting [start, end) into `parts` parts of similar size",
+        {"200": {"description": "positions: sorted boundaries strictly inside the range",
+                 "content": {"application/json": {"schema": {"type": "object", "properties": {
+                     "log_id": {"type": "string"}, "positions": {"type": "array", "items": _INTEGER}}}}}},
+         "400": _err(*common, "MISSING_ARG_START", "MISSING_ARG_END", "MISSING_ARG_PARTS", "INVALID_ARG_PARTS",
+                     *position_errors),
+         "404": not_found, "409": _err("LOG_ID_MISMATCH")},
+        [topic, pos("start", "a record boundary"), pos("end", "a record boundary"),
+         _param("parts", "how many parts (1-10000)", required=True, schema=integer), log_id])}
+    paths["/log/read"] = {"get": op(
+        "Not in nsqd: raw records from a position, within one segment, up to `end` and `max_bytes`",
+        {"200": {"description": "the records as in go-diskqueue's files ([size int32 BE][timestamp ns int64 BE]"
+                                "[attempts uint16 BE][id 16][body]), then each record's start offset (n+1 "
+                                "little-endian int32), then (position, deadline ms) of deferred records as "
+                                "little-endian int64 pairs. Headers X-NSQ-Log-Id, X-NSQ-Position, "
+                                "X-NSQ-Next-Position, X-NSQ-First-Index, X-NSQ-Records, X-NSQ-Records-Bytes, "
+                                "X-NSQ-Deadlines, X-NSQ-End",
+                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+         "400": _err(*common, "MISSING_ARG_POSITION", "INVALID_ARG_POSITION", "INVALID_ARG_END",
+                     "INVALID_ARG_MAX_BYTES", *position_errors),
+         "404": not_found, "409": _err("LOG_ID_MISMATCH"), "500": _err("INTERNAL_ERROR")},
+        [topic, pos("position", "a record boundary"), pos("end", "stop before this position", False),
+         pos("max_bytes", "bytes of records at most (default 4 MiB, at most 64 MiB)", False), log_id])}
+    paths["/log/commit"] = {"post": op(
+        "Not in nsqd: a positional reader's durable cursor: the channel (made if need be) finishes every "
+        "record before `position` and none after it, on disk before the answer; it pins retention",
+        {"200": answer("where the cursor is, and the channel's depth (the reader's lag)", "position", "depth"),
+         "400": _err(*common, "MISSING_ARG_CHANNEL", "INVALID_ARG_CHANNEL", "MISSING_ARG_POSITION",
+                     "INVALID_ARG_POSITION", *position_errors),
+         "404": not_found, "409": _err("LOG_ID_MISMATCH"), "500": _err("INTERNAL_ERROR")},
+        [topic, _CHANNEL, pos("position", "a record boundary"), log_id])}
