@@ -47,6 +47,8 @@ class Reply:
     # the V1 decorator marks every answer; PlainText (/ping) and the router's own answers do not
     nsq_header: bool = True
     headers: tuple[tuple[str, str], ...] = ()
+    # bytes sent after the body, as part of it (a large answer goes out in pieces, never joined)
+    more: bytes = b""
 
     def header_list(self) -> list[tuple[str, str]]:
         out = list(self.headers)

@@ -22,11 +22,12 @@ from trio_nsq.shared.http_server import LINGER_SECONDS, Request, Site
 
 def to_response(reply: Reply) -> Response:
     """A Quart response carrying exactly the reply's headers (Quart adds none of its own)."""
-    response = Response(reply.body, status=reply.status)
+    body = reply.body + reply.more if reply.more else reply.body
+    response = Response(body, status=reply.status)
     response.headers.clear()
     for key, value in reply.header_list():
         response.headers[key] = value
-    response.headers["Content-Length"] = str(len(reply.body))
+    response.headers["Content-Length"] = str(len(body))
     return response
 
 

@@ -53,6 +53,7 @@ IDLE_TIMEOUT = 75.0  # hypercorn's keep_alive_timeout as the daemons configured 
 READ_SIZE = 65536
 QUICK_READS = 16  # reads in a row without yielding to the scheduler
 PARK_BODY = 1024 * 1024  # a body up to this size is awaited in the poller, a larger one in a task
+LARGE_REPLY = 256 * 1024  # an answer at least this large is written in pieces, its body never copied
 PARK, TASK, CLOSE = 0, 1, 2  # what Connection.step asks of the poller
 MAX_EVENTS = 256  # connections served per wake-up of the poller
 
@@ -293,8 +294,18 @@ def _head(reply: Reply) -> bytes:
 def reply_bytes(reply: Reply, close: bool, head: bool = False) -> bytes:
     """The whole answer as h11 wrote it for hypercorn (to HEAD without the body)."""
     body = reply.body
-    return b"".join((_head(reply), b"content-length: %d\r\n" % len(body), _date.now(),
-                     b"Connection: close\r\n\r\n" if close else b"\r\n", b"" if head else body))
+    more = reply.more
+    return b"".join((_head(reply), b"content-length: %d\r\n" % (len(body) + len(more)), _date.now(),
+                     b"Connection: close\r\n\r\n" if close else b"\r\n", b"" if head else body,
+                     b"" if head else more))
+
+
+def reply_pieces(reply: Reply, close: bool) -> list[bytes]:
+    """reply_bytes's bytes, for a large answer, as pieces written as they are (no copy of the body)."""
+    body = reply.body
+    more = reply.more
+    return [b"".join((_head(reply), b"content-length: %d\r\n" % (len(body) + len(more)), _date.now(),
+                      b"Connection: close\r\n\r\n" if close else b"\r\n")), body, more]
 
 
 def error_bytes(status: int) -> bytes:
@@ -552,7 +563,11 @@ class Connection:
                 # client still uploading gets the answer and the connection can carry on
                 close = not await self._linger(m, req.content_length) or close
             self.ready.popleft()
-            self.out.append(reply_bytes(reply, close, m.method == "HEAD"))
+            if len(reply.body) + len(reply.more) >= LARGE_REPLY and m.method != "HEAD":
+                await self._flush()  # the answers before it first
+                await self._send_pieces(reply_pieces(reply, close))
+            else:
+                self.out.append(reply_bytes(reply, close, m.method == "HEAD"))
             if close:
                 return False
 
@@ -774,6 +789,24 @@ class Connection:
                 view = self._write_some(view)
             return
         raise trio.BrokenResourceError("the client read nothing for the idle timeout")
+
+    async def _send_pieces(self, pieces: list[bytes]) -> None:
+        """A large answer: one writev for what the socket takes now, the rest as the socket drains."""
+        pieces = [piece for piece in pieces if piece]
+        if self.fd >= 0:
+            try:
+                sent = os.writev(self.fd, pieces)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise trio.BrokenResourceError(exc) from exc
+            while pieces and sent >= len(pieces[0]):
+                sent -= len(pieces[0])
+                pieces.pop(0)
+            if pieces and sent:
+                await self._send_slowly(memoryview(pieces.pop(0))[sent:])
+        for piece in pieces:
+            await self._send_slowly(piece)
 
     def _write_some(self, view: memoryview) -> memoryview:
         """What is left of `view` after one write. The count is taken first and the slice after: compiled,

@@ -188,7 +188,7 @@ class LogApi:
             ("X-NSQ-Deadlines", str(len(deadlines))),
             ("X-NSQ-End", str(end.position)),
         )
-        return Reply(200, b"".join((block.data, trailer)), BINARY_TYPE, headers=headers)
+        return Reply(200, block.data, BINARY_TYPE, headers=headers, more=trailer)
 
     async def commit(self, req: Request, params: Mapping[str, str]) -> Reply:
         """The durable cursor of a positional reader: the channel (made if need be) finishes everything
