@@ -148,6 +148,10 @@ def test_the_durable_cursor_pins_retention_shows_its_lag_and_survives_kill_9(bro
     assert error(broker, f"/log/commit?topic=p&channel=query&position={records[120][0] + 3}", "POST") == (
         400, "POSITION_NOT_A_RECORD")
     assert error(broker, "/log/commit?topic=p&channel=bad!&position=0", "POST") == (400, "INVALID_ARG_CHANNEL")
+    # a commit naming a log of a topic that is gone does not make the topic again
+    assert error(broker, "/log/commit?topic=gone&channel=q&position=0&log_id=0123456789abcdef", "POST") == (
+        409, "LOG_ID_MISMATCH")
+    assert error(broker, "/log/positions?topic=gone") == (404, "TOPIC_NOT_FOUND")
     # the topic deleted and made again: another log id, old positions are no longer read as the same
     assert call(broker, "/topic/delete?topic=p", "POST")[0] == 200
     publish(broker, "p", [b"new"])

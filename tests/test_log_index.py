@@ -88,6 +88,10 @@ async def test_a_read_stops_at_a_record_boundary_within_its_limits(tmp_path):
     # an `end` inside a record: the record is not returned
     block = log_.index.read(first, end, 300, 1 << 20)
     assert len(block) == 2
+    # a limit below one record (even below its size prefix) still gives one record
+    for tiny in (1, 3, 4, 100):
+        block = log_.index.read(first, end, end.position, tiny)
+        assert len(block) == 1 and len(block.data) == 130
     # one record larger than the byte limit comes alone
     big = Place(1300, 10)
     block = log_.index.read(big, end, end.position, 100)

@@ -74,6 +74,9 @@ class LogApi:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
         if not is_valid_topic_name(names[0]):
             raise HTTPError(400, "INVALID_ARG_TOPIC")
+        wanted = params.get("log_id")
+        if create and wanted and self.nsqd.get_existing_topic(names[0]) is None:
+            raise HTTPError(409, "LOG_ID_MISMATCH")  # the log named is gone: not made again by a commit
         topic = self.nsqd.get_topic(names[0]) if create else self.api._existing_topic(names[0])
         log_ = topic.log
         if log_ is None:
@@ -89,7 +92,6 @@ class LogApi:
             except BackendError as exc:
                 log.error("TOPIC(%s): failed to persist its log's metadata - %s", topic.name, exc)
                 raise HTTPError(500, "INTERNAL_ERROR") from None
-        wanted = params.get("log_id")
         if wanted and wanted[0] != log_.log_id:
             raise HTTPError(409, "LOG_ID_MISMATCH")
         return params, topic, log_

@@ -381,7 +381,7 @@ class LogIndex:
             if start.position >= seg_end:
                 nxt = self._next_segment(num, end)
                 return Block(b"", array("i", [0]), start.position, start.index, nxt if nxt.position <= stop else start)
-            size = min(seg_end - start.position, max_bytes)
+            size = min(seg_end - start.position, max(max_bytes, 4))  # (a size prefix at least)
             buf = os.pread(fd, size, start.position - base)
             if len(buf) >= 4:
                 first = 4 + int32_at(buf, 0)
