@@ -163,30 +163,66 @@ class NSQStreamWriter(DataSourceStreamArrowWriter):
 
 class NSQDataSource(DataSource):
     """`df.write.format("nsq").option("topic", "t").option("nsqd_http_address", "127.0.0.1:4151")
-    .mode("append").save()`; see trio_nsq/spark/README.md for the options."""
+    .mode("append").save()`; see trio_nsq/spark/README.md for the options.
+
+    Reading has two sources (the `mode` option): the positional reader (positional.py: trio-nsqd's log
+    read by position, as Spark reads Kafka) and the channel source (source.py, batch.py: a channel
+    consumed, FIN after commit). `schema()` runs when the DataFrame is loaded and chooses (with
+    mode=auto, by the options and by asking the brokers); each source has its own schema, and
+    `streamReader()` / `reader()`, which Spark calls in other processes, follow the schema chosen then,
+    so a query never mixes the two."""
 
     @classmethod
     def name(cls) -> str:
         return "nsq"
 
     def schema(self) -> StructType:
+        from trio_nsq.spark.options import choose_source
         from trio_nsq.spark.source import SCHEMA
 
+        options = dict(self.options)
+        mode, why = choose_source(options)
+        topic = options.get("topic") or options.get("path")
+        if mode == "log":
+            from trio_nsq.spark.positional import LOG_SCHEMA  # (pyspark 4.2's streaming API: only for this)
+
+            _commit_log().info("nsq: topic %r is read by position, from the brokers' logs (%s)", topic, why)
+            return LOG_SCHEMA
+        _commit_log().info("nsq: topic %r is read by consuming channel %r (the channel source: %s)", topic,
+                           options.get("channel"), why)
         return SCHEMA
 
+    def _reads_by_position(self, schema: StructType) -> bool:
+        """The mode the options set, or (mode=auto) the one schema() chose: the log schema has `position`."""
+        from trio_nsq.spark.options import explicit_mode
+
+        mode = explicit_mode(dict(self.options))
+        return mode == "log" or (mode == "auto" and "position" in schema.fieldNames())
+
     def streamReader(self, schema: StructType):
-        """`spark.readStream.format("nsq")`: see trio_nsq/spark/source.py."""
-        from trio_nsq.spark.options import read_settings
+        """`spark.readStream.format("nsq")`: see trio_nsq/spark/positional.py and source.py."""
+        if self._reads_by_position(schema):
+            from trio_nsq.spark.options import log_settings
+            from trio_nsq.spark.positional import NSQLogStreamReader
+
+            return NSQLogStreamReader(log_settings(dict(self.options), batch=False))
+        from trio_nsq.spark.options import channel_options, read_settings
         from trio_nsq.spark.source import NSQStreamReader
 
-        return NSQStreamReader(read_settings(dict(self.options)))
+        return NSQStreamReader(read_settings(channel_options(dict(self.options))))
 
     def reader(self, schema: StructType):
-        """`spark.read.format("nsq")`: see trio_nsq/spark/batch.py."""
-        from trio_nsq.spark.batch import NSQBatchReader
-        from trio_nsq.spark.options import read_settings
+        """`spark.read.format("nsq")`: see trio_nsq/spark/positional.py and batch.py."""
+        if self._reads_by_position(schema):
+            from trio_nsq.spark.options import log_settings
+            from trio_nsq.spark.positional import NSQLogBatchReader
 
-        settings, (partitions_per_broker, idle_timeout) = read_settings(dict(self.options), batch=True)
+            return NSQLogBatchReader(log_settings(dict(self.options), batch=True))
+        from trio_nsq.spark.batch import NSQBatchReader
+        from trio_nsq.spark.options import channel_options, read_settings
+
+        settings, (partitions_per_broker, idle_timeout) = read_settings(channel_options(dict(self.options)),
+                                                                        batch=True)
         return NSQBatchReader(settings, settings.max_messages_per_batch, settings.max_bytes_per_batch,
                               partitions_per_broker, idle_timeout)
 

@@ -1,0 +1,661 @@
+"""The positional reader: `spark.readStream.format("nsq")` and `spark.read.format("nsq")` reading a topic's
+log by position on trio-nsqd (its /log API, log_client.py), the way Spark reads Kafka.
+
+Offsets are positions: `{"<topic>": {"<broker http address>": {"log_id": "<hex>", "position": <int>}}}`,
+one position per broker, keys sorted (Spark compares offsets as JSON strings). A position is a byte offset
+in the broker's log of the topic, and `log_id` names that log (a topic deleted and made again, or a data
+directory replaced, has another). Nothing but offsets passes through the driver: each task reads its
+range, [start, end) of one broker, from the broker itself, so a range read again gives the same rows.
+
+Who calls what (Spark):
+- `NSQLogStreamReader`: `initialOffset`, `latestOffset`, `partitions`, `commit`,
+  `prepareForTriggerAvailableNow`, `stop` on the driver, in the one Python process Spark keeps for the
+  query's source; `read` in executor tasks. The reader keeps one durable cursor per broker (`channel`):
+  a channel the broker moves with `POST /log/commit`, which pins the log's retention from there and
+  shows the query's lag as its depth. It moves when Spark commits a micro-batch, and to the checkpoint's
+  start when a query restarts.
+- `NSQLogBatchReader`: `partitions` on the driver when the read is planned, `read` in tasks.
+
+Both are made in datasource.py (`mode`). Their options (Kafka's names where Kafka has the concept) are
+checked at planning time by options.log_settings.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
+
+from trio_nsq.spark.log_client import (
+    LogAPIError,
+    LogClient,
+    LogUnavailableError,
+    Positions,
+    ReadResult,
+    lookup_http_addresses,
+)
+from trio_nsq.spark.options import EARLIEST, LATEST, LogSettings
+
+LOG_SCHEMA = StructType([
+    StructField("value", BinaryType(), False),
+    StructField("topic", StringType(), False),
+    StructField("position", LongType(), False),
+    StructField("id", StringType(), False),
+    StructField("timestamp", TimestampType(), False),
+    StructField("nsqd_address", StringType(), False),
+    StructField("deadline", TimestampType(), True),
+])
+
+# a record in the log: [size int32 BE][timestamp ns int64 BE][attempts uint16 BE][id: 16 ASCII hex][body]
+TIMESTAMP_AT, ID_AT, BODY_AT = 4, 14, 30
+
+# --- offsets ---------------------------------------------------------------------------------------
+
+Cursor = tuple[str, int]  # (log_id, position)
+
+
+def offsets_dict(topic: str, cursors: dict[str, Cursor]) -> dict:
+    """The offset Spark keeps: {topic: {broker: {"log_id", "position"}}}, every key in sorted order
+    (json.dumps keeps the order, and Spark compares offsets as strings)."""
+    return {topic: {broker: {"log_id": cursors[broker][0], "position": cursors[broker][1]}
+                    for broker in sorted(cursors)}}
+
+
+def offsets_json(offsets: dict) -> str:
+    return json.dumps(offsets)  # as PySpark's source runner writes them
+
+
+def parse_offsets(topic: str, offsets: dict) -> dict[str, Cursor]:
+    """An offset Spark hands back -> broker -> (log_id, position)."""
+    brokers = offsets.get(topic)
+    if not isinstance(brokers, dict):
+        raise ValueError(f"nsq: the offset {offsets_json(offsets)} is not of topic {topic!r}: this checkpoint "
+                         "belongs to another query (or topic); start it with a new checkpoint location")
+    return {broker: (str(c["log_id"]), int(c["position"])) for broker, c in brokers.items()}
+
+
+def share(limit: int, backlogs: dict[str, int]) -> dict[str, int]:
+    """`limit` shared over the brokers in proportion to their backlogs (as Kafka shares maxOffsetsPerTrigger
+    over partitions), by largest remainder: the shares sum to min(limit, total backlog) exactly, none above
+    its backlog; ties go to the first broker in sorted order, so the same backlogs give the same shares."""
+    total = sum(b for b in backlogs.values() if b > 0)
+    if total <= limit:
+        return {broker: max(0, b) for broker, b in backlogs.items()}
+    shares: dict[str, int] = {}
+    remainders = []
+    for broker in sorted(backlogs):
+        backlog = max(0, backlogs[broker])
+        whole, rest = divmod(limit * backlog, total)
+        shares[broker] = whole
+        remainders.append((-rest, broker))
+    left = limit - sum(shares.values())
+    for _, broker in sorted(remainders)[:left]:
+        shares[broker] += 1
+    return shares
+
+
+# --- partitions and rows ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogRange(InputPartition):
+    """One task's part: records [start, end) of `topic`'s log `log_id` on broker `address`."""
+
+    address: str
+    topic: str
+    log_id: str
+    start: int
+    end: int
+
+
+def arrow_schema():
+    import pyarrow as pa
+
+    stamp = pa.timestamp("us", tz="UTC")
+    return pa.schema([
+        pa.field("value", pa.binary(), False), pa.field("topic", pa.string(), False),
+        pa.field("position", pa.int64(), False), pa.field("id", pa.string(), False),
+        pa.field("timestamp", stamp, False), pa.field("nsqd_address", pa.string(), False),
+        pa.field("deadline", stamp, True)])
+
+
+def record_batch(topic: str, address: str, result: ReadResult):
+    """The records of one /log/read as one Arrow record batch of LOG_SCHEMA, cut column-wise out of the body
+    (its offsets trailer gives each record's start: they are the binary column's offsets): no Python work
+    per record."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n, size, body = result.records, result.records_bytes, result.body
+    # (the trailers are copied: their place in the body is not aligned for int32 / int64)
+    offsets = pa.py_buffer(body[size:size + 4 * (n + 1)])
+    records = pa.Array.from_buffers(pa.binary(), n, [None, offsets, pa.py_buffer(body)])
+
+    def big_endian(start: int, code: str, arrow_type):
+        """The fixed-width big-endian integer at `start` of every record, as an Arrow array."""
+        values = array.array(code)
+        width = values.itemsize
+        column = pc.binary_slice(records, start, start + width).cast(pa.binary(width))
+        values.frombytes(memoryview(column.buffers()[1])[:width * n])
+        if sys.byteorder == "little":
+            values.byteswap()
+        return pa.Array.from_buffers(arrow_type, n, [None, pa.py_buffer(values)])
+
+    def same(value: str):
+        return pa.repeat(pa.scalar(value, pa.string()), n)
+
+    stamp = pa.timestamp("us", tz="UTC")
+    positions = pc.add(pa.Array.from_buffers(pa.int32(), n, [None, offsets]).cast(pa.int64()),
+                       pa.scalar(result.position, pa.int64()))
+    if result.deadlines:
+        k = result.deadlines
+        start = size + 4 * (n + 1)
+        pairs = pa.Array.from_buffers(pa.int64(), 2 * k, [None, pa.py_buffer(body[start:start + 16 * k])])
+        if sys.byteorder != "little":
+            raise RuntimeError("nsq: reading deferred records' deadlines needs a little-endian machine")
+        pairs = pa.FixedSizeListArray.from_arrays(pairs, 2)
+        row_of = pc.index_in(positions, value_set=pc.list_element(pairs, 0))  # null: not deferred
+        deadline = pc.take(pc.list_element(pairs, 1), row_of)
+        deadline = pc.multiply(deadline, pa.scalar(1000, pa.int64())).cast(stamp)
+    else:
+        deadline = pa.nulls(n, stamp)
+    return pa.record_batch([
+        pc.binary_slice(records, BODY_AT, 2**31 - 1),  # (to each record's end)
+        same(topic),
+        positions,
+        pc.binary_slice(records, ID_AT, BODY_AT).cast(pa.string()),  # ids are ASCII
+        pc.divide(big_endian(TIMESTAMP_AT, "q", pa.int64()), 1000).cast(stamp),
+        same(address),
+        deadline,
+    ], schema=arrow_schema())
+
+
+def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
+    """A task's work: the records of `part` as Arrow record batches, one per /log/read, asking for its
+    log id (a read never mixes two logs). A range whose records are gone fails the task (failOnDataLoss),
+    or goes on from the earliest record kept, with a warning."""
+    if not isinstance(part, LogRange):
+        return  # Spark's placeholder for a read with no range
+    position = part.start
+    stalled = 0
+    with LogClient(part.address) as client:
+        while position < part.end:
+            try:
+                result = client.read(part.topic, position, part.end, settings.read_max_bytes, part.log_id)
+            except LogAPIError as exc:
+                if exc.code not in ("POSITION_GONE", "LOG_ID_MISMATCH", "TOPIC_NOT_FOUND"):
+                    raise RuntimeError(f"nsq: reading {part.topic!r} on {part.address} at position {position}: "
+                                       f"{exc.status} {exc.code}") from exc
+                found = _lost_text(exc.code)
+                data_loss(settings, part.address, f"records from position {position} (log {part.log_id}) to be "
+                          f"there for this task's range [{part.start}, {part.end})", found)
+                if exc.code != "POSITION_GONE":
+                    return
+                first = client.positions(part.topic)
+                if first.log_id != part.log_id:
+                    return
+                position = first.first
+                continue
+            if result.records:
+                yield record_batch(part.topic, part.address, result)
+                stalled = 0
+            elif result.next_position <= position:
+                # nothing before `end`, which was below the durable tail when the range was planned
+                stalled += 1
+                if stalled > 3:
+                    raise RuntimeError(
+                        f"nsq: {part.address} serves nothing at position {position} of {part.topic!r} (log "
+                        f"{part.log_id}) although the range was planned up to {part.end} (its durable tail now: "
+                        f"{result.end}); the broker lost records it had synced")
+            position = max(position, result.next_position)
+
+
+def _lost_text(code: str) -> str:
+    return {"POSITION_GONE": "they are gone (retention removed them)",
+            "LOG_ID_MISMATCH": "the topic's log was replaced (deleted and made again, or another data directory)",
+            "TOPIC_NOT_FOUND": "the topic is gone (deleted)"}.get(code, code)
+
+
+class DataLossError(RuntimeError):
+    """Records the query was to read are gone, and failOnDataLoss is true."""
+
+
+def data_loss(settings: LogSettings, broker: str, expected: str, found: str) -> None:
+    """Records to read are gone: raise (failOnDataLoss=true) or log a warning; the caller goes on from the
+    earliest record kept."""
+    text = (f"nsq: topic {settings.topic!r} on broker {broker}: expected {expected}, but {found}. Records may "
+            "have been lost: they were not read before the broker removed them")
+    if settings.fail_on_data_loss:
+        raise DataLossError(text + ". To go on from the earliest record kept, set .option('failOnDataLoss', "
+                                   "'false') (and restart the query from its checkpoint)")
+    _log().warning("%s; failOnDataLoss=false: going on from the earliest record kept", text)
+
+
+def _log() -> logging.Logger:
+    """The logger, to stderr (the driver's console) when nobody configured logging, as in the Python
+    processes Spark starts."""
+    from trio_nsq.spark.datasource import _commit_log
+
+    return _commit_log()
+
+
+# --- the driver side, shared -----------------------------------------------------------------------
+
+
+class Planner:
+    """The driver's view of the brokers: one LogClient each (few retries: a broker that does not answer
+    keeps its offset and the micro-batch goes on without it), discovery, and the ranges and cuts of a
+    read. Used by both readers."""
+
+    def __init__(self, settings: LogSettings) -> None:
+        self.settings = settings
+        self.clients: dict[str, LogClient] = {}
+        self.unreachable: set[str] = set()  # brokers logged as not answering (logged once until they answer)
+        self.logs: dict[str, str | None] = {}  # broker -> the topic's log id last seen there (None: no topic)
+
+    def client(self, broker: str) -> LogClient:
+        if broker not in self.clients:
+            self.clients[broker] = LogClient(broker, timeout=10.0, max_retries=2, retry_backoff=0.1)
+        return self.clients[broker]
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+
+    def brokers(self) -> list[str]:
+        """The configured brokers, those of JSON offsets options, and lookupd's for the topic."""
+        s = self.settings
+        found = list(s.addresses) + list(s.starting_positions) + list(s.ending_positions)
+        if s.lookupds:
+            producers, failed = lookup_http_addresses(s.lookupds, s.topic)
+            found += producers
+            for failure in failed:
+                self.not_answering(f"lookupd {failure}")
+        return list(dict.fromkeys(found))
+
+    def not_answering(self, broker: str, error: object = "") -> None:
+        if broker not in self.unreachable:
+            self.unreachable.add(broker)
+            _log().warning("nsq: %s does not answer (%s); its offset stays as it is until it does (not a loss "
+                           "of data)", broker, error)
+
+    def answering(self, broker: str) -> None:
+        if broker in self.unreachable:
+            self.unreachable.discard(broker)
+            _log().info("nsq: %s answers again", broker)
+
+    def positions(self, broker: str) -> Positions | None:
+        """The broker's /log/positions; None when the topic does not exist there (404 TOPIC_NOT_FOUND).
+        LogUnavailableError when it does not answer; a broker without the /log API is an error."""
+        try:
+            found = self.client(broker).positions(self.settings.topic)
+        except LogAPIError as exc:
+            if exc.code == "TOPIC_NOT_FOUND":
+                self.answering(broker)
+                self.logs[broker] = None
+                return None
+            raise self.api_error(exc) from exc
+        except LogUnavailableError as exc:
+            self.not_answering(broker, exc)
+            raise
+        self.answering(broker)
+        self.logs[broker] = found.log_id
+        return found
+
+    def api_error(self, exc: LogAPIError) -> Exception:
+        """An answer the reader cannot go on from, as a sentence a Spark user can act on."""
+        if exc.code == "TOPIC_HAS_NO_LOG":
+            return RuntimeError(f"nsq: topic {self.settings.topic!r} keeps no log on {exc.address} (an ephemeral "
+                                "topic): read it with mode=channel")
+        if exc.status == 404 and exc.code in ("NOT_FOUND", "404 page not found", ""):
+            return RuntimeError(f"nsq: {exc.address} has no /log API ({exc.request} answered {exc.status} "
+                                f"{exc.code}): it is Go nsqd, or a trio-nsqd without it; read it with mode=channel")
+        return RuntimeError(f"nsq: {exc}")
+
+    def start_position(self, broker: str, now: Positions) -> int:
+        """Where the options say a read starts on `broker`, whose log is `now` (data loss handled)."""
+        s = self.settings
+        client = self.client(broker)
+        if s.starting_timestamp is not None:
+            return client.position_at(s.topic, s.starting_timestamp).position
+        if s.starting == "latest":
+            return now.end
+        if s.starting != "json" or broker not in s.starting_positions:
+            return now.first  # earliest; or a broker the JSON does not name (as one appearing later)
+        log_id, position = s.starting_positions[broker]
+        if position == EARLIEST:
+            return now.first
+        if position == LATEST:
+            return now.end
+        if log_id is not None and log_id != now.log_id:
+            data_loss(s, broker, f"log {log_id} (startingOffsets)", f"the topic's log is now {now.log_id}: "
+                      + _lost_text("LOG_ID_MISMATCH"))
+            return now.first
+        if position < now.first:
+            data_loss(s, broker, f"position {position} (startingOffsets) to be kept", f"the first record kept is "
+                      f"at {now.first}")
+            return now.first
+        return self.checked(broker, "startingOffsets", position, now)
+
+    def checked(self, broker: str, option: str, position: int, now: Positions) -> int:
+        """`position`, from an option, if it is a record boundary within the log; else ValueError."""
+        if position > now.end:
+            raise ValueError(f"nsq: {option}: position {position} on {broker} is past the end of topic "
+                             f"{self.settings.topic!r}'s log there ({now.end})")
+        try:
+            self.client(broker).position_after(self.settings.topic, position)
+        except LogAPIError as exc:
+            if exc.code == "POSITION_NOT_A_RECORD":
+                raise ValueError(f"nsq: {option}: position {position} on {broker} is not where a record starts: "
+                                 "take positions from a query's offsets or a `position` column") from None
+            raise self.api_error(exc) from exc
+        return position
+
+    def cut(self, ranges: list[LogRange]) -> list[LogRange]:
+        """The ranges as the read's partitions: as they are, or, when minPartitions asks for more, the
+        largest cut first at the record boundaries the broker proposes (/log/splits). The same ranges give
+        the same cuts."""
+        wanted = self.settings.min_partitions or 0
+        if len(ranges) >= wanted or not ranges:
+            return ranges
+        parts = [1] * len(ranges)
+        for _ in range(wanted - len(ranges)):
+            # the range with the most bytes per part gets one more part (ties: the first)
+            i = max(range(len(ranges)), key=lambda j: ((ranges[j].end - ranges[j].start) / parts[j], -j))
+            parts[i] += 1
+        out: list[LogRange] = []
+        for r, n in zip(ranges, parts):
+            cuts: list[int] = []
+            if n > 1:
+                try:
+                    log_id, cuts = self.client(r.address).splits(r.topic, r.start, r.end, n)
+                    if log_id != r.log_id:
+                        cuts = []
+                except (LogAPIError, LogUnavailableError) as exc:
+                    _log().warning("nsq: cannot cut %s's range [%d, %d) in %d parts (%s): one task reads it",
+                                   r.address, r.start, r.end, n, exc)
+            bounds = [r.start] + [c for c in cuts if r.start < c < r.end] + [r.end]
+            out += [LogRange(r.address, r.topic, r.log_id, a, b) for a, b in zip(bounds, bounds[1:])]
+        return out
+
+
+# --- the stream reader -----------------------------------------------------------------------------
+
+
+class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """spark.readStream by position. Spark calls `initialOffset`, `latestOffset`, `partitions`, `commit`
+    and `prepareForTriggerAvailableNow` on the driver, in the one Python process it keeps for the source
+    (the state below lives there); `read` in executor tasks, on a pickled copy made when the query was
+    planned (so __init__ asks no broker)."""
+
+    def __init__(self, settings: LogSettings) -> None:
+        assert settings.channel is not None
+        self.settings = settings
+        self._planner: Planner | None = None
+        self._initial: str | None = None  # initialOffset's answer (as JSON): the start of a new query
+        self._reconciled = False  # the cursors were moved to a start Spark gave (a restart), or committed
+        self._target: dict[str, Cursor] | None = None  # Trigger.AvailableNow: where to stop
+
+    @property
+    def planner(self) -> Planner:
+        if self._planner is None:
+            self._planner = Planner(self.settings)
+        return self._planner
+
+    def _start(self, start: dict) -> dict[str, Cursor]:
+        """`start` parsed. The first start Spark hands this reader, when it is not initialOffset's answer,
+        is a query restarted from its checkpoint (Spark calls latestOffset or partitions first then): the
+        cursors go back (or on) to it, so the log is kept from there and the lag shown is the query's."""
+        begin = parse_offsets(self.settings.topic, start)
+        if not self._reconciled:
+            self._reconciled = True
+            if offsets_json(start) != self._initial:
+                for broker in sorted(begin):
+                    try:
+                        self.planner.positions(broker)  # (a topic gone or made again is not committed to)
+                    except LogUnavailableError:
+                        pass
+                moved = self._commit(begin)
+                _log().info("nsq: the query restarts from %s: cursor %r set there on %s", offsets_json(start),
+                            self.settings.channel, ", ".join(moved) or "no broker")
+        return begin
+
+    def _commit(self, cursors: dict[str, Cursor]) -> list[str]:
+        """Move the cursor to `cursors` on each broker; the brokers where it moved."""
+        s = self.settings
+        assert s.channel is not None
+        moved = []
+        for broker, (log_id, position) in sorted(cursors.items()):
+            if self.planner.logs.get(broker, log_id) != log_id:
+                # the topic is gone there, or has another log: a commit would make the topic again
+                continue
+            try:
+                self.planner.client(broker).commit(s.topic, s.channel, position, log_id)
+                self.planner.answering(broker)
+                moved.append(broker)
+            except LogUnavailableError as exc:
+                self.planner.not_answering(broker, exc)
+            except LogAPIError as exc:
+                # the log changed or lost records: the next latestOffset says so (failOnDataLoss)
+                _log().warning("nsq: cursor %r on %s not moved to %d: %s %s", s.channel, broker, position,
+                               exc.status, exc.code)
+        return moved
+
+    def initialOffset(self) -> dict:
+        """Where a new query starts on every broker (startingTimestamp, else startingOffsets), and its
+        cursors set there. A broker that does not answer, or has no such topic yet, joins later from its
+        earliest record."""
+        cursors: dict[str, Cursor] = {}
+        for broker in self.planner.brokers():
+            try:
+                now = self.planner.positions(broker)
+                if now is not None:
+                    cursors[broker] = (now.log_id, self.planner.start_position(broker, now))
+            except LogUnavailableError:
+                continue
+        self._commit(cursors)
+        initial = offsets_dict(self.settings.topic, cursors)
+        self._initial = offsets_json(initial)
+        return initial
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        s = self.settings
+        if s.max_records is not None:
+            return ReadMaxRows(s.max_records)
+        if s.max_bytes is not None:
+            return ReadMaxBytes(s.max_bytes)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Trigger.AvailableNow: each broker's end now is where the query stops."""
+        target: dict[str, Cursor] = {}
+        for broker in self.planner.brokers():
+            try:
+                now = self.planner.positions(broker)
+            except LogUnavailableError:
+                continue
+            if now is not None:
+                target[broker] = (now.log_id, now.end)
+        self._target = target
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        s = self.settings
+        begin = self._start(start)
+        cursors: dict[str, Cursor] = {}
+        pending: list[tuple[str, str, int, int, Positions]] = []  # broker, log id, from, up to, now
+        for broker in sorted(set(begin) | set(self.planner.brokers())):
+            try:
+                now = self.planner.positions(broker)
+            except LogUnavailableError:
+                if broker in begin:
+                    cursors[broker] = begin[broker]
+                continue
+            cap = None if self._target is None else self._target.get(broker)
+            if now is None:  # no such topic there
+                if broker in begin:
+                    data_loss(s, broker, f"log {begin[broker][0]} up to position {begin[broker][1]}",
+                              _lost_text("TOPIC_NOT_FOUND"))
+                continue
+            if self._target is not None and (cap is None or cap[0] != now.log_id):
+                if broker in begin:  # a log newer than Trigger.AvailableNow's start: not for this query
+                    cursors[broker] = begin[broker]
+                continue
+            if broker not in begin or begin[broker][0] != now.log_id:
+                if broker in begin:
+                    data_loss(s, broker, f"log {begin[broker][0]}", f"the topic's log is now {now.log_id}: "
+                              + _lost_text("LOG_ID_MISMATCH"))
+                else:
+                    _log().info("nsq: topic %r on %s joins the query from its earliest record (%d)", s.topic,
+                                broker, now.first)
+                # this micro-batch reads nothing from it (its range starts in the next one): the ranges of
+                # a micro-batch follow from its two offsets alone
+                cursors[broker] = (now.log_id, now.first)
+                continue
+            log_id, position = begin[broker]
+            if position > now.end:
+                _log().warning("nsq: %s's durable tail (%d) is behind the query's position %d in log %s: waiting "
+                               "for it", broker, now.end, position, log_id)
+                cursors[broker] = begin[broker]
+                continue
+            origin = position
+            if position < now.first:
+                data_loss(s, broker, f"position {position} to be kept", f"the first record kept is at {now.first}")
+                origin = now.first  # (the task skips what is gone)
+            upto = now.end if cap is None else min(now.end, max(cap[1], origin))
+            cursors[broker] = (log_id, origin)
+            if upto > origin:
+                pending.append((broker, log_id, origin, upto, now))
+
+        rows = bytes_ = None
+        if isinstance(limit, ReadMaxRows):
+            rows, bytes_ = limit.max_rows, s.max_bytes
+        elif isinstance(limit, ReadMaxBytes):
+            rows, bytes_ = s.max_records, limit.max_bytes
+        # ReadAllAvailable (as with Trigger.Once): the options' limits do not apply
+        if rows is None and bytes_ is None:
+            for broker, log_id, _, upto, _ in pending:
+                cursors[broker] = (log_id, upto)
+        else:
+            self._limited(pending, cursors, rows, bytes_)
+        return offsets_dict(s.topic, cursors)
+
+    def _limited(self, pending: list[tuple[str, str, int, int, Positions]], cursors: dict[str, Cursor],
+                 rows: int | None, bytes_: int | None) -> None:
+        """Move each broker's cursor by its share of the limits, shared by backlog (records, bytes)."""
+        topic = self.settings.topic
+        byte_shares = share(bytes_, {b: upto - origin for b, _, origin, upto, _ in pending}) \
+            if bytes_ is not None else {}
+        row_shares: dict[str, int] = {}
+        if rows is not None:
+            backlogs = {}
+            for broker, _, origin, upto, now in pending:
+                client = self.planner.client(broker)
+                try:
+                    first = now.first_index if origin == now.first else client.position_after(topic, origin).index
+                    last = now.end_index if upto == now.end else client.position_after(topic, upto).index
+                except LogUnavailableError as exc:
+                    self.planner.not_answering(broker, exc)
+                    continue  # (no share: it stays where it is)
+                backlogs[broker] = last - first
+            row_shares = share(rows, backlogs)
+        for broker, log_id, origin, upto, _ in pending:
+            records, size = row_shares.get(broker), byte_shares.get(broker)
+            if (rows is not None and not records) or size == 0:
+                continue
+            try:
+                after = self.planner.client(broker).position_after(topic, origin, records=records, max_bytes=size)
+            except LogUnavailableError as exc:
+                self.planner.not_answering(broker, exc)
+                continue
+            if after.log_id == log_id:
+                cursors[broker] = (log_id, max(origin, min(upto, after.position)))
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        begin = self._start(start)
+        stop = parse_offsets(self.settings.topic, end)
+        ranges = [LogRange(broker, self.settings.topic, log_id, begin[broker][1], position)
+                  for broker, (log_id, position) in sorted(stop.items())
+                  if broker in begin and begin[broker][0] == log_id and position > begin[broker][1]]
+        return self.planner.cut(ranges)
+
+    def read(self, partition: InputPartition) -> Iterator:
+        return read_range(self.settings, partition)
+
+    def commit(self, end: dict) -> None:
+        """Spark has the micro-batches up to `end` in the sink and the checkpoint: the cursors move there."""
+        self._reconciled = True
+        self._commit(parse_offsets(self.settings.topic, end))
+
+    def stop(self) -> None:
+        """The cursors stay (a restart from the checkpoint goes on from them); only the connections close."""
+        if self._planner is not None:
+            self._planner.close()
+
+
+# --- the batch reader ------------------------------------------------------------------------------
+
+
+class NSQLogBatchReader(DataSourceReader):
+    """spark.read by position: from startingOffsets/startingTimestamp (default earliest) to
+    endingOffsets/endingTimestamp (default latest: each broker's durable tail when the read is planned).
+    Spark calls `partitions` on the driver when it plans the read, `read` in executor tasks."""
+
+    def __init__(self, settings: LogSettings) -> None:
+        self.settings = settings
+
+    def partitions(self) -> Sequence[InputPartition]:
+        s = self.settings
+        planner = Planner(s)
+        try:
+            ranges = []
+            for broker in sorted(planner.brokers()):
+                try:
+                    now = planner.positions(broker)
+                except LogUnavailableError as exc:
+                    raise ConnectionError(f"nsq: cannot plan the read: {exc}") from None
+                if now is None:
+                    if broker in s.starting_positions or broker in s.ending_positions:
+                        data_loss(s, broker, "the topic (named in the offsets options)", _lost_text("TOPIC_NOT_FOUND"))
+                    continue
+                first = planner.start_position(broker, now)
+                last = self._end_position(planner, broker, now)
+                if last < first:
+                    raise ValueError(f"nsq: on {broker}, the read would end ({last}) before it starts ({first}): "
+                                     "check startingOffsets/startingTimestamp against endingOffsets/endingTimestamp")
+                if last > first:
+                    ranges.append(LogRange(broker, s.topic, now.log_id, first, last))
+            return planner.cut(ranges)
+        finally:
+            planner.close()
+
+    def _end_position(self, planner: Planner, broker: str, now: Positions) -> int:
+        s = self.settings
+        if s.ending_timestamp is not None:
+            return planner.client(broker).position_at(s.topic, s.ending_timestamp).position
+        if s.ending != "json" or broker not in s.ending_positions:
+            return now.end
+        log_id, position = s.ending_positions[broker]
+        if position == LATEST:
+            return now.end
+        if log_id is not None and log_id != now.log_id:
+            data_loss(s, broker, f"log {log_id} (endingOffsets)", f"the topic's log is now {now.log_id}: "
+                      + _lost_text("LOG_ID_MISMATCH"))
+            return now.end
+        return planner.checked(broker, "endingOffsets", position, now)
+
+    def read(self, partition: InputPartition) -> Iterator:
+        return read_range(self.settings, partition)
