@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test test-spark bench clean
 
 # The modules mypyc compiles (trio_nsq/compiled.py lists them): an edit to one reinstalls, which rebuilds
 # them, so `make run`/`make test` never run stale compiled code. TRIO_NSQ_COMPILE=0 builds pure Python.
@@ -30,9 +30,14 @@ run: $(STAMP)
 	trap 'kill $$LOOKUPD $$ADMIN 2>/dev/null; wait $$LOOKUPD $$ADMIN' EXIT INT TERM; \
 	$(BIN)/python -m trio_nsq.broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
 
+# the whole suite but the positional Spark source's tests through brokers and a real SparkSession (marker
+# spark_log, a few minutes of Spark queries): `make test-spark` runs those, and .ci/run runs both
 test: $(STAMP)
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not spark_log"
+
+test-spark: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m spark_log
 
 # NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side runs against Go nsqd
 # (and Go nsqd reading our data directory and we its: tests/bench/go_interop.py)
