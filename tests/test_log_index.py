@@ -238,3 +238,28 @@ async def test_a_log_made_again_has_another_id_and_old_positions_go(tmp_path):
 def test_the_offsets_trailer_is_what_arrow_takes():
     starts = array("i", [0, 30, 70])
     assert starts.tobytes() == struct.pack("<3i", 0, 30, 70)
+
+
+async def test_marks_and_splits_depend_on_the_records_only_not_on_how_the_log_was_walked(tmp_path):
+    """A replayed micro-batch is cut at the same places after a broker restart (its index built again,
+    from other starting points): a mark is the first record at or past each multiple of INTERVAL."""
+    topic = open_topic(tmp_path, mem_queue_size=0, max_bytes_per_file=1_000_000)
+    log_ = topic.log
+    assert log_ is not None
+    topic.publish(published(4000, seed=3))
+    await topic.group.sync_round()
+    end = log_.durable_tail
+    first = Place(0, 0)
+    scanned = LogIndex(log_.segments)
+    cuts = scanned.splits(first, end, end.position, 7)
+    by_reads = LogIndex(log_.segments)
+    read_all(by_reads, first, end, max_bytes=12_345)  # marks made while reading, in odd-sized blocks
+    located = LogIndex(log_.segments)
+    records = read_all(LogIndex(log_.segments), first, end, 1 << 20)
+    located.locate(records[2500][0], end)  # a scan from the segment start to there, then on
+    for index in (by_reads, located):
+        assert index.splits(first, end, end.position, 7) == cuts
+    for num, marks in scanned._marks.items():
+        assert list(by_reads._marks[num].positions) == list(marks.positions)
+        assert all((p - marks.base) % INTERVAL < 1000 for p in marks.positions)  # just past a multiple
+    kill(topic)

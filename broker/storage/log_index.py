@@ -47,57 +47,82 @@ class PositionError(ValueError):
 
 class Walk:
     """What walking a block found: where the whole records stop (`stop`, an offset in the block), how
-    many there are, and each one's offset (`starts`, when asked for) and the marks passed."""
+    many there are, the last one's offset (`last`), and each one's offset (`starts`, when asked for) and
+    the marks passed."""
 
-    __slots__ = ("stop", "count", "starts", "marks")
+    __slots__ = ("stop", "count", "last", "starts", "marks")
 
     def __init__(self) -> None:
         self.stop = 0
         self.count = 0
+        self.last = -1
         self.starts: array[int] | None = None
         self.marks: list[tuple[int, int, int]] = []  # (offset in the block, records before it, timestamp)
 
 
+NO_MARKS = -2  # walk's `prev` when no marks are wanted
+
+
 def walk(buf: bytes, at: int, limit: int, max_records: int, min_size: int, max_size: int, result: Walk,
-         next_mark: int, every: int) -> Walk:
+         base: int = 0, prev: int = NO_MARKS) -> Walk:
     """Walk the records of `buf` from offset `at` while a whole record lies before offset `limit` and fewer
-    than `max_records` are walked. A mark is taken at the first record at or past offset `next_mark`
-    (negative: none), then every `every` bytes. Raises ValueError at a size outside [min_size, max_size]
-    (a damaged file: the channel readers cut it there, this reader refuses to go past it)."""
+    than `max_records` are walked. Raises ValueError at a size outside [min_size, max_size] (a damaged
+    file: the channel readers cut it there, this reader refuses to go past it).
+
+    Marks (unless `prev` is NO_MARKS): `buf` starts at offset `base` of its segment, and `prev` is the
+    segment offset of the record before `at` (-1: `at` is the segment's first record). A record is a
+    mark when it is the first at or past a multiple of INTERVAL: what is marked depends on the records
+    only, never on where a walk began, so the same range is cut at the same places after a restart."""
     starts = result.starts
     marks = result.marks
     count = 0
     pos = at
     end = min(limit, len(buf))
+    last = -1
     while count < max_records and pos + 4 <= end:
         size = int32_at(buf, pos)
         if size < min_size or size > max_size:
             raise ValueError(f"invalid message read size ({size})")
         if pos + 4 + size > end:
             break
-        if 0 <= next_mark <= pos:
-            marks.append((pos, count, int.from_bytes(buf[pos + _TS_AT:pos + _TS_AT + 8], "big", signed=True)))
-            next_mark = pos + every
+        if prev != NO_MARKS:
+            offset = base + pos
+            if prev < 0 or offset // INTERVAL > prev // INTERVAL:
+                marks.append((pos, count, int.from_bytes(buf[pos + _TS_AT:pos + _TS_AT + 8], "big", signed=True)))
+            prev = offset
         if starts is not None:
             starts.append(pos)
+        last = pos
         pos += 4 + size
         count += 1
     result.stop = pos
     result.count = count
+    result.last = last
     return result
 
 
 class Marks:
     """One segment's marks, and how far it has been walked from its start."""
 
-    __slots__ = ("positions", "indices", "stamps", "scanned", "scanned_index")
+    __slots__ = ("base", "positions", "indices", "stamps", "scanned", "scanned_index", "last")
 
     def __init__(self, start: int, index: int) -> None:
+        self.base = start  # the segment's start position
         self.positions: array[int] = array("q")
         self.indices: array[int] = array("q")
         self.stamps: array[int] = array("q")
         self.scanned = start  # a record boundary: everything before it is walked
         self.scanned_index = index
+        self.last = -1  # the segment offset of the last record walked (-1: none yet)
+
+    def walked(self, at: int, result: Walk) -> None:
+        """A walk of the records from `at` (== scanned) found `result`: its marks are kept."""
+        for offset, before, stamp in result.marks:
+            self.add(at + offset, self.scanned_index + before, stamp)
+        if result.count:
+            self.last = at + result.last - self.base
+        self.scanned = at + result.stop
+        self.scanned_index += result.count
 
     def add(self, position: int, index: int, stamp: int) -> None:
         if not self.positions or position > self.positions[-1]:
@@ -174,17 +199,11 @@ class LogIndex:
                 at = marks.scanned
                 buf = os.pread(fd, min(stop - at, max(_BLOCK, segments.max_msg_size + 4)), at - base)
                 result.marks = []
-                next_mark = at if not marks.positions else marks.positions[-1] + INTERVAL
-                if next_mark < at:
-                    next_mark = at
                 walk(buf, 0, stop - at, 1 << 62, segments.min_msg_size, segments.max_msg_size, result,
-                     next_mark - at, INTERVAL)
+                     at - base, marks.last)
                 if result.count == 0:
                     raise ValueError(f"a record past the end of segment {num} at {at - base}")
-                for offset, before, stamp in result.marks:
-                    marks.add(at + offset, marks.scanned_index + before, stamp)
-                marks.scanned = at + result.stop
-                marks.scanned_index += result.count
+                marks.walked(at, result)
         finally:
             close_quietly(fd)
         return marks
@@ -228,7 +247,7 @@ class LogIndex:
             result = Walk()
             while pos < stop and max_records > 0:
                 buf = os.pread(fd, max(_BLOCK, segments.max_msg_size + 4), pos - base)
-                walk(buf, 0, stop - pos, max_records, segments.min_msg_size, segments.max_msg_size, result, -1, 0)
+                walk(buf, 0, stop - pos, max_records, segments.min_msg_size, segments.max_msg_size, result)
                 if result.count == 0:
                     break
                 pos += result.stop
@@ -319,7 +338,7 @@ class LogIndex:
             while pos < end:
                 buf = os.pread(fd, max(_BLOCK, segments.max_msg_size + 4), pos - base)
                 result.starts = array("q")
-                walk(buf, 0, end - pos, 1 << 62, segments.min_msg_size, segments.max_msg_size, result, -1, 0)
+                walk(buf, 0, end - pos, 1 << 62, segments.min_msg_size, segments.max_msg_size, result)
                 if result.count == 0:
                     return None
                 for i, offset in enumerate(result.starts):
@@ -393,17 +412,12 @@ class LogIndex:
         extend = marks.scanned == start.position
         result = Walk()
         result.starts = array("i")
-        next_mark = -1
-        if extend:
-            next_mark = 0 if not marks.positions else max(0, marks.positions[-1] + INTERVAL - start.position)
-        walk(buf, 0, len(buf), 1 << 62, segments.min_msg_size, segments.max_msg_size, result, next_mark, INTERVAL)
+        walk(buf, 0, len(buf), 1 << 62, segments.min_msg_size, segments.max_msg_size, result,
+             start.position - base, marks.last if extend else NO_MARKS)
         if result.count == 0:
             raise ValueError(f"a record past the end of segment {num} at {start.position - base}")
         if extend:
-            for offset, before, stamp in result.marks:
-                marks.add(start.position + offset, start.index + before, stamp)
-            marks.scanned = start.position + result.stop
-            marks.scanned_index = start.index + result.count
+            marks.walked(start.position, result)
         starts = result.starts
         starts.append(result.stop)
         data = buf if result.stop == len(buf) else buf[:result.stop]
