@@ -42,7 +42,7 @@ class HTTPError(Exception):
 @attrs.frozen
 class Reply:
     status: int
-    body: bytes
+    body: bytes | memoryview  # (a memoryview: part of a larger buffer, sent without a copy)
     content_type: str | None = TEXT_TYPE
     # the V1 decorator marks every answer; PlainText (/ping) and the router's own answers do not
     nsq_header: bool = True

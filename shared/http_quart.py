@@ -22,7 +22,7 @@ from trio_nsq.shared.http_server import LINGER_SECONDS, Request, Site
 
 def to_response(reply: Reply) -> Response:
     """A Quart response carrying exactly the reply's headers (Quart adds none of its own)."""
-    body = reply.body + reply.more if reply.more else reply.body
+    body = b"".join((reply.body, reply.more))
     response = Response(body, status=reply.status)
     response.headers.clear()
     for key, value in reply.header_list():

@@ -300,7 +300,7 @@ def reply_bytes(reply: Reply, close: bool, head: bool = False) -> bytes:
                      b"" if head else more))
 
 
-def reply_pieces(reply: Reply, close: bool) -> list[bytes]:
+def reply_pieces(reply: Reply, close: bool) -> list[bytes | memoryview]:
     """reply_bytes's bytes, for a large answer, as pieces written as they are (no copy of the body)."""
     body = reply.body
     more = reply.more
@@ -790,7 +790,7 @@ class Connection:
             return
         raise trio.BrokenResourceError("the client read nothing for the idle timeout")
 
-    async def _send_pieces(self, pieces: list[bytes]) -> None:
+    async def _send_pieces(self, pieces: list[bytes | memoryview]) -> None:
         """A large answer: one writev for what the socket takes now, the rest as the socket drains."""
         pieces = [piece for piece in pieces if piece]
         if self.fd >= 0:

@@ -164,13 +164,15 @@ def test_the_durable_cursor_pins_retention_shows_its_lag_and_survives_kill_9(bro
 def test_positions_are_the_same_after_kill_9(broker_factory, kill_at):
     broker = broker_factory(sync_timeout="50ms")
     get_json(broker, "/log/commit?topic=k&channel=q&position=0", "POST")
-    publish(broker, "k", [b"a" * 50] * 100)
-    info = synced_end(broker, "k", 100)
-    before = read_range(broker, "k", 0, info["end"])
+    bodies = [b"%05d" % i + b"a" * 300 for i in range(3000)]  # ~1 MB: answers of 300 kB go out in pieces
+    publish(broker, "k", bodies)
+    info = synced_end(broker, "k", 3000)
+    before = read_range(broker, "k", 0, info["end"], max_bytes=300_001)
+    assert [r[3] for r in before] == bodies
     broker.kill()
     broker.restart()
     publish(broker, "k", [b"b" * 50] * 10)
-    after_info = synced_end(broker, "k", 110)
-    after = read_range(broker, "k", 0, after_info["end"])
-    assert after[:100] == before and [r[3] for r in after[100:]] == [b"b" * 50] * 10
+    after_info = synced_end(broker, "k", 3010)
+    after = read_range(broker, "k", 0, after_info["end"], max_bytes=1 << 20)
+    assert after[:3000] == before and [r[3] for r in after[3000:]] == [b"b" * 50] * 10
     assert after_info["log_id"] == info["log_id"]

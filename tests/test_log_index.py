@@ -33,7 +33,7 @@ def read_all(index: LogIndex, first: Place, end: Place, max_bytes: int = 4096) -
         block = index.read(place, end, end.position, max_bytes)
         assert block.position == place.position
         starts = list(block.starts)
-        assert starts[0] == 0 and starts[-1] == len(block.data) == sum(4 + struct.unpack_from(">i", block.data, s)[0] for s in starts[:-1])
+        assert starts[0] == 0 and starts[-1] == block.size == sum(4 + struct.unpack_from(">i", block.data, s)[0] for s in starts[:-1])
         for a, b in zip(starts, starts[1:]):
             out.append((block.position + a, block.data[a + 4:b]))
         assert block.next > place.position
@@ -84,18 +84,18 @@ async def test_a_read_stops_at_a_record_boundary_within_its_limits(tmp_path):
     end = log_.durable_tail
     first = Place(0, 0)
     block = log_.index.read(first, end, end.position, 350)  # 130 bytes a record: two whole ones
-    assert len(block) == 2 and len(block.data) == 260 and block.next == 260 and block.next_index == 2
+    assert len(block) == 2 and block.size == 260 and block.next == 260 and block.next_index == 2
     # an `end` inside a record: the record is not returned
     block = log_.index.read(first, end, 300, 1 << 20)
     assert len(block) == 2
     # a limit below one record (even below its size prefix) still gives one record
     for tiny in (1, 3, 4, 100):
         block = log_.index.read(first, end, end.position, tiny)
-        assert len(block) == 1 and len(block.data) == 130
+        assert len(block) == 1 and block.size == 130
     # one record larger than the byte limit comes alone
     big = Place(1300, 10)
     block = log_.index.read(big, end, end.position, 100)
-    assert len(block) == 1 and len(block.data) == 4 + 26 + 5000
+    assert len(block) == 1 and block.size == 4 + 26 + 5000
     # at the end: nothing, and the next position stays
     block = log_.index.read(end, end, end.position, 100)
     assert len(block) == 0 and block.next == end.position

@@ -167,7 +167,7 @@ class LogApi:
         max_bytes = min(self._number(args, "max_bytes", DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)
         try:
             block = log_.index.read(start, end, stop, max_bytes)
-            deadlines = log_.deadlines_between(block.position, block.position + len(block.data)) if len(block) else []
+            deadlines = log_.deadlines_between(block.position, block.position + block.size) if len(block) else []
         except PositionError as exc:
             raise HTTPError(_POSITION_STATUS[exc.code], exc.code) from None
         except (OSError, ValueError) as exc:
@@ -186,11 +186,13 @@ class LogApi:
             ("X-NSQ-Next-Position", str(block.next)),
             ("X-NSQ-First-Index", str(block.index)),
             ("X-NSQ-Records", str(len(block))),
-            ("X-NSQ-Records-Bytes", str(len(block.data))),
+            ("X-NSQ-Records-Bytes", str(block.size)),
             ("X-NSQ-Deadlines", str(len(deadlines))),
             ("X-NSQ-End", str(end.position)),
         )
-        return Reply(200, block.data, BINARY_TYPE, headers=headers, more=trailer)
+        # (the block read may end inside a record: the answer is a view of the whole records, not a copy)
+        body = block.data if block.size == len(block.data) else memoryview(block.data)[:block.size]
+        return Reply(200, body, BINARY_TYPE, headers=headers, more=trailer)
 
     async def commit(self, req: Request, params: Mapping[str, str]) -> Reply:
         """The durable cursor of a positional reader: the channel (made if need be) finishes everything

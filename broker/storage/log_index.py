@@ -56,7 +56,7 @@ class Walk:
         self.stop = 0
         self.count = 0
         self.last = -1
-        self.starts: array[int] | None = None
+        self.starts: list[int] | None = None
         self.marks: list[tuple[int, int, int]] = []  # (offset in the block, records before it, timestamp)
 
 
@@ -136,13 +136,15 @@ class Marks:
 
 
 class Block:
-    """Records read from one segment: `data` (R bytes, as in the file), `starts` (each record's offset in
-    it), their first position and index, and where the next read starts."""
+    """Records read from one segment: the first `size` bytes of `data` (as in the file: the block read,
+    of which the last bytes may be part of a record not returned), `starts` (each record's offset in it),
+    their first position and index, and where the next read starts."""
 
-    __slots__ = ("data", "starts", "position", "index", "next", "next_index")
+    __slots__ = ("data", "size", "starts", "position", "index", "next", "next_index")
 
-    def __init__(self, data: bytes, starts: array[int], position: int, index: int, next_: Place) -> None:
+    def __init__(self, data: bytes, size: int, starts: array[int], position: int, index: int, next_: Place) -> None:
         self.data = data
+        self.size = size
         self.starts = starts
         self.position = position
         self.index = index
@@ -334,10 +336,9 @@ class LogIndex:
             base = segments.start_of(num)
             pos, index = start.position, start.index
             result = Walk()
-            result.starts = array("q")
             while pos < end:
                 buf = os.pread(fd, max(_BLOCK, segments.max_msg_size + 4), pos - base)
-                result.starts = array("q")
+                result.starts = []
                 walk(buf, 0, end - pos, 1 << 62, segments.min_msg_size, segments.max_msg_size, result)
                 if result.count == 0:
                     return None
@@ -391,7 +392,7 @@ class LogIndex:
         segments = self.segments
         stop = min(stop, end.position)
         if start.position >= stop:
-            return Block(b"", array("i", [0]), start.position, start.index, start)
+            return Block(b"", 0, array("i", [0]), start.position, start.index, start)
         num = segments.file_of(start.position)
         fd = self._open(num)
         try:
@@ -399,7 +400,7 @@ class LogIndex:
             seg_end = min(stop, self._segment_end(num, fd))
             if start.position >= seg_end:
                 nxt = self._next_segment(num, end)
-                return Block(b"", array("i", [0]), start.position, start.index, nxt if nxt.position <= stop else start)
+                return Block(b"", 0, array("i", [0]), start.position, start.index, nxt if nxt.position <= stop else start)
             size = min(seg_end - start.position, max(max_bytes, 4))  # (a size prefix at least)
             buf = os.pread(fd, size, start.position - base)
             if len(buf) >= 4:
@@ -411,17 +412,16 @@ class LogIndex:
         marks = self._of(num)
         extend = marks.scanned == start.position
         result = Walk()
-        result.starts = array("i")
+        result.starts = []
         walk(buf, 0, len(buf), 1 << 62, segments.min_msg_size, segments.max_msg_size, result,
              start.position - base, marks.last if extend else NO_MARKS)
         if result.count == 0:
             raise ValueError(f"a record past the end of segment {num} at {start.position - base}")
         if extend:
             marks.walked(start.position, result)
-        starts = result.starts
+        starts = array("i", result.starts)
         starts.append(result.stop)
-        data = buf if result.stop == len(buf) else buf[:result.stop]
         after = Place(start.position + result.stop, start.index + result.count)
         if after.position >= seg_end and seg_end < stop:
             after = self._next_segment(num, end)  # the segment is read to its end
-        return Block(data, starts, start.position, start.index, after)
+        return Block(buf, result.stop, starts, start.position, start.index, after)
