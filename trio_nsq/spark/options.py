@@ -294,6 +294,8 @@ LOG_OPTIONS: dict[str, tuple[str | None, str]] = {
     "failOnDataLoss": ("true", "fail when records to read are gone (retention, a topic deleted, a log replaced); "
                                "false: log a warning and go on from the earliest record kept"),
     "read_max_bytes": (str(4 << 20), "bytes per HTTP read of a task, at most (1 to 67108864)"),
+    "max_bytes_per_partition": (str(64 << 20), "bytes of records per task, at most: a larger range of a broker "
+                                               "is cut at record boundaries (a task each 64 MiB by default)"),
     "mode": ("auto", "log: read by position (trio-nsqd's log); channel: consume a channel (the channel source); "
                      "auto: log when the options are the positional reader's and the brokers have the /log API"),
 }
@@ -326,6 +328,7 @@ class LogSettings:
     min_partitions: int | None = None
     fail_on_data_loss: bool = True
     read_max_bytes: int = 4 << 20
+    max_bytes_per_partition: int = 64 << 20
 
 
 def _http_addresses(options: dict[str, str], name: str, default_port: int) -> tuple[str, ...]:
@@ -483,7 +486,8 @@ def log_settings(options: dict[str, str], batch: bool) -> LogSettings:
         max_records=None if batch else _log_integer(options, "maxOffsetsPerTrigger", 1),
         max_bytes=None if batch else _log_integer(options, "maxBytesPerTrigger", 1),
         min_partitions=_log_integer(options, "minPartitions", 1),
-        fail_on_data_loss=fail == "true", read_max_bytes=read_max_bytes)
+        fail_on_data_loss=fail == "true", read_max_bytes=read_max_bytes,
+        max_bytes_per_partition=_log_integer(options, "max_bytes_per_partition", 1) or 64 << 20)
 
 
 def explicit_mode(options: dict[str, str]) -> str:

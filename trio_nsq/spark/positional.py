@@ -185,16 +185,24 @@ def record_batch(topic: str, address: str, result: ReadResult):
 
 def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
     """A task's work: the records of `part` as Arrow record batches, one per /log/read, asking for its
-    log id (a read never mixes two logs). A range whose records are gone fails the task (failOnDataLoss),
-    or goes on from the earliest record kept, with a warning."""
+    log id (a read never mixes two logs). The next read is on its way (a thread of its own) while Spark
+    takes the batch before it. A range whose records are gone fails the task (failOnDataLoss), or goes on
+    from the earliest record kept, with a warning."""
     if not isinstance(part, LogRange):
         return  # Spark's placeholder for a read with no range
+    from concurrent.futures import ThreadPoolExecutor
+
     position = part.start
     stalled = 0
-    with LogClient(part.address) as client:
-        while position < part.end:
+    with LogClient(part.address) as client, ThreadPoolExecutor(1, thread_name_prefix="nsq-read") as ahead:
+
+        def fetch(at: int):
+            return ahead.submit(client.read, part.topic, at, part.end, settings.read_max_bytes, part.log_id)
+
+        pending = fetch(position)
+        while pending is not None:
             try:
-                result = client.read(part.topic, position, part.end, settings.read_max_bytes, part.log_id)
+                result = pending.result()
             except LogAPIError as exc:
                 if exc.code not in ("POSITION_GONE", "LOG_ID_MISMATCH", "TOPIC_NOT_FOUND"):
                     raise RuntimeError(f"nsq: reading {part.topic!r} on {part.address} at position {position}: "
@@ -208,7 +216,10 @@ def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
                 if first.log_id != part.log_id:
                     return
                 position = first.first
+                pending = fetch(position) if position < part.end else None
                 continue
+            following = max(position, result.next_position)
+            pending = fetch(following) if following < part.end else None
             if result.records:
                 yield record_batch(part.topic, part.address, result)
                 stalled = 0
@@ -220,7 +231,7 @@ def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
                         f"nsq: {part.address} serves nothing at position {position} of {part.topic!r} (log "
                         f"{part.log_id}) although the range was planned up to {part.end} (its durable tail now: "
                         f"{result.end}); the broker lost records it had synced")
-            position = max(position, result.next_position)
+            position = following
 
 
 def _lost_text(code: str) -> str:
@@ -370,10 +381,13 @@ class Planner:
         largest cut first at the record boundaries the broker proposes (/log/splits). The same ranges give
         the same cuts."""
         wanted = self.settings.min_partitions or 0
-        if len(ranges) >= wanted or not ranges:
+        # a range larger than max_bytes_per_partition gets a task each that many bytes (tasks side by side
+        # on the executors' cores, rather than one reading it all), then minPartitions adds more
+        most = self.settings.max_bytes_per_partition
+        parts = [max(1, -(-(r.end - r.start) // most)) for r in ranges]
+        if sum(parts) >= wanted and parts == [1] * len(ranges) or not ranges:
             return ranges
-        parts = [1] * len(ranges)
-        for _ in range(wanted - len(ranges)):
+        for _ in range(max(0, wanted - sum(parts))):
             # the range with the most bytes per part gets one more part (ties: the first)
             i = max(range(len(ranges)), key=lambda j: ((ranges[j].end - ranges[j].start) / parts[j], -j))
             parts[i] += 1
