@@ -9,12 +9,17 @@ Durability: a key is exactly as durable as the messages it covers.
   to the disk queue), the key is appended to `<topic>.idempotency.dat` and fsynced after the messages'
   fsync and before the answer. Crash window: messages fsynced but key not yet -> a retry publishes them
   again (a duplicate); never the reverse (a key remembered for messages that were not stored, a loss).
-- Otherwise (messages in memory, or on disk without an fsync before the answer) the key is held in
-  memory and journalled at a clean exit with the messages themselves; a kill -9 loses both, so a retry
-  publishes again.
+- When every message of the request went to the topic's log without an fsync before the answer (a
+  topic read by position, --mem-queue-size=0, a full memory queue), the key is appended to the journal
+  without an fsync, with the log position its messages end at: a kill -9 keeps both (the page cache), and
+  at the next start a key whose position is past the log's end (a power loss cut the log, whatever the
+  journal kept) is dropped, so a retry publishes again; never a key kept for messages lost.
+- Otherwise (messages in memory) the key is held in memory and journalled at a clean exit with the
+  messages themselves; a kill -9 loses both, so a retry publishes again.
 
 The journal is not a go-diskqueue file (Go nsqd ignores it in the data dir): a header line, then one
-line per key, `<expiry unix seconds> <key>`; a torn last line (kill -9 mid-append) is ignored. It is
+line per key, `<expiry unix seconds>[@<log position>] <key>`; a torn last line (kill -9 mid-append) is
+ignored. It is
 loaded when the topic is created (expired keys dropped), rewritten when it holds more than twice the
 table bound, and removed with the topic.
 """
@@ -48,13 +53,17 @@ def journal_name(topic_name: str) -> str:
 
 
 class IdempotencyKeys:
-    def __init__(self, topic_name: str, data_path: str | None, *, window: float, max_keys: int) -> None:
+    def __init__(self, topic_name: str, data_path: str | None, *, window: float, max_keys: int,
+                 log_end: int | None = None) -> None:
+        """`log_end`: where the topic's log ends at this start (keys of messages past it are dropped)."""
         self.topic_name = topic_name
+        self.log_end = log_end
         self.window = window
         self.max_keys = max(1, max_keys)
         self.path = os.path.join(data_path, journal_name(topic_name)) if data_path else None
         self.keys: OrderedDict[str, float] = OrderedDict()  # key -> expiry (wall clock), oldest first
         self._durable: set[str] = set()  # keys already fsynced in the journal
+        self._at: dict[str, int] = {}  # keys journalled without an fsync -> where their messages end in the log
         self._pending: dict[str, trio.Event] = {}  # keys whose first request is still publishing
         self._journal_lines = 0
         self._fd: int | None = None
@@ -73,9 +82,10 @@ class IdempotencyKeys:
 
     # --- the check -----------------------------------------------------------------------------
 
-    async def publish_once(self, key: str, publish: Callable[[], Awaitable[bool]]) -> None:
+    async def publish_once(self, key: str, publish: Callable[[], Awaitable[tuple[bool, int | None]]]) -> None:
         """Run `publish` unless the key was accepted already (or is, by a request in flight that
-        succeeds). `publish` raises on failure and returns whether its messages are durable now."""
+        succeeds). `publish` raises on failure and returns whether its messages are durable now, and,
+        when they all went to the log, the log position they end at."""
         while True:
             self._expire(time.time())
             if key in self.keys:
@@ -86,10 +96,12 @@ class IdempotencyKeys:
             await pending.wait()
         done = self._pending[key] = trio.Event()
         try:
-            durable = await publish()
+            durable, log_end = await publish()
             self._remember(key)
             if durable and self.path is not None:
                 await self._journal([key])
+            elif log_end is not None and self.path is not None:
+                self._journal_written(key, log_end)
         finally:
             del self._pending[key]
             done.set()
@@ -100,6 +112,7 @@ class IdempotencyKeys:
         while len(self.keys) > self.max_keys:
             old, _ = self.keys.popitem(last=False)
             self._durable.discard(old)
+            self._at.pop(old, None)
             if not self._warned_full:
                 self._warned_full = True
                 log.warning("TOPIC(%s): idempotency key table full (%d, --max-idempotency-keys): "
@@ -113,6 +126,7 @@ class IdempotencyKeys:
                 break
             keys.popitem(last=False)
             self._durable.discard(key)
+            self._at.pop(key, None)
 
     # --- the journal ---------------------------------------------------------------------------
 
@@ -131,38 +145,55 @@ class IdempotencyKeys:
         lines = raw.split(b"\n")
         lines.pop()  # after the last newline: empty, or a line torn by a crash
         loaded: OrderedDict[str, float] = OrderedDict()
+        at: dict[str, int] = {}
         entries = 0
+        lost = 0
         for line in lines:
             if line.startswith(b"#"):
                 continue
             entries += 1
             try:
                 expiry_text, key = line.decode("ascii").split(" ", 1)
+                expiry_text, _, position_text = expiry_text.partition("@")
                 expiry = float(expiry_text)
+                position = int(position_text) if position_text else None
             except ValueError:
                 log.warning("TOPIC(%s): skipping a bad line in %s", self.topic_name, self.path)
+                continue
+            if position is not None and (self.log_end is None or position > self.log_end):
+                lost += 1  # its messages are not all in the log (a power loss cut it): a retry publishes
                 continue
             if expiry > now and valid_key(key):
                 loaded.pop(key, None)
                 loaded[key] = min(expiry, now + self.window)
+                at.pop(key, None)
+                if position is not None:
+                    at[key] = position
+        if lost:
+            log.warning("TOPIC(%s): %d idempotency keys dropped: their messages are past the end of the log",
+                        self.topic_name, lost)
         # oldest first, the newest max_keys of them
         ordered = sorted(loaded.items(), key=lambda item: item[1])[-self.max_keys:]
         self.keys = OrderedDict(ordered)
-        self._durable = set(self.keys)
+        self._at = {key: at[key] for key in self.keys if key in at}
+        self._durable = {key for key in self.keys if key not in self._at}
         self._journal_lines = entries
         if entries > len(self.keys):  # expired, forgotten or bad lines: compact
             self._rewrite()
         log.info("TOPIC(%s): loaded %d idempotency keys", self.topic_name, len(self.keys))
 
     def _line(self, key: str) -> bytes:
-        return f"{self.keys[key]:.3f} {key}\n".encode("ascii")
+        position = self._at.get(key)
+        if position is None:
+            return f"{self.keys[key]:.3f} {key}\n".encode("ascii")
+        return f"{self.keys[key]:.3f}@{position} {key}\n".encode("ascii")
 
     def _rewrite(self, keys: list[str] | None = None) -> None:
         """Write the journal anew (only `keys`, default the durable ones): a temp file, fsynced,
         renamed over the old one."""
         assert self.path is not None
         self._close_fd()
-        keep = [k for k in self.keys if k in self._durable] if keys is None else keys
+        keep = [k for k in self.keys if k in self._durable or k in self._at] if keys is None else keys
         tmp = f"{self.path}.tmp"
         data = JOURNAL_HEADER + b"".join(self._line(k) for k in keep)
         try:
@@ -172,8 +203,35 @@ class IdempotencyKeys:
         except OSError as exc:
             log.error("TOPIC(%s): failed to write %s - %s", self.topic_name, self.path, exc)
             return
-        self._durable = set(keep)
+        self._durable = {k for k in keep if k not in self._at}
         self._journal_lines = len(keep)
+
+    def _open_journal(self) -> int:
+        assert self.path is not None
+        if self._fd is None:
+            new = not os.path.exists(self.path)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if new:
+                os.write(self._fd, JOURNAL_HEADER)
+        return self._fd
+
+    def _journal_written(self, key: str, log_end: int) -> None:
+        """A key whose messages are in the log, not fsynced: appended without an fsync, with where they
+        end (a kill -9 keeps both; a start after a power loss drops it if the log is shorter)."""
+        if self._closed or self.path is None:
+            return
+        if self._journal_lines >= 2 * self.max_keys and self._round is None:
+            self._rewrite()
+        self._at[key] = log_end
+        try:
+            data = self._line(key)
+            if os.write(self._open_journal(), data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as exc:
+            log.error("TOPIC(%s): failed to journal an idempotency key - %s", self.topic_name, exc)
+            self._close_fd()
+            return
+        self._journal_lines += 1
 
     async def _journal(self, keys: list[str]) -> None:
         """Append keys and return once they are fsynced (group commit). A failure is logged and the
@@ -183,14 +241,11 @@ class IdempotencyKeys:
         if self._journal_lines >= 2 * self.max_keys and self._round is None:
             # bounded: drop the forgotten and expired keys from the file (once per max_keys appends)
             self._rewrite()
+        for k in keys:
+            self._at.pop(k, None)  # fsynced after its messages were: no position needed
         try:
-            if self._fd is None:
-                new = not os.path.exists(self.path)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                if new:
-                    os.write(self._fd, JOURNAL_HEADER)
             data = b"".join(self._line(k) for k in keys if k in self.keys)
-            if os.write(self._fd, data) != len(data):
+            if os.write(self._open_journal(), data) != len(data):
                 raise OSError(errno.ENOSPC, "short write")
         except OSError as exc:
             log.error("TOPIC(%s): failed to journal idempotency keys - %s", self.topic_name, exc)

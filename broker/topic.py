@@ -82,6 +82,7 @@ class Published:
     count: int
     sync: SyncGroup | None  # --sync-every=1 and something went to disk: await sync.sync() before OK
     all_durable: bool  # every message went to the log: after the fsync, all of them are durable
+    in_log: bool = False  # every message went to the log (the answer may not wait for an fsync)
 
 
 class Topic:
@@ -130,6 +131,7 @@ class Topic:
         self.idempotency = IdempotencyKeys(
             name, None if self.ephemeral else nsqd.data_path,
             window=opts.idempotency_window, max_keys=opts.max_idempotency_keys,
+            log_end=None if self.log is None else self.log.segments.tail,
         )
         # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
         self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None
@@ -271,6 +273,7 @@ class Topic:
         ids = self.guid.new_ids(len(bodies))
         now = self.now_ns()
         room = self._memory_room()
+        in_log = False
         if self.log is None:
             written = 0
             msgs = list(map(Message, ids, bodies, repeat(now)))
@@ -281,12 +284,14 @@ class Topic:
             self._counted(bodies)
         elif deferred or room <= 0:
             written = self._write(ids, bodies, now, deferred)
+            in_log = True
         elif not self.memory and self._receiving and not self.paused and self._a_channel_is_full():
             # what _hand would do at once (every message to the log, for the channels to read there),
             # without making the Messages: producers outrunning their consumers spend most of their time
             # here. Still a memory publish as far as --sync-every=1 goes: the answer waits for no fsync.
             self._write(ids, bodies, now, 0.0)
             written = 0
+            in_log = True
         else:
             memory = self.memory
             if room >= len(bodies):
@@ -308,7 +313,7 @@ class Topic:
         if self.max_depth and not self.refuse_when_full and not self.channels:
             self._drop_over_depth()
         sync = self.group if written and self.sync_every == 1 else None
-        return Published(len(bodies), sync, sync is not None and written == len(bodies))
+        return Published(len(bodies), sync, sync is not None and written == len(bodies), in_log)
 
     def keep_whole_log(self) -> None:
         """A positional reader came (the HTTP log API): from now on every message is written to the log,

@@ -132,6 +132,51 @@ def test_memory_messages_key_not_kept_across_kill_9(broker_factory):
     assert _topic(broker, "t")["depth"] == 1
 
 
+def test_a_topic_read_by_position_keeps_its_keys_across_kill_9_at_default_flags(broker_factory):
+    """Its messages go to the log (not fsynced before the answer at default flags): a kill -9 keeps them
+    in the page cache, and their key with them, so a retry after the restart publishes nothing (an
+    exactly-once Spark pipeline through a broker's kill -9)."""
+    broker = broker_factory()
+    assert httpx.post(_url(broker, "/topic/create?topic=t"), timeout=30).status_code == 200
+    assert httpx.get(_url(broker, "/log/positions?topic=t"), timeout=30).status_code == 200  # read by position
+    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
+    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    broker.kill()
+    broker.start()
+    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
+    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    assert _topic(broker, "t")["message_count"] == 0  # none published again (counted since the restart)
+    info = httpx.get(_url(broker, "/log/positions?topic=t"), timeout=30).json()
+    assert info["end_index"] - info["first_index"] == 3
+
+
+def test_a_key_journalled_for_messages_a_power_loss_cut_from_the_log_is_dropped(tmp_path):
+    """A key written without an fsync carries the log position its messages end at: the journal may
+    survive a power loss where the log's end did not, and then the key must go (a retry publishes again:
+    a duplicate at worst, never a message lost behind a key)."""
+    import trio
+
+    from trio_nsq.broker.idempotency import IdempotencyKeys
+
+    async def publish_in_log_to(end: int):
+        async def publish():
+            return False, end
+        return publish
+
+    async def main() -> None:
+        keys = IdempotencyKeys("t", str(tmp_path), window=3600, max_keys=100)
+        await keys.publish_once("k1", await publish_in_log_to(100))
+        await keys.publish_once("k2", await publish_in_log_to(200))
+        keys._close_fd()  # a crash: nothing more written
+        kept = IdempotencyKeys("t", str(tmp_path), window=3600, max_keys=100, log_end=150)
+        assert list(kept.keys) == ["k1"]
+        # the file was compacted: k2 is gone from it for good, k1 keeps its position
+        again = IdempotencyKeys("t", str(tmp_path), window=3600, max_keys=100, log_end=1000)
+        assert list(again.keys) == ["k1"] and again._at == {"k1": 100}
+
+    trio.run(main)
+
+
 def test_window_expiry(broker_factory):
     broker = broker_factory(idempotency_window="1s")
     assert _pub(broker, "t", b"a", "k").status_code == 200

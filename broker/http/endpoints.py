@@ -270,18 +270,21 @@ class Api:
         else:
             await topic.idempotency.publish_once(key, lambda: self._publish_now(topic, bodies, what, deferred))
 
-    async def _publish_now(self, topic: Topic, bodies: list[bytes], what: str, deferred: float) -> bool:
+    async def _publish_now(self, topic: Topic, bodies: list[bytes], what: str,
+                           deferred: float) -> tuple[bool, int | None]:
         """Publish; with --sync-every=1 answer only once on disk, over HTTP as over TCP (concurrent
-        requests share the fsync: the backend's sync is a group commit). True if every message is on
-        disk and fsynced now (so an Idempotency-Key covering them may be journalled)."""
+        requests share the fsync: the backend's sync is a group commit). Whether every message is on
+        disk and fsynced now (so an Idempotency-Key covering them may be journalled), and, when every
+        message went to the log, the log position they end at (the key is journalled with it)."""
         published = self._publish_sync(topic, bodies, what, deferred)
+        log_end = topic.log.segments.tail if published.in_log and topic.log is not None else None
         if published.sync is not None:
             try:
                 await published.sync.sync()
             except BackendError as exc:
                 log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
                 raise HTTPError(500, "INTERNAL_ERROR") from None
-        return published.all_durable
+        return published.all_durable, log_end
 
     def _publish_sync(self, topic: Topic, bodies: list[bytes], what: str, deferred: float = 0.0) -> Published:
         """Topic.publish, its failure as nsqd answers it; what is left to await is in the result."""
