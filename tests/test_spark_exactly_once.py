@@ -120,3 +120,147 @@ def test_idempotent_option_is_checked(spark, module_broker):
     df = spark.createDataFrame([("x",)], "value string")
     with pytest.raises(Exception, match="idempotent='maybe' must be true or false"):
         nsq_write(df, module_broker, topic="t", idempotent="maybe").save()
+
+
+# --- idempotency_key_column: requests keyed by their rows' source, not by Spark's numbers ---------------
+
+
+def mpub_bodies(data: bytes) -> list[bytes]:
+    """The messages of a binary /mpub body: [count u32] then [size u32][bytes] each."""
+    import struct
+
+    (count,), at, out = struct.unpack_from(">I", data), 4, []
+    for _ in range(count):
+        (size,) = struct.unpack_from(">I", data, at)
+        out.append(data[at + 4:at + 4 + size])
+        at += 4 + size
+    assert at == len(data)
+    return out
+
+
+def keyed_settings(address: str, **kw):
+    from trio_nsq.spark.options import WriteSettings
+
+    base = dict(topic="out", has_value=True, key_field=None, addresses=(address,), batch_size=3,
+                max_body_size=1 << 20, max_retries=0, retry_backoff=0.0, retry_backoff_max=0.0, timeout=10.0,
+                key_column="position")
+    return WriteSettings(**{**base, **kw})
+
+
+def test_rows_key_depends_on_every_row_key_and_fits_the_broker():
+    from trio_nsq.broker.idempotency import valid_key
+    from trio_nsq.spark.publisher import rows_key
+
+    keys = [1 << 40, (1 << 40) + 37, (1 << 40) + 90]
+    assert rows_key(keys) == rows_key(list(keys))  # a function of the keys alone
+    assert rows_key(keys).startswith(f"rows/{keys[0]}..{keys[-1]}/3/")
+    # same ends and count, another row inside: another key (a digest covers every key)
+    assert rows_key([keys[0], keys[1] + 1, keys[2]]) != rows_key(keys)
+    assert rows_key([str(k) for k in keys]) != rows_key(keys)  # "5" and 5 are other keys
+    long = ["127.0.0.1:4151/" + "x" * 300 + str(i) for i in range(2)] + ["é/1", "tab\there"]
+    for sample in ([0], keys, long, ["a/b"] * 5000):
+        key = rows_key(sample)
+        # a piece of a request cut in two, and a half of that, adds a suffix: still a valid key
+        assert valid_key(key) and valid_key(key + ".12.h1") and len(key) <= 140, key
+
+
+def test_a_request_key_comes_from_its_rows_so_the_same_rows_publish_once_whatever_the_batch(scripted):
+    """publish_partition (a task's work) without Spark: the same rows, in another micro-batch of another
+    query, cut into other record batches, send the same requests with the same keys."""
+    import pyarrow as pa
+
+    from trio_nsq.spark.datasource import publish_partition
+    from trio_nsq.spark.publisher import rows_key
+
+    positions = [100 + 40 * i for i in range(7)]
+    values = [f"v{i}" for i in range(7)]
+    runs = []
+    for prefix, cuts in (("query-a/3", [7]), ("query-b/0", [2, 4, 1]), ("query-a/9", [1] * 7)):
+        server = keyed_server(scripted, [], {"idempotent_publish": True})
+        at, batches = 0, []
+        for n in cuts:
+            batches.append(pa.record_batch({"value": values[at:at + n], "position": pa.array(positions[at:at + n],
+                                                                                            pa.int64())}))
+            at += n
+        done = publish_partition(keyed_settings(server.address), iter(batches), prefix)
+        assert (done.messages, done.requests) == (7, 3)
+        runs.append((server.keys, [mpub_bodies(body) for _, body, _ in server.posts]))
+    assert runs[0] == runs[1] == runs[2]
+    keys, requests = runs[0]
+    assert requests == [[b"v0", b"v1", b"v2"], [b"v3", b"v4", b"v5"], [b"v6"]]  # the value only: no position
+    assert keys == [rows_key(positions[0:3]), rows_key(positions[3:6]), rows_key(positions[6:7])]
+    assert not any("query" in k for k in keys)
+
+    # without the option: the keys carry the query and batch (the default, unchanged)
+    server = keyed_server(scripted, [], {"idempotent_publish": True})
+    rb = pa.record_batch({"value": values, "position": pa.array(positions, pa.int64())})
+    publish_partition(keyed_settings(server.address, key_column=None), iter([rb]), "query-a/3")
+    assert server.keys == ["query-a/3/0/0", "query-a/3/0/1", "query-a/3/0/2"]
+
+
+def test_the_key_column_is_left_out_of_json_rows_and_a_null_key_sends_nothing(scripted):
+    import pyarrow as pa
+
+    from trio_nsq.spark.datasource import publish_partition
+    from trio_nsq.spark.publisher import rows_key
+    from trio_nsq.spark.rows import NSQRowError
+
+    server = keyed_server(scripted, [], {"idempotent_publish": True})
+    rb = pa.record_batch({"id": pa.array([1, 2], pa.int64()), "src": ["127.0.0.1:4151/30", "127.0.0.1:4151/60"]})
+    publish_partition(keyed_settings(server.address, has_value=False, key_column="src"), iter([rb]), "q/0")
+    assert mpub_bodies(server.posts[0][1]) == [b'{"id":1}', b'{"id":2}']
+    assert server.keys == [rows_key(["127.0.0.1:4151/30", "127.0.0.1:4151/60"])]
+
+    # the key column may be the value itself (a message is its own key)
+    server = keyed_server(scripted, [], {"idempotent_publish": True})
+    publish_partition(keyed_settings(server.address, key_column="value"), iter([pa.record_batch({"value": ["a"]})]),
+                      "q/0")
+    assert mpub_bodies(server.posts[0][1]) == [b"a"] and server.keys == [rows_key(["a"])]
+
+    server = keyed_server(scripted, [], {"idempotent_publish": True})
+    bad = pa.record_batch({"value": ["a", "b"], "position": pa.array([1, None], pa.int64())})
+    good = pa.record_batch({"value": ["c", "d"], "position": pa.array([5, 6], pa.int64())})
+    with pytest.raises(NSQRowError, match="row 3 of this partition has a null in its idempotency_key_column"):
+        publish_partition(keyed_settings(server.address, batch_size=1), iter([good, bad]), "q/0")
+    # "c" went when "d" filled the next batch; "d" was pending; of the bad record batch, nothing
+    assert [mpub_bodies(body) for _, body, _ in server.posts] == [[b"c"]]
+
+
+def test_idempotency_key_column_is_checked_against_the_schema_at_planning():
+    from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+
+    from trio_nsq.spark.options import write_settings
+
+    schema = StructType([StructField("value", StringType()), StructField("position", LongType()),
+                         StructField("score", DoubleType())])
+    base = {"topic": "t", "nsqd_http_address": "127.0.0.1:4151"}
+    assert write_settings({**base, "idempotency_key_column": "position"}, schema).key_column == "position"
+    assert write_settings(base, schema).key_column is None  # the default: keys by query, batch, partition
+    with pytest.raises(ValueError, match=r"'Position' is not a column of this DataFrame \(did you mean 'position'\?\)"):
+        write_settings({**base, "idempotency_key_column": "Position"}, schema)
+    with pytest.raises(ValueError, match="'nope' is not a column.*its columns are value, position, score"):
+        write_settings({**base, "idempotency_key_column": "nope"}, schema)
+    with pytest.raises(ValueError, match="'score' is double, it must be a string or a long"):
+        write_settings({**base, "idempotency_key_column": "score"}, schema)
+    with pytest.raises(ValueError, match="idempotent=false sends no key"):
+        write_settings({**base, "idempotency_key_column": "position", "idempotent": "false"}, schema)
+
+
+def test_the_same_rows_written_by_two_jobs_are_published_once_on_a_real_broker(module_broker):
+    """Without Spark, against trio-nsqd: two 'jobs' (other write ids) publishing the same source rows."""
+    import pyarrow as pa
+
+    from trio_nsq.spark.datasource import publish_partition
+
+    rows = pa.record_batch({"value": [f"r{i}" for i in range(50)],
+                            "position": pa.array(range(0, 5000, 100), pa.int64())})
+    for write_id in ("job-1", "job-2", "job-3"):
+        publish_partition(keyed_settings(module_broker.http_address, batch_size=8), iter([rows]), write_id)
+    stats = module_broker.http.get("/stats?format=json&topic=out").json()
+    assert [t["message_count"] for t in stats["topics"] if t["topic_name"] == "out"] == [50]
+
+
+def test_the_writer_refuses_a_missing_key_column_before_any_task_runs(spark, module_broker):
+    df = spark.createDataFrame([("x", 1)], "value string, n long")
+    with pytest.raises(Exception, match="idempotency_key_column 'position' is not a column"):
+        nsq_write(df, module_broker, topic="t", idempotency_key_column="position").save()

@@ -31,7 +31,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from trio_nsq.spark.options import WriteSettings, write_settings
-from trio_nsq.spark.publisher import Batcher, MPubClient, at_least_once_once
+from trio_nsq.spark.publisher import Batcher, MPubClient, at_least_once_once, rows_key
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -61,7 +61,7 @@ def publish_partition(settings: WriteSettings, record_batches: Iterator, key_pre
     n = partition % len(settings.addresses)
     addresses = list(settings.addresses[n:] + settings.addresses[:n])
     converter = RowConverter(topic=settings.topic, has_value=settings.has_value, key_field=settings.key_field,
-                             key_prefix=f"{key_prefix}/{partition}")
+                             key_prefix=f"{key_prefix}/{partition}", key_column=settings.key_column)
     # Batcher cuts by count and bytes only, so the same rows in the same order make the same batches on
     # every attempt: batch number n of this partition keys the same messages each time
     batcher = Batcher(settings.batch_size, settings.max_body_size)
@@ -72,23 +72,41 @@ def publish_partition(settings: WriteSettings, record_batches: Iterator, key_pre
                     retry_backoff=settings.retry_backoff, retry_backoff_max=settings.retry_backoff_max,
                     timeout=settings.timeout) as client:
 
-        def send(topic: str, bodies: list[bytes]) -> None:
+        def send(topic: str, bodies: list[bytes], keys: list | None = None) -> None:
             nonlocal sent
-            client.publish(topic, bodies, None if request_key is None else f"{request_key}{sent}")
+            if keys is not None:  # idempotency_key_column: the rows' keys make the request's
+                key: str | None = rows_key(keys)
+            else:
+                key = None if request_key is None else f"{request_key}{sent}"
+            client.publish(topic, bodies, key)
             sent += 1
             topics[topic] = topics.get(topic, 0) + len(bodies)
 
-        add = batcher.add
-        for record_batch in record_batches:
-            for topic, body in converter.convert(record_batch):
-                full = add(topic, body)
-                if full is not None:
-                    send(*full)
-            if batcher.pending_bytes > 4 * settings.max_body_size:  # many topics, each with a small batch
-                for batch in batcher.flush():
-                    send(*batch)
-        for batch in batcher.flush():
-            send(*batch)
+        if settings.key_column is not None:
+            add_keyed = batcher.add_keyed
+            for record_batch in record_batches:
+                keys = converter.keys(record_batch)  # (first: a null key fails before anything is sent)
+                for (topic, body), row_key in zip(converter.convert(record_batch), keys):
+                    full_keyed = add_keyed(topic, body, row_key)
+                    if full_keyed is not None:
+                        send(*full_keyed)
+                if batcher.pending_bytes > 4 * settings.max_body_size:
+                    for keyed in batcher.flush_keyed():
+                        send(*keyed)
+            for keyed in batcher.flush_keyed():
+                send(*keyed)
+        else:
+            add = batcher.add
+            for record_batch in record_batches:
+                for topic, body in converter.convert(record_batch):
+                    full = add(topic, body)
+                    if full is not None:
+                        send(*full)
+                if batcher.pending_bytes > 4 * settings.max_body_size:  # many topics, each with a small batch
+                    for batch in batcher.flush():
+                        send(*batch)
+            for batch in batcher.flush():
+                send(*batch)
     return NSQCommitMessage(partition, client.messages, client.bytes, client.requests, client.retries, topics)
 
 
@@ -146,7 +164,7 @@ class NSQStreamWriter(DataSourceStreamArrowWriter):
         query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
         batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
         settings = self.settings
-        if settings.idempotent and (query_id is None or batch_id is None):
+        if settings.idempotent and settings.key_column is None and (query_id is None or batch_id is None):
             # without them, keys would repeat from one micro-batch to the next: send none
             at_least_once_once("the task has no sql.streaming.queryId / streaming.sql.batchId to key requests by")
             settings = dataclasses.replace(settings, idempotent=False)

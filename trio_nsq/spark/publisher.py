@@ -11,6 +11,7 @@ Errors are split the way Spark's retry logic needs them:
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -59,6 +60,7 @@ class Batcher:
         self.max_count = max_count
         self.max_bytes = max_bytes
         self._pending: dict[str, tuple[list[bytes], list[int]]] = {}
+        self._keys: dict[str, list] = {}  # add_keyed(): the rows' keys of each pending batch
 
     @property
     def pending_bytes(self) -> int:
@@ -84,6 +86,44 @@ class Batcher:
         pending, self._pending = self._pending, {}
         for topic, (bodies, _) in pending.items():
             yield topic, bodies
+
+    def add_keyed(self, topic: str, body: bytes, key: str | int) -> tuple[str, list[bytes], list] | None:
+        """add(), carrying each message's row key along: a full batch comes with its messages' keys (a
+        Batcher is fed by add() or by add_keyed(), not both)."""
+        full = self.add(topic, body)
+        if full is None:
+            self._keys.setdefault(topic, []).append(key)
+            return None
+        keys, self._keys[topic] = self._keys[topic], [key]  # (`body` started the topic's next batch)
+        return topic, full[1], keys
+
+    def flush_keyed(self) -> Iterator[tuple[str, list[bytes], list]]:
+        keys, self._keys = self._keys, {}
+        for topic, bodies in self.flush():
+            yield topic, bodies, keys[topic]
+
+
+# a row key longer than this shows as a digest in a request's key, which so stays well within the broker's
+# 256 characters, suffixes of a request cut in pieces (".0", ".h1"...) included
+_SHOWN_KEY = 48
+
+
+def _shown(key: str | int) -> str:
+    """A row key as it appears in a request's key: itself when short printable ASCII, else a digest."""
+    text = str(key)
+    if len(text) <= _SHOWN_KEY and text.isascii() and text.isprintable():
+        return text
+    return "#" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def rows_key(keys: list) -> str:
+    """The Idempotency-Key of a request carrying rows whose idempotency_key_column values are `keys`, in
+    order: `rows/<first>..<last>/<count>/<digest of every key>`. It depends on the rows alone, not on
+    Spark's query, batch or partition numbers, so the same rows published again (a replayed micro-batch,
+    a query restarted from offsets) are refused as duplicates. At most 131 characters (the broker takes
+    256)."""
+    digest = hashlib.blake2b(json.dumps(keys, separators=(",", ":")).encode(), digest_size=8).hexdigest()
+    return f"rows/{_shown(keys[0])}..{_shown(keys[-1])}/{len(keys)}/{digest}"
 
 
 def split_to_fit(bodies: list[bytes], max_bytes: int) -> Iterator[list[bytes]]:

@@ -8,6 +8,8 @@ Spark hands to a `DataSourceArrowWriter` (a column at a time where it can).
 - The topic is the `topic` option, else the row's `topic` column.
 - `key_field` (JSON rows only) adds a field holding an idempotency key, "<write>/<partition>/<row>": the
   same rows get the same keys when Spark runs a task again or replays a micro-batch.
+- `key_column` (the idempotency_key_column option) is read by `keys()` for the requests' keys, and left
+  out of a JSON body: it names the row's source, it is not part of the message.
 """
 
 from __future__ import annotations
@@ -78,11 +80,12 @@ class RowConverter:
     settings; the per-schema converters are made on the first batch."""
 
     def __init__(self, *, topic: str | None, has_value: bool, key_field: str | None = None,
-                 key_prefix: str = "") -> None:
+                 key_prefix: str = "", key_column: str | None = None) -> None:
         self.topic = topic
         self.has_value = has_value
         self.key_field = key_field
         self.key_prefix = key_prefix
+        self.key_column = key_column
         self.row_index = 0  # rows seen so far in this partition
         self._json_fields: list[tuple[str, Callable[[Any], Any]]] | None = None
 
@@ -96,6 +99,18 @@ class RowConverter:
         if not rb.num_rows:
             return iter(())
         return self._batch(rb)
+
+    def keys(self, rb: pa.RecordBatch) -> list:
+        """The key_column's values of one record batch (str or int), before its messages are made (call it
+        first: convert() counts the rows); NSQRowError for a null, as nothing could key that row."""
+        assert self.key_column is not None
+        column = rb.column(rb.schema.get_field_index(self.key_column))
+        if column.null_count:
+            row = column.is_null().to_pylist().index(True)
+            raise NSQRowError(f"nsq: row {self.row_index + row} of this partition has a null in its "
+                              f"idempotency_key_column {self.key_column!r}: every row needs the key of its source. "
+                              f"Filter such rows out, or fill the column (coalesce)")
+        return column.to_pylist()
 
     def _batch(self, rb: pa.RecordBatch) -> Iterator[tuple[str, bytes]]:
         first = self.row_index
@@ -133,6 +148,8 @@ class RowConverter:
         return column.to_pylist()
 
     def _json(self, rb: pa.RecordBatch, first: int) -> list[bytes]:
+        if self.key_column is not None:
+            rb = rb.drop_columns([self.key_column])
         if self._json_fields is None:
             fields = [(f.name, _converter(f.type)) for f in rb.schema]
             self._json_fields = [(name, conv) for name, conv in fields if conv is not None]
