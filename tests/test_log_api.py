@@ -148,6 +148,12 @@ def test_the_durable_cursor_pins_retention_shows_its_lag_and_survives_kill_9(bro
     assert error(broker, f"/log/commit?topic=p&channel=query&position={records[120][0] + 3}", "POST") == (
         400, "POSITION_NOT_A_RECORD")
     assert error(broker, "/log/commit?topic=p&channel=bad!&position=0", "POST") == (400, "INVALID_ARG_CHANNEL")
+    # an ephemeral channel or topic is refused before anything is made
+    assert error(broker, "/log/commit?topic=p&channel=c%23ephemeral&position=0", "POST") == (400, "INVALID_ARG_CHANNEL")
+    assert error(broker, "/log/commit?topic=e%23ephemeral&channel=c&position=0", "POST") == (400, "TOPIC_HAS_NO_LOG")
+    stats = get_json(broker, "/stats?format=json")
+    assert "e#ephemeral" not in {t["topic_name"] for t in stats["topics"]}
+    assert channel_depth(broker, "p", "c#ephemeral") is None
     # a commit naming a log of a topic that is gone does not make the topic again
     assert error(broker, "/log/commit?topic=gone&channel=q&position=0&log_id=0123456789abcdef", "POST") == (
         409, "LOG_ID_MISMATCH")

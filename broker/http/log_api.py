@@ -30,7 +30,7 @@ from trio_nsq.broker.storage.topic_log import TopicLog
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http_api import HTTPError, Reply, ok_json, parse_go_int
 from trio_nsq.shared.http_server import Request
-from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
+from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
 
 if TYPE_CHECKING:
     from trio_nsq.broker.http.endpoints import Api
@@ -74,6 +74,8 @@ class LogApi:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
         if not is_valid_topic_name(names[0]):
             raise HTTPError(400, "INVALID_ARG_TOPIC")
+        if create and is_ephemeral(names[0]):
+            raise HTTPError(400, "TOPIC_HAS_NO_LOG")  # (refused before it is made)
         wanted = params.get("log_id")
         if create and wanted and self.nsqd.get_existing_topic(names[0]) is None:
             raise HTTPError(409, "LOG_ID_MISMATCH")  # the log named is gone: not made again by a commit
@@ -201,13 +203,11 @@ class LogApi:
         names = args.get("channel")
         if not names:
             raise HTTPError(400, "MISSING_ARG_CHANNEL")
-        if not is_valid_channel_name(names[0]):
-            raise HTTPError(400, "INVALID_ARG_CHANNEL")
+        if not is_valid_channel_name(names[0]) or is_ephemeral(names[0]):
+            raise HTTPError(400, "INVALID_ARG_CHANNEL")  # (an ephemeral channel's cursor would not survive a restart)
         place = self._locate(log_, self._number(args, "position"))
         created = topic.get_existing_channel(names[0]) is None
         channel = topic.get_channel(names[0])
-        if channel.ephemeral:
-            raise HTTPError(400, "INVALID_ARG_CHANNEL")  # its cursor would not survive a restart
         log_.reload_deadlines(place.position)
         channel.seek(place.position, place.index)
         await self.api._persisted(topic, f"CHANNEL({topic.name}:{channel.name})")
