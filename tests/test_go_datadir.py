@@ -224,3 +224,33 @@ def test_a_go_queue_at_large_segment_numbers_survives_kill_9(tmp_path, first):
         assert write_file > first + 100  # rolled past 2**22 (2**23); the segments read went
     finally:
         broker.stop()
+
+
+def test_a_queue_go_nsqd_wrote_is_read_by_position_and_keeps_its_log_id_across_kill_9(tmp_path):
+    """A log opened from Go's files has no log id on disk (Go's metadata has three lines): the first
+    /log request writes it before answering, so a kill -9 right after cannot make another one, and the
+    positions Go's records got are the same after the restart."""
+    broker = BrokerProcess(tmp_path)
+    (broker.data_path / "nsqd.dat").write_bytes(b'{"topics":[{"name":"gone","paused":false,"channels":[]}],'
+                                                 b'"version":"1.3.0"}')
+    bodies = [b"go-%03d" % i for i in range(50)]
+    write_queue(broker.data_path, "gone", bodies)
+    broker.start()
+    try:
+        info = json.loads(http(broker, "/log/positions?topic=gone"))
+        assert (info["first"], info["end_index"] - info["first_index"]) == (0, 50)
+        assert "epoch" in (broker.data_path / "gone.diskqueue.meta.dat").read_text()  # on disk before the answer
+        data = http(broker, f"/log/read?topic=gone&position=0&end={info['end']}")
+        records = []
+        at = 0
+        while at < info["end"]:
+            (size,) = struct.unpack_from(">i", data, at)
+            records.append(data[at + 30:at + 4 + size])
+            at += 4 + size
+        assert records == bodies
+        broker.kill()
+        broker.start()
+        again = json.loads(http(broker, "/log/positions?topic=gone"))
+        assert (again["log_id"], again["first"], again["end"]) == (info["log_id"], 0, info["end"])
+    finally:
+        broker.stop()
