@@ -263,3 +263,32 @@ async def test_marks_and_splits_depend_on_the_records_only_not_on_how_the_log_wa
         assert list(by_reads._marks[num].positions) == list(marks.positions)
         assert all((p - marks.base) % INTERVAL < 1000 for p in marks.positions)  # just past a multiple
     kill(topic)
+
+
+async def test_a_log_read_by_position_marks_what_it_appends_as_a_walk_would(tmp_path):
+    """Once the index exists, appends mark their records: splits and checks of what was written since
+    walk nothing again, and the marks are the ones a walk of the files makes."""
+    topic = open_topic(tmp_path, mem_queue_size=0, max_bytes_per_file=300_000)
+    log_ = topic.log
+    assert log_ is not None
+    topic.publish(published(300, seed=4))  # before any positional reader: not marked at append
+    await topic.group.sync_round()
+    index = log_.index
+    end = log_.durable_tail
+    index.splits(Place(0, 0), end, end.position, 2)  # walks what is there
+    for at in range(0, 3000, 250):
+        topic.publish(published(250, seed=at)[:250])
+    topic.publish([b"deferred"] * 3, 30.0)
+    await topic.group.sync_round()
+    end = log_.durable_tail
+    assert log_.segments.write_file_num >= 3
+    for num in log_.segments.segments():
+        assert index._marks[num].scanned == log_.index._records_end(num)  # walked to the end by the appends
+    fresh = LogIndex(log_.segments)
+    assert fresh.splits(Place(0, 0), end, end.position, 5) == index.splits(Place(0, 0), end, end.position, 5)
+    for num, marks in fresh._marks.items():
+        mine = index._marks[num]
+        assert (list(mine.positions), list(mine.indices), list(mine.stamps)) == \
+            (list(marks.positions), list(marks.indices), list(marks.stamps))
+        assert (mine.scanned, mine.scanned_index, mine.last) == (marks.scanned, marks.scanned_index, marks.last)
+    kill(topic)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.files import close_quietly
 from trio_nsq.broker.storage.segment_log import Place, SegmentLog
@@ -171,6 +171,30 @@ class LogIndex:
             marks = Marks(segments.start_of(num), segments.index_of_file(num))
             self._marks[num] = marks
         return marks
+
+    def appended(self, records: Sequence[bytes], positions: list[int], first_index: int) -> None:
+        """Records were appended at `positions` (the first with index `first_index`): where a segment's
+        marks reach them (walked up to where they start), they are marked as a walk would mark them."""
+        segments = self.segments
+        i = 0
+        n = len(positions)
+        while i < n:
+            num = segments.file_of(positions[i])
+            marks = self._of(num)
+            following = segments.start_of(num + 1) if num < segments.write_file_num else 1 << 62
+            base = marks.base
+            while i < n and positions[i] < following:
+                pos = positions[i]
+                if marks.scanned == pos:
+                    offset = pos - base
+                    last = marks.last
+                    if last < 0 or offset // INTERVAL > last // INTERVAL:
+                        record = records[i]
+                        marks.add(pos, first_index + i, int.from_bytes(record[:8], "big", signed=True))
+                    marks.last = offset
+                    marks.scanned = pos + 4 + len(records[i])
+                    marks.scanned_index = first_index + i + 1
+                i += 1
 
     def _segment_end(self, num: int, fd: int) -> int:
         """The position where segment num's records end (its size, a cut, the write position)."""

@@ -189,17 +189,23 @@ class TopicLog:
     def append(self, records: Sequence[bytes], deadline: float = 0.0) -> None:
         """Append records (every one deferred until `deadline`, unix seconds, when > 0). Raises
         BackendError (`.stored` of them kept) at the first that cannot be stored."""
-        if not deadline:
+        index = self._index
+        if not deadline and index is None:
             self.segments.append(records)
             return
         positions: list[int] = []
+        first_index = self.segments.tail_index
         try:
             self.segments.append(records, positions)
         finally:
             # after their records: a kill -9 between the two writes costs these records their delay,
             # never the records (an entry whose record was lost is cut off at the next start)
-            if positions:
+            if positions and deadline:
                 self._append_deadlines(records, positions, deadline)
+            if positions and index is not None:
+                # a log read by position marks what it writes: a split or a check of what was written
+                # since the start walks nothing again
+                index.appended(records, positions, first_index)
 
     def _append_deadlines(self, records: Sequence[bytes], positions: list[int], deadline: float) -> None:
         self.publish_deadlines.add_many(positions, deadline)
