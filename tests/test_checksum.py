@@ -106,6 +106,33 @@ async def test_a_record_zeroed_inside_its_body_after_a_power_loss_is_cut(power_l
     assert len(lines) == 1 and ("checksum" in lines[0]), lines
 
 
+async def test_a_log_without_metadata_yet_is_checked_where_it_has_side_files(power_loss, caplog):  # noqa: F811
+    """A power loss before the topic's first round: no metadata on disk. Another topic's round fsynced
+    the directory (the names are durable), the kernel wrote back the segment (a body as zeros) and not
+    the side file: nothing is covered, nothing is in the log (the zeroed body was, before)."""
+    caplog.set_level(logging.INFO, logger="nsqd")
+    d = power_loss.data_dir
+    late = [b"late-%d-" % i + b"x" * 200 for i in range(3)]
+    topic = open_topic(d)
+    for body in late:
+        topic.publish([body])
+    kill(topic)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(fd)  # what another topic's round does
+    os.close(fd)
+    blob = Path(segment(d)).read_bytes()
+    write_back(segment(d), bytes(len(late[1])), at=blob.index(late[1]))
+    power_loss.crash("strict")
+    assert not os.path.exists(os.path.join(d, "t.diskqueue.meta.dat"))
+    assert Path(segment(d)).read_bytes().count(b"late-") == 2
+
+    topic = open_topic(d)
+    got = log_bodies(topic)
+    kill(topic)
+    assert got == []
+    assert len(cut_lines(caplog)) == 1
+
+
 async def test_a_torn_side_file_cuts_at_the_first_record_it_no_longer_covers(power_loss, caplog):  # noqa: F811
     """Three batches after the last round, all of the segment written back, the side file only up to
     the first batch's entry and 7 bytes of the second's: the second and third batches are cut, the first

@@ -383,7 +383,10 @@ class SegmentLog:
         """The records of segment num from `pos` on are counted in (a torn one at the end cut off); it is
         the write file up to where they end, which is returned."""
         path = self.file_name(num)
-        limit, why = self._checksums.verified_end(path, num, pos, size) if self._crc_check else (size, "")
+        if self._crc_check or not self.meta_found:
+            limit, why = self._checksums.verified_end(path, num, pos, size, required=self._crc_check)
+        else:
+            limit, why = size, ""
         end, count = self._scan(num, pos, limit, check=self._valid_record)
         if end < size:
             log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record%s off the end of %s", self.name,
