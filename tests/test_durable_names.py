@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from trio_nsq.broker.http.endpoints import Api
+from trio_nsq.broker.http.log_api import LogApi
 from trio_nsq.broker.metadata import JOURNAL_FILE, METADATA_FILE, dumps
 from trio_nsq.broker.nsqd import NSQD
 from trio_nsq.broker.options import Options
@@ -38,6 +39,7 @@ class Broker:
             setattr(opts, key, value)
         self.nsqd = NSQD(opts)
         self.api = Api(self.nsqd)
+        self.log_api = LogApi(self.api)
         self._scope: trio.CancelScope | None = None
         self._done = trio.Event()
 
@@ -70,7 +72,10 @@ class Broker:
 
     async def call(self, method: str, path: str, query: str, body: bytes = b"") -> Any:
         """An HTTP endpoint's handler, as the server calls it; its Reply, or the HTTPError it raised."""
-        handler = getattr(self.api, path.strip("/").replace("/", "_"))
+        if path.startswith("/log/"):
+            handler = getattr(self.log_api, path.removeprefix("/log/"))
+        else:
+            handler = getattr(self.api, path.strip("/").replace("/", "_"))
 
         async def reader(cap: int) -> bytes | None:
             return body
@@ -308,4 +313,25 @@ async def test_a_topic_made_by_a_publish_is_named_on_disk_before_the_answer(powe
         power_loss.crash("strict")
         b = await Broker(data).start(nursery)
         assert b.nsqd.get_existing_topic("made") is not None
+        await b.kill()
+
+
+# --- finding 8: the positional flag is on disk before a position is given out ------------------------
+
+
+async def test_the_positional_flag_is_on_disk_before_the_first_log_answer(power_loss):
+    data = Path(power_loss.data_dir)
+    async with trio.open_nursery() as nursery:
+        b = await Broker(data, mem_queue_size=10000).start(nursery)
+        await b.channel("t", "c")
+        t = b.topic("t")
+        await b.api._publish(t, [b"m"], "pub", None)
+        t.log.request_meta()
+        await t.group.sync_round()  # the log id is on disk already: only the flag is new
+        assert t.log.epoch_on_disk and not t.log.positional
+        ok(await b.call("GET", "/log/positions", "topic=t"))
+        await b.kill()
+        power_loss.crash("strict")
+        b = await Broker(data, mem_queue_size=10000).start(nursery)
+        assert b.topic("t").log.positional
         await b.kill()
