@@ -18,11 +18,11 @@ from trio_nsq.broker.http.log_api import LogApi
 from trio_nsq.broker.metadata import JOURNAL_FILE, METADATA_FILE, dumps
 from trio_nsq.broker.nsqd import NSQD
 from trio_nsq.broker.options import Options
-from trio_nsq.broker.storage.files import fsync_dir
+from trio_nsq.broker.storage.data_dir import DataDir, channel_of
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http_api import HTTPError
 from trio_nsq.shared.http_server import Request
-from tests.power_loss import PowerLoss, power_loss  # noqa: F401 (the fixture)
+from tests.power_loss import power_loss  # noqa: F401 (the fixture)
 from tests.topic_owner import kill
 
 
@@ -335,3 +335,23 @@ async def test_the_positional_flag_is_on_disk_before_the_first_log_answer(power_
         b = await Broker(data, mem_queue_size=10000).start(nursery)
         assert b.topic("t").log.positional
         await b.kill()
+
+
+def test_the_channel_of_a_file_and_the_channels_taken_away():
+    """A channel's files by name (channel names may hold dots, even ".cursor." or ".diskqueue."): those of
+    the channels selected are taken from the topic's, the rest stay (a name whose channel cannot be told
+    stays the topic's)."""
+    assert channel_of("t:c.cursor.dat") == "c"
+    assert channel_of("t:c.cursor.dat.123.tmp") == "c"
+    assert channel_of("t:a.b.diskqueue.000001.dat") == "a.b"
+    assert channel_of("t:x.diskqueue.y.cursor.dat") == "x.diskqueue.y"
+    assert channel_of("t:a.cursor.b.diskqueue.meta.dat") == "a.cursor.b"
+    assert channel_of("t.diskqueue.000000.dat") is None
+    assert channel_of("t:odd") is None
+    names = ["t.diskqueue.meta.dat", "t:a.cursor.dat", "t:a.b.cursor.dat", "t:a.b.diskqueue.meta.dat", "t:odd",
+             "u:a.cursor.dat"]
+    data_dir = DataDir(names)
+    assert sorted(data_dir.take_channels("t", lambda channel: channel == "a.b")) == [
+        "t:a.b.cursor.dat", "t:a.b.diskqueue.meta.dat"]
+    assert sorted(data_dir.take("t")) == ["t.diskqueue.meta.dat", "t:a.cursor.dat", "t:odd"]
+    assert data_dir.take_channels("v", lambda channel: True) == []

@@ -12,8 +12,10 @@ A file belongs to a topic by its name: `<topic>:<channel>...` (a channel's curso
 dots (and even "diskqueue"), so the topic is what comes before the *last* `.diskqueue.` or
 `.idempotency`; a name that is none of these belongs to no topic.
 
-Who calls it: NSQD lists it at start and gives each Topic its names (`take`); a topic made later, at run
-time, takes what the listing had for it (files a crash or Go nsqd left), and owns its files from then on.
+Who calls it: NSQD lists it at start, takes away (and removes) the names of topics and channels a loaded
+nsqd.dat does not name (`take`, `take_channels`: what a deletion left behind), and gives each Topic its
+names (`take`); a topic made later, at run time, takes what the listing had for it (files a crash or Go
+nsqd left when there was no nsqd.dat to say whose they are), and owns its files from then on.
 """
 
 from __future__ import annotations
