@@ -111,7 +111,9 @@ class TopicLog:
         # the log id (the epoch) is in a metadata file on disk: until it is, it is not given out (a crash
         # before would make another)
         self.epoch_on_disk = segments.epoch_loaded
+        self.positional_on_disk = self.positional  # ... and so is "positional 1" (the log API awaits it)
         self._meta_in_round = False
+        self._positional_in_round = False
         self._index: LogIndex | None = None
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
         self._load_deadlines(segments.start, deadline_files)
@@ -468,6 +470,7 @@ class TopicLog:
         if self.positional:
             extra.append("positional 1")
         self._meta_in_round = True
+        self._positional_in_round = self.positional
         plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(go_pos, go_index, extra)))
 
     def _retained(self, needed_file: int) -> int:
@@ -496,6 +499,7 @@ class TopicLog:
             self._removing = []
             if self._meta_in_round:
                 self.epoch_on_disk = True
+                self.positional_on_disk = self.positional_on_disk or self._positional_in_round
             if not self._suspect:
                 self.durable_tail = self._round_tail
         else:
