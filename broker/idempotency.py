@@ -54,10 +54,11 @@ def journal_name(topic_name: str) -> str:
 
 class IdempotencyKeys:
     def __init__(self, topic_name: str, data_path: str | None, *, window: float, max_keys: int,
-                 log_end: int | None = None) -> None:
-        """`log_end`: where the topic's log ends at this start (keys of messages past it are dropped)."""
+                 log_holds: Callable[[int], bool] | None = None) -> None:
+        """`log_holds(position)`: whether the topic's log at this start holds the records that end at a
+        position (keys of messages past its end, or in a gap lost records left, are dropped)."""
         self.topic_name = topic_name
-        self.log_end = log_end
+        self.log_holds = log_holds
         self.window = window
         self.max_keys = max(1, max_keys)
         self.path = os.path.join(data_path, journal_name(topic_name)) if data_path else None
@@ -160,7 +161,7 @@ class IdempotencyKeys:
             except ValueError:
                 log.warning("TOPIC(%s): skipping a bad line in %s", self.topic_name, self.path)
                 continue
-            if position is not None and (self.log_end is None or position > self.log_end):
+            if position is not None and (self.log_holds is None or not self.log_holds(position)):
                 lost += 1  # its messages are not all in the log (a power loss cut it): a retry publishes
                 continue
             if expiry > now and valid_key(key):

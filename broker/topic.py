@@ -131,7 +131,7 @@ class Topic:
         self.idempotency = IdempotencyKeys(
             name, None if self.ephemeral else nsqd.data_path,
             window=opts.idempotency_window, max_keys=opts.max_idempotency_keys,
-            log_end=None if self.log is None else self.log.segments.tail,
+            log_holds=None if self.log is None else self.log.segments.holds_end,
         )
         # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
         self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None

@@ -114,7 +114,10 @@ class TopicLog:
         self._meta_in_round = False
         self._index: LogIndex | None = None
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
-        self._load_deadlines(segments.start, deadline_files)
+        # the log does not end where the metadata said (records recovered, a torn tail cut, segments
+        # given a start): a deadline entry may name a position its record no longer has
+        moved = segments.tail != segments.synced_at_open.position
+        self._load_deadlines(segments.start, deadline_files, check_ids=moved)
         if segments.recovered:
             self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail.position))
             group.request_round()
@@ -146,13 +149,19 @@ class TopicLog:
     def _deadline_files(self) -> list[int]:
         return numbered_files(list_dir(self.data_path), f"{self.name}.diskqueue.deadlines")
 
-    def _load_deadlines(self, start: int, files: list[int]) -> None:
+    def _load_deadlines(self, start: int, files: list[int], check_ids: bool = False) -> None:
         """The deadlines still ahead of records from `start` on (a restart, or a seek back), from deadline
         files `files`. Entries past the log's end (their records lost with a power failure, or a torn
-        write) are cut off their file: a record written there later is not deferred by them."""
+        write) are cut off their file: a record written there later is not deferred by them. With
+        `check_ids` (at open, after a crash), those of the segments past what the metadata saw must also
+        name the message id of the record at their position (or follow it: `_verified`)."""
         now = self.clock()
         tail = self.segments.tail
         first = self.segments.file_of(start)
+        # segments a crash may have changed since their deadlines were written: from the one the metadata
+        # saw the end of (records past it recovered at open, segments past it given a start at open)
+        segments = self.segments
+        recovered = segments.file_of(segments.synced_at_open.position) if check_ids else segments.write_file_num + 1
         found: list[tuple[int, float]] = []
         for num in files:
             path = self.deadline_file_name(num)
@@ -167,6 +176,11 @@ class TopicLog:
                 log.error("TOPIC(%s) cannot read %s - %s", self.name, path, exc)
                 continue
             usable = len(data) - len(data) % _DEADLINE.size  # a crash may cut the last entry
+            if num >= recovered:
+                for pos, deadline, _ in self._verified(num, path, data[:usable], len(data)):
+                    if pos >= start and deadline > now:
+                        found.append((pos, deadline))
+                continue
             kept = 0
             for pos, deadline, _ in _DEADLINE.iter_unpack(data[:usable]):
                 if pos >= tail:
@@ -183,6 +197,71 @@ class TopicLog:
                     log.error("TOPIC(%s) cannot cut %s - %s", self.name, path, exc)
         if found:
             self.publish_deadlines.load(found)
+
+    def _verified(self, num: int, path: str, data: bytes, size: int) -> list[tuple[int, float, bytes]]:
+        """The entries of segment num's deadline file whose record is there: the message id at the
+        position is the entry's, or (the segment was given another start at open) the record with that id
+        is found in the segment and the entry moves to its position. The others (their records lost) go,
+        so a deadline never defers another record written at their position. The file is rewritten
+        when anything changed (the next round fsyncs it)."""
+        segments = self.segments
+        entries = list(_DEADLINE.iter_unpack(data))
+        first, end = segments.start_of(num), segments.start_of(num) + segments.segment_size(num)
+        kept: list[tuple[int, float, bytes]] = []
+        missing: dict[bytes, float] = {}
+        reader = segments.reader(first, segments.index_of_file(num))
+        try:
+            for pos, deadline, msg_id in entries:
+                try:
+                    same = first <= pos < end and reader.fetch(pos)[10:26] == msg_id
+                except (OSError, ValueError):
+                    same = False
+                if same:
+                    kept.append((pos, deadline, msg_id))
+                else:
+                    missing[msg_id] = deadline
+        finally:
+            reader.close()
+        moved = 0
+        if missing:
+            for pos, msg_id in self._positions_of(num, set(missing)):
+                kept.append((pos, missing.pop(msg_id), msg_id))
+                moved += 1
+            kept.sort()
+            log.warning("TOPIC(%s) deadlines of %s: %d moved with their records' segment, %d dropped "
+                        "(their records are not in the log)", self.name, path, moved, len(missing))
+        if missing or moved or size != len(data):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+                try:
+                    os.write(fd, b"".join(_DEADLINE.pack(*entry) for entry in kept))
+                finally:
+                    close_quietly(fd)
+                self._deadline_unsynced.add(num)
+            except OSError as exc:
+                log.error("TOPIC(%s) cannot rewrite %s - %s", self.name, path, exc)
+        return kept
+
+    def _positions_of(self, num: int, ids: set[bytes]) -> list[tuple[int, bytes]]:
+        """(position, id) of the records of segment num whose message id is in `ids`."""
+        segments = self.segments
+        found: list[tuple[int, bytes]] = []
+        reader = segments.reader(segments.start_of(num), segments.index_of_file(num))
+        upto = segments.start_of(num + 1)
+        try:
+            while ids:
+                positions: list[int] = []
+                records = reader.read(4096, upto, positions)
+                if not records:
+                    break
+                for pos, data in zip(positions, records):
+                    msg_id = data[10:26]
+                    if msg_id in ids:
+                        ids.discard(msg_id)
+                        found.append((pos, msg_id))
+        finally:
+            reader.close()
+        return found
 
     # --- writing ------------------------------------------------------------------------------
 
