@@ -385,6 +385,10 @@ class SegmentLog:
             log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
                         self.name, size - end, path)
             os.truncate(path, end)
+            if not count:
+                # no record recovered here, so no round fsyncs this file: a second power loss would bring
+                # the torn bytes back (past a sealed segment's end, where a read then fails)
+                self._sync_cut(path)
         if count:
             log.info("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
                      "last metadata sync)", self.name, count, pos, path)
@@ -395,6 +399,16 @@ class SegmentLog:
         self.tail_index += count
         self.write_file_num, self.write_pos = num, end
         return end
+
+    def _sync_cut(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to fsync the cut of %s - %s", self.name, path, exc)
 
     def _scan(self, num: int, pos: int, size: int, check: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
         """(end of the last whole, valid record from pos, how many records) in segment num up to size,
