@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.deadlines import PublishDeadlines
-from trio_nsq.broker.storage.files import close_quietly, remove_quietly
+from trio_nsq.broker.storage.files import close_quietly, fsync_dir, remove_quietly
 from trio_nsq.broker.storage.log_index import LogIndex
 from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.storage.records import looks_like_message
@@ -120,11 +120,33 @@ class TopicLog:
         self._load_deadlines(segments.start, deadline_files, check_ids=moved)
         if segments.recovered:
             self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail.position))
+            self._sync_recovered()
             group.request_round()
         group.members.append(self)
 
     def __repr__(self) -> str:
         return f"TopicLog({self.name})"
+
+    def _sync_recovered(self) -> None:
+        """Records a kill -9 left past the metadata's write position (maybe in the page cache only) are
+        fsynced now, with the names of their segments: the durable tail starts where the log ends, not
+        back at the metadata's write position (a reader shown the old end before the kill would find
+        its positions past the end until the first round)."""
+        segments = self.segments
+        paths = segments.take_unsynced()
+        try:
+            for path in paths:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(self.data_path)
+        except OSError as exc:
+            log.error("TOPIC(%s) failed to fsync the records recovered at open - %s", self.name, exc)
+            segments.unsynced_again(paths)  # the first round does it
+            return
+        self.durable_tail = self._round_tail = Place(segments.tail, segments.tail_index)
 
     def _load_dispatched(self) -> Place:
         segments = self.segments
