@@ -68,6 +68,9 @@ class IdempotencyKeys:
         self._pending: dict[str, trio.Event] = {}  # keys whose first request is still publishing
         self._journal_lines = 0
         self._fd: int | None = None
+        # the journal's name is in a directory a successful fsync made durable (only that sets it): a
+        # key is not durable before
+        self._name_durable = False
         self._warned_full = False
         self._closed = False
         # group commit of journal appends: every waiter of one moment shares one fsync
@@ -197,6 +200,7 @@ class IdempotencyKeys:
         keep = [k for k in self.keys if k in self._durable or k in self._at] if keys is None else keys
         tmp = f"{self.path}.tmp"
         data = JOURNAL_HEADER + b"".join(self._line(k) for k in keep)
+        self._name_durable = False
         try:
             write_synced(tmp, data)
             os.rename(tmp, self.path)
@@ -204,6 +208,7 @@ class IdempotencyKeys:
         except OSError as exc:
             log.error("TOPIC(%s): failed to write %s - %s", self.topic_name, self.path, exc)
             return
+        self._name_durable = True
         self._durable = {k for k in keep if k not in self._at}
         self._journal_lines = len(keep)
 
@@ -265,6 +270,10 @@ class IdempotencyKeys:
             try:
                 if fd is not None:
                     await trio.to_thread.run_sync(os.fsync, fd)
+                if not self._name_durable:
+                    # made (or found, maybe left by a kill -9 before its directory's fsync) since
+                    await trio.to_thread.run_sync(fsync_dir, os.path.dirname(self.path))
+                    self._name_durable = True
                 self._synced = max(self._synced, upto)
             except OSError as exc:
                 log.error("TOPIC(%s): failed to fsync %s - %s", self.topic_name, self.path, exc)
