@@ -289,14 +289,24 @@ class IdempotencyKeys:
 
     # --- lifetime ------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """At a clean exit, with the messages flushed to disk: every key held goes to the journal."""
+    def close(self, flushed: bool = True) -> None:
+        """At a clean exit: every key held goes to the journal when the messages were flushed to disk
+        and persisted (`flushed`); otherwise only those journalled already (durable, or with the log
+        position their messages end at): the keys of messages held in memory covered messages that may
+        be lost, and a retry must publish them again."""
         if self._closed:
             return
         self._closed = True
         if self.path is not None and (self.keys or self._journal_lines):
             self._expire(time.time())
-            self._rewrite(list(self.keys))
+            if flushed:
+                self._rewrite(list(self.keys))
+            else:
+                dropped = [k for k in self.keys if k not in self._durable and k not in self._at]
+                if dropped:
+                    log.warning("TOPIC(%s): %d idempotency keys not kept: their messages were not flushed",
+                                self.topic_name, len(dropped))
+                self._rewrite()
         self._close_fd()
 
     def delete(self) -> None:
