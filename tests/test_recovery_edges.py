@@ -256,3 +256,37 @@ def test_a_cut_made_at_open_survives_another_power_loss(power_loss, caplog):
         assert trio.run(third, clock=clock) == bodies("a", 3) + bodies("c", 2)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
+
+
+def test_deferred_records_of_a_segment_given_a_start_at_open_stay_deferred(tmp_path):
+    """The other side of finding 2's gap: after a kill -9 (nothing lost) a segment the metadata did not
+    name gets a start past the gap, so its deadline entries name old positions; they follow their
+    message ids, and the deferred records stay deferred (passes on main too: a guard for the fix)."""
+    clock = trio.testing.MockClock()
+    data = str(tmp_path)
+    options = dict(mem_queue_size=0, max_bytes_per_file=400)
+
+    async def before() -> Topic:
+        topic = open_topic(data, clock, **options)
+        topic.publish(bodies("p", 3))
+        await topic.group.sync_round()
+        topic.publish(bodies("q", 8))  # fills segment 0, rolls: no round since
+        topic.publish(bodies("d", 3), 3600.0)  # deferred, in segment 1
+        topic.publish(bodies("r", 2))
+        assert topic.log is not None and topic.log.segments.write_file_num == 1
+        return topic
+    kill(trio.run(before, clock=clock))
+
+    async def after() -> tuple[list[bytes], list[bytes]]:
+        topic = open_topic(data, clock, **options)
+        try:
+            channel = topic.get_channel("c")
+            now = drain(channel)
+            clock.jump(3601)
+            channel.process_deferred_queue(trio.current_time())
+            return now, drain(channel)
+        finally:
+            kill(topic)
+    now, later = trio.run(after, clock=clock)
+    assert now == bodies("p", 3) + bodies("q", 8) + bodies("r", 2)
+    assert later == bodies("d", 3)

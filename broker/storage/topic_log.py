@@ -250,8 +250,12 @@ class TopicLog:
                 kept.append((pos, missing.pop(msg_id), msg_id))
                 moved += 1
             kept.sort()
-            log.warning("TOPIC(%s) deadlines of %s: %d moved with their records' segment, %d dropped "
-                        "(their records are not in the log)", self.name, path, moved, len(missing))
+            if missing:
+                log.warning("TOPIC(%s) dropping %d deadline entries of %s: their records are not in the log",
+                            self.name, len(missing), path)
+            if moved:
+                log.info("TOPIC(%s) %d deadline entries of %s follow their records to the positions their "
+                         "segment has since this start", self.name, moved, path)
         if missing or moved or size != len(data):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
