@@ -6,6 +6,7 @@ durable tail a reader was shown does not go back after a kill -9; a cut made at 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -16,7 +17,6 @@ import trio
 import trio.testing
 
 from trio_nsq.broker.storage import files
-from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.topic import Topic
 from tests.power_loss import PowerLoss, power_loss  # noqa: F401 (the fixture)
 from tests.topic_owner import Owner, drain, kill
@@ -118,23 +118,26 @@ def test_a_deadline_attaches_only_to_the_record_with_its_message_id(tmp_path):
     assert trio.run(after, clock=clock) == bodies("m", 3)
 
 
-def test_a_clean_exit_does_not_journal_a_key_whose_messages_failed_to_flush(tmp_path):
-    """Finding 3: default flags, the key's message in memory; at the exit the flush to the log fails:
-    the key must not be kept (a retry then publishes again)."""
+def test_a_clean_exit_does_not_journal_a_key_whose_messages_failed_to_flush(tmp_path, monkeypatch, caplog):
+    """Finding 3: default flags, the key's message in memory; at the exit the flush to the log fails
+    (a full disk: the log's writev fails, so its append raises BackendError): the key must not be kept
+    (a retry then publishes again)."""
     clock = trio.testing.MockClock()
     data = str(tmp_path)
+
+    def full(fd: int, buffers: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     async def run() -> None:
         topic = open_topic(data, clock)
         await publish_once(topic, "K1", [b"message-1"])
         assert topic.memory and "K1" in topic.idempotency.keys
-        assert topic.log is not None
-
-        def refuse(records: Any, deadline: float = 0.0) -> None:
-            raise BackendError("disk full", 0)
-        topic.log.append = refuse  # type: ignore[method-assign]
-        await topic.close()
-    trio.run(run, clock=clock)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "writev", full)  # looked up on the os module when called, compiled or not
+            await topic.close()
+    with caplog.at_level(logging.ERROR, logger="nsqd"):
+        trio.run(run, clock=clock)
+    assert any("failed to flush 1 of 1 messages" in r.getMessage() for r in caplog.records)
 
     async def after() -> tuple[bool, list[bytes]]:
         topic = open_topic(data, clock)
