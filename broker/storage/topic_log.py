@@ -116,8 +116,8 @@ class TopicLog:
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
         # the log does not end where the metadata said (records recovered, a torn tail cut, segments
         # given a start): a deadline entry may name a position its record no longer has
-        moved = segments.tail != segments.synced_at_open.position
-        self._load_deadlines(segments.start, deadline_files, check_ids=moved)
+        changed = segments.tail != segments.synced_at_open.position
+        self._load_deadlines(segments.start, deadline_files, check_ids=changed)
         if segments.recovered:
             self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail.position))
             self._sync_recovered()
@@ -178,11 +178,11 @@ class TopicLog:
         `check_ids` (at open, after a crash), those of the segments past what the metadata saw must also
         name the message id of the record at their position (or follow it: `_verified`)."""
         now = self.clock()
-        tail = self.segments.tail
-        first = self.segments.file_of(start)
+        segments = self.segments
+        tail = segments.tail
+        first = segments.file_of(start)
         # segments a crash may have changed since their deadlines were written: from the one the metadata
         # saw the end of (records past it recovered at open, segments past it given a start at open)
-        segments = self.segments
         recovered = segments.file_of(segments.synced_at_open.position) if check_ids else segments.write_file_num + 1
         found: list[tuple[int, float]] = []
         for num in files:
