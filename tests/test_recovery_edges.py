@@ -293,3 +293,54 @@ def test_deferred_records_of_a_segment_given_a_start_at_open_stay_deferred(tmp_p
     now, later = trio.run(after, clock=clock)
     assert now == bodies("p", 3) + bodies("q", 8) + bodies("r", 2)
     assert later == bodies("d", 3)
+
+
+def test_a_position_served_after_a_kill_holds_its_record_through_a_later_power_loss(power_loss):
+    """Finding 7's bound: the durable tail at open covers the recovered records of the segment the
+    metadata names, not a segment given its start at this open (a later open, with another segment
+    rolled since, may give it another start before the first round writes the metadata): every
+    position served after the restart holds the same record after a power loss."""
+    clock = trio.testing.MockClock()
+    data = power_loss.data_dir
+    options = dict(mem_queue_size=0, max_bytes_per_file=400)
+
+    async def before() -> Topic:
+        topic = open_topic(data, clock, **options)
+        topic.publish(bodies("a", 3))
+        await topic.group.sync_round()
+        topic.publish(bodies("b", 12))  # fills segment 0, rolls to 1: no round since
+        return topic
+    kill(trio.run(before, clock=clock))
+
+    async def reopen() -> tuple[Topic, dict[int, bytes]]:
+        topic = open_topic(data, clock, **options)
+        assert topic.log is not None
+        segments = topic.log.segments
+        assert segments.write_file_num == 1
+        reader = segments.reader(segments.start, segments.start_index())
+        positions: list[int] = []
+        records = reader.read(100, topic.log.durable_tail.position, positions)  # what /log/read serves
+        reader.close()
+        served = dict(zip(positions, records))
+        assert len(served) >= 10  # segment 0's records, the recovered ones too
+        topic.publish(bodies("c", 12))  # rolls to segment 2 (no round)
+        return topic, served
+    topic, served = trio.run(reopen, clock=clock)
+    files.fsync_dir(data)  # another topic's round: segment 2's name is durable
+    kill(topic)
+    power_loss.crash("strict")
+
+    async def after() -> dict[int, bytes]:
+        topic = open_topic(data, clock, **options)
+        try:
+            assert topic.log is not None
+            found: dict[int, bytes] = {}
+            for pos in served:
+                try:
+                    found[pos] = topic.log.segments.read_at(pos)
+                except (OSError, ValueError) as exc:
+                    found[pos] = repr(exc).encode()
+            return found
+        finally:
+            kill(topic)
+    assert trio.run(after, clock=clock) == served

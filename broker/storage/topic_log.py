@@ -129,10 +129,17 @@ class TopicLog:
 
     def _sync_recovered(self) -> None:
         """Records a kill -9 left past the metadata's write position (maybe in the page cache only) are
-        fsynced now, with the names of their segments: the durable tail starts where the log ends, not
-        back at the metadata's write position (a reader shown the old end before the kill would find
-        its positions past the end until the first round)."""
+        fsynced now, with the names of their segments: the durable tail starts where the recovered
+        records of the metadata's write file end, not back at its write position (a reader shown the old
+        end before the kill would find its positions past the end until the first round). Not further:
+        a segment the metadata does not name got its start at this open, from the files there now, and
+        another open before the first round writes the metadata may give it another (a roll since)."""
         segments = self.segments
+        named = segments.file_of(segments.synced_at_open.position)  # the metadata's write file
+        if named == segments.write_file_num:
+            end = Place(segments.tail, segments.tail_index)
+        else:
+            end = Place(segments.start_of(named) + segments.segment_size(named), segments.index_of_file(named + 1))
         paths = segments.take_unsynced()
         try:
             for path in paths:
@@ -146,7 +153,8 @@ class TopicLog:
             log.error("TOPIC(%s) failed to fsync the records recovered at open - %s", self.name, exc)
             segments.unsynced_again(paths)  # the first round does it
             return
-        self.durable_tail = self._round_tail = Place(segments.tail, segments.tail_index)
+        if end.position > self.durable_tail.position:
+            self.durable_tail = self._round_tail = end
 
     def _load_dispatched(self) -> Place:
         segments = self.segments
