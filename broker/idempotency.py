@@ -12,10 +12,15 @@ Durability: a key is exactly as durable as the messages it covers.
 - When every message of the request went to the topic's log without an fsync before the answer (a
   topic read by position, --mem-queue-size=0, a full memory queue), the key is appended to the journal
   without an fsync, with the log position its messages end at: a kill -9 keeps both (the page cache), and
-  at the next start a key whose position is past the log's end (a power loss cut the log, whatever the
-  journal kept) is dropped, so a retry publishes again; never a key kept for messages lost.
+  at the next start a key whose position the log does not hold (past its end, or in the gap a torn
+  segment left: a power loss cut the log, whatever the journal kept) is dropped, so a retry publishes
+  again; never a key kept for messages lost. (A segment rolled to since the log's last metadata write is
+  given a start past such a gap at open, so after a kill -9 too the keys of its messages are dropped: a
+  retry duplicates them.)
 - Otherwise (messages in memory) the key is held in memory and journalled at a clean exit with the
-  messages themselves; a kill -9 loses both, so a retry publishes again.
+  messages themselves, only if every message was flushed and the last round succeeded; a kill -9 loses
+  both, so a retry publishes again.
+- A key counts as durable only once the journal's name is too (its directory fsynced once per process).
 
 The journal is not a go-diskqueue file (Go nsqd ignores it in the data dir): a header line, then one
 line per key, `<expiry unix seconds>[@<log position>] <key>`; a torn last line (kill -9 mid-append) is

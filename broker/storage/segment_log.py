@@ -16,9 +16,11 @@ run out (2**63 bytes) whatever the segment numbers are: go-diskqueue's file numb
 a long-lived Go nsqd's directory carries numbers past 2**23 that `file << 40 | offset` (what positions
 were before) could not hold in 63 bits. Segments of a log written by trio-nsq-log 1 keep their start
 `file << 40`, so the positions its cursor files hold stay true; a queue Go wrote starts at 0. Positions
-are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta, and
-a segment found past it starts where the one before it ends). Each record also has an index (its number
-in the log), so the records between two positions are counted by a subtraction.
+are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta; a
+segment found past it at open starts past every position the files from the meta's write file on may
+have held, since a power loss may have cut the file before it: what a torn tail loses is a gap of
+positions, never a shift of the next segment's). Each record also has an index (its number in the log),
+so the records between two positions are counted by a subtraction.
 
 What go-diskqueue did that stays: the put size check, when a file rolls, a record length outside [min,
 max] or a short read cutting the file there (Go renames it `.bad` and skips to the next; the write file
