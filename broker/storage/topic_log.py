@@ -100,9 +100,9 @@ class TopicLog:
         self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
         self._meta_dispatched = ""
         self._first_stamps: dict[int, int | None] = {}  # segment -> its first record's timestamp
-        # what a round has fsynced (position, index): at open, what the metadata says was, then the
-        # records found past it in the metadata's write file, fsynced at open (_sync_recovered); the
-        # deadlines after them, and records of segments it does not name, are fsynced by the first round
+        # what a round has fsynced (position, index): at open, what the metadata says was; records found
+        # past it are fsynced at open and it moves over those of the metadata's write file
+        # (_sync_recovered); the deadlines after them are fsynced by the first round
         self.durable_tail = segments.synced_at_open
         self._round_tail = self.durable_tail
         self._suspect = False  # a round failed: the durable tail stays until a restart
