@@ -86,9 +86,11 @@ def test_files_and_metadata_are_byte_for_byte_go_diskqueue(tmp_path):
     assert data_file(tmp_path, "t", 2).read_bytes() == rec(b"d" * 40)
     assert data_file(tmp_path, "t", 3).read_bytes() == rec(b"e")
     assert go_lines(tmp_path, "t") == "6\n0,0\n3,5\n"
+    # and beside each segment its CRC side file (checksums.py), a name Go nsqd never opens
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "t.diskqueue.000000.dat", "t.diskqueue.000001.dat", "t.diskqueue.000002.dat",
-        "t.diskqueue.000003.dat", "t.diskqueue.meta.dat"]
+        "t.diskqueue.000000.crc", "t.diskqueue.000000.dat", "t.diskqueue.000001.crc", "t.diskqueue.000001.dat",
+        "t.diskqueue.000002.crc", "t.diskqueue.000002.dat", "t.diskqueue.000003.crc", "t.diskqueue.000003.dat",
+        "t.diskqueue.meta.dat"]
 
     # reopened: the same tail, indices, and every record readable by position
     log = SegmentLog("t", str(tmp_path), max_bytes_per_file=30, min_msg_size=0, max_msg_size=100)
@@ -101,8 +103,9 @@ def test_files_and_metadata_are_byte_for_byte_go_diskqueue(tmp_path):
     assert go_lines(tmp_path, "t") == "4\n0,18\n3,5\n"
     # files before the oldest one needed go after the metadata naming them no more
     dropped = log.drop_before(2)
-    assert [(Path(p).name, bad) for p, bad in dropped] == [("t.diskqueue.000000.dat", False),
-                                                          ("t.diskqueue.000001.dat", False)]
+    assert [(Path(p).name, bad) for p, bad in dropped] == [
+        ("t.diskqueue.000000.dat", False), ("t.diskqueue.000000.crc", False),
+        ("t.diskqueue.000001.dat", False), ("t.diskqueue.000001.crc", False)]
     write_meta(log)
     for path, bad in dropped:
         remove_dropped(path, bad, log.name)
@@ -263,11 +266,11 @@ def test_impossible_length_cuts_the_file_and_reading_goes_on(tmp_path, caplog, b
     # a second reader finds the same cut, and says nothing more
     assert [m[0] for m in read_all(log)] == [*range(0, 11), *range(16, 25)]
     assert caplog.text.count("the rest of the file is lost") == 1
-    # once dropped, the cut file stays as .bad (go-diskqueue's evidence), the others go
+    # once dropped, the cut file stays as .bad (go-diskqueue's evidence), the others go; side files all go
     for path, bad in log.drop_before(3):
         remove_dropped(path, bad, log.name)
     assert sorted(p.name for p in tmp_path.glob("c.diskqueue.0*")) == [
-        "c.diskqueue.000001.dat.bad", "c.diskqueue.000003.dat"]
+        "c.diskqueue.000001.dat.bad", "c.diskqueue.000003.crc", "c.diskqueue.000003.dat"]
     log.close()
 
 
@@ -323,18 +326,24 @@ def test_write_error_is_a_backend_error_and_the_log_recovers(tmp_path, caplog):
 def test_disk_full_short_write_is_cut_off(tmp_path, monkeypatch):
     log = SegmentLog("f", str(tmp_path), min_msg_size=1)
     log.append([b"kept"])
-    real_writev = os.writev
-    monkeypatch.setattr(os, "writev", lambda fd, buffers: os.write(fd, b"".join(buffers)[:3]))
+    real_write = os.write
+
+    def to_segment(fd):
+        return os.readlink(f"/proc/self/fd/{fd}").endswith(".dat")
+
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, data[:3] if to_segment(fd) else data))
     with pytest.raises(BackendError, match="short write"):
         log.append([b"partial"])
 
-    def enospc(fd, buffers):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def enospc(fd, data):
+        if to_segment(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
 
-    monkeypatch.setattr(os, "writev", enospc)
+    monkeypatch.setattr(os, "write", enospc)
     with pytest.raises(BackendError, match="No space left on device"):
         log.append([b"refused"])
-    monkeypatch.setattr(os, "writev", real_writev)
+    monkeypatch.setattr(os, "write", real_write)
     assert data_file(tmp_path, "f", 0).read_bytes() == rec(b"kept")  # no torn record left behind
     log.append([b"after"])
     assert read_all(log) == [b"kept", b"after"]

@@ -427,9 +427,9 @@ async def test_a_record_of_zeros_past_the_write_position_ends_the_log_at_open(tm
     channel = topic.get_channel("c")
     topic.publish([b"kept-%d" % i for i in range(3)])
     await topic.group.sync_round()
+    topic.publish([b"recovered"])  # written after the last metadata: recovered (a kill -9 keeps it)
     kill(topic)
     with open(tmp_path / "t.diskqueue.000000.dat", "ab") as fh:
-        fh.write(go_record(7, b"recovered"))  # written after the last metadata: recovered
         fh.write(struct.pack(">i", 60) + bytes(60))  # zeros under a length that passes the check
         fh.write(go_record(8, b"after-the-zeros"))
     caplog.set_level(logging.INFO, logger="nsqd")

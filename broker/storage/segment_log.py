@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from trio_nsq.broker.storage.backend import BackendError
+from trio_nsq.broker.storage.checksums import META_KEY, META_VALUE, Checksums
 from trio_nsq.broker.storage.files import close_quietly, remove_quietly
 from trio_nsq.shared.protocol import INT32, int32_at
 
@@ -61,7 +62,8 @@ POS_LIMIT = 1 << 63
 LEGACY_SHIFT = 40
 # how often append() checks that its write file still has a name on disk
 LINK_CHECK_INTERVAL = 0.1
-# records per writev: two buffers each, within Linux's IOV_MAX of 1024
+# records per write (a batch, one CRC entry: checksums.py); once a writev of two buffers each, within
+# Linux's IOV_MAX of 1024
 _IOV_RECORDS = 512
 # a reader's block: it drains records in batches, so fewer, larger reads
 _READ_BUFFER = 256 * 1024
@@ -167,12 +169,17 @@ class SegmentLog:
         self.extension: dict[str, str] = {}  # our owner's lines (`key value`)
         self.epoch_loaded = False  # the epoch was read from the metadata (else made here, not on disk yet)
         self._legacy = False  # the metadata is trio-nsq-log 1's: files found past it start at n << 40
+        # the CRC side files (checksums.py); records past the metadata's write position are checked against
+        # them at open only when that metadata says every append since has an entry
+        self._checksums = Checksums(name, data_path)
+        self._crc_check = False
 
         mine = self._my_files(list_dir(data_path) if names is None else names)
         self._remove_temp_files(mine)
         self._retrieve_metadata()
         self._recover_tail(numbered_files(mine, f"{name}.diskqueue"))
         self._remove_stale_segments(numbered_files(mine, f"{name}.diskqueue"))
+        self._checksums.remove_below(self.first_file, mine)
 
     def __repr__(self) -> str:
         return f"SegmentLog({self.name})"
@@ -272,6 +279,7 @@ class SegmentLog:
             self._starts.append(known if known is not None else
                                 num << LEGACY_SHIFT if legacy else self._after_gap(1))
         self.tail_index = tail
+        self._crc_check = ext.pop(META_KEY, None) == META_VALUE
         self.extension = ext
         self.epoch_loaded = True
         return True
@@ -382,10 +390,14 @@ class SegmentLog:
         """The records of segment num from `pos` on are counted in (a torn one at the end cut off); it is
         the write file up to where they end, which is returned."""
         path = self.file_name(num)
-        end, count = self._scan(num, pos, size, check=self._valid_record)
+        if self._crc_check or not self.meta_found:
+            limit, why = self._checksums.verified_end(path, num, pos, size, required=self._crc_check)
+        else:
+            limit, why = size, ""
+        end, count = self._scan(num, pos, limit, check=self._valid_record)
         if end < size:
-            log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record off the end of %s",
-                        self.name, size - end, path)
+            log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record%s off the end of %s", self.name,
+                        size - end, f" ({why})" if end == limit and why else "", path)
             os.truncate(path, end)
             if not count:
                 # no record recovered here, so no round fsyncs this file: a second power loss would bring
@@ -454,16 +466,17 @@ class SegmentLog:
                             for n in range(self.first_file, self.write_file_num + 1))
         lines = [f"{self.tail_index - read_index}", f"{num},{offset}",
                  f"{self.write_file_num},{self.write_pos}", EXT_HEADER, f"epoch {self.epoch:x}",
-                 f"segments {segments}", f"tail {self.tail_index}", *extra, ""]
+                 f"segments {segments}", f"tail {self.tail_index}", f"{META_KEY} {META_VALUE}", *extra, ""]
         return "\n".join(lines).encode()
 
     def take_unsynced(self) -> list[str]:
-        """The segments written since the last call (a sync round fsyncs them)."""
+        """The segments written since the last call, then their side files (a sync round fsyncs them)."""
         first = self._unsynced_from
         self._unsynced_from = None
         if first is None:
             return []
-        return [self.file_name(n) for n in range(first, self.write_file_num + 1)]
+        nums = range(first, self.write_file_num + 1)
+        return [self.file_name(n) for n in nums] + [self._checksums.file_name(n) for n in nums]
 
     def take_files_changed(self) -> bool:
         """Whether a segment was created, dropped or cut since the last call (the metadata must say so,
@@ -628,12 +641,17 @@ class SegmentLog:
                 raise BackendError(bad, stored)
 
     def _write_run(self, iov: list[bytes], total: int, count: int, stored: int) -> None:
-        """One writev of `count` records to the write file; on failure none of them counts."""
+        """One write of `count` records (their CRC entry first) to the write file; on failure none of them
+        counts."""
         try:
             fd = self._write_fd
             if fd is None:
                 fd = self._open_write_file()
-            written = os.writev(fd, iov)
+            # one buffer: its CRC, and a write that costs less than the writev of its pieces (measured)
+            data = b"".join(iov)
+            if self._checksums.append(self.write_file_num, self.write_pos, data):
+                self._files_changed = True  # the side file's name: the round fsyncs the directory
+            written = os.write(fd, data)
             if written != total:
                 # disk full part way: cut the piece off so the file still ends on a record boundary
                 try:
@@ -715,6 +733,7 @@ class SegmentLog:
     def _close_write_fd(self) -> None:
         close_quietly(self._write_fd)
         self._write_fd = None
+        self._checksums.close()
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -769,6 +788,7 @@ class SegmentLog:
         self._files_changed = True
         for num in range(self.first_file, before):
             dropped.append((self.file_name(num), num in self._cut))
+            dropped.append((self._checksums.file_name(num), False))
             self._first_index.pop(num, None)
             self._cut.pop(num, None)
         del self._starts[:before - self.first_file]
@@ -787,7 +807,7 @@ class SegmentLog:
     def remove_files(self) -> None:
         """Every file of this log (a deleted topic or channel), now."""
         self.close()
-        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.dat(\.bad)?|meta\.dat(\.\d+\.tmp)?)\Z")
+        mine = re.compile(re.escape(self.name) + r"\.diskqueue\.(\d{6,}\.(dat(\.bad)?|crc)|meta\.dat(\.\d+\.tmp)?)\Z")
         try:
             names = os.listdir(self.data_path)
         except OSError as exc:
