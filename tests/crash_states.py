@@ -20,14 +20,16 @@ The model of one boundary (POSIX, the worst a journaling file system is allowed,
 - Directory entries: what the directory held at its last successful fsync, plus any subset of the
   operations since (create, unlink, rename) that respects their order on each name (a rename of `a` to
   `b` is durable only if `a`'s creation is; a later operation on a name only if the earlier ones on it
-  are). Bound: with at most `ALL_SUBSETS_UP_TO` (6) pending operations every such subset (<= 64); with
+  are). Bound: with at most `ALL_SUBSETS_UP_TO` (8) pending operations every such subset (<= 256); with
   more: none, all, each prefix in call order, each single operation with what it depends on, and
-  `SAMPLED_SUBSETS` (8) random ones (seeded) closed the same way.
+  `SAMPLED_SUBSETS` (16) random ones (seeded) closed the same way.
 - File content (by inode), one mode for all files of a state: "strict" (content at the last fsync),
   and for a file only appended to since: "kept" (the whole page cache), "first" (the first unsynced
   write: a record or batch boundary), "last" (all but the last unsynced write), "torn" (half of the
-  first unsynced write), "zeros" (the new length, read as zeros). A file written in place, truncated below
-  its durable length or written through a file object is strict in every mode.
+  first unsynced write), "zeros" (the new length, read as zeros); and for each file with an unsynced
+  tail, one state where only its tail is kept (the others strict) and one where only it is strict (the
+  others kept). A file written in place, truncated below its durable length or written through a file
+  object is strict in every mode.
 - A failed fsync (Linux): the dirty pages may have been dropped and the NEXT fsync reports success
   without writing them. When the workload has one, each state also comes in a "dropped" variant where
   the bytes written before the failed fsync read as they did at the last good fsync (zeros past its
@@ -60,8 +62,8 @@ from trio_nsq.testing.embed import run_nsqd
 from tests.power_loss import PowerLoss, _path, _real_fstat, _real_lstat
 from tests.topic_owner import kill
 
-ALL_SUBSETS_UP_TO = 6
-SAMPLED_SUBSETS = 8
+ALL_SUBSETS_UP_TO = 8
+SAMPLED_SUBSETS = 16
 TAIL_MODES = ("strict", "kept", "first", "last", "torn", "zeros")
 
 
@@ -552,11 +554,19 @@ def crash_states(recorder: Recorder, *, seed: int = 0) -> Enumeration:
             return found
         for subset in _closed_subsets(pending, rng):
             entries = disk.entries([pending[j] for j in subset])
-            for mode in modes:
-                state = frozenset((name if folder == "." else os.path.join(folder, name), content(mode, ino))
-                                  for folder, names in entries.items() for name, ino in names.items())
+            named = [(name if folder == "." else os.path.join(folder, name), ino)
+                     for folder, names in entries.items() for name, ino in names.items()]
+            # one mode for every file, then each file with an unsynced tail on its own: only its tail
+            # kept (the others strict), and only it strict (the others kept)
+            mixes: list[tuple[str, dict[int, str], str]] = [(mode, {}, mode) for mode in modes]
+            for path, ino in named:
+                if content("kept", ino) is not content("strict", ino):
+                    mixes.append(("strict", {ino: "kept"}, f"only {path} kept"))
+                    mixes.append(("kept", {ino: "strict"}, f"all kept but {path}"))
+            for mode, files, what in mixes:
+                state = frozenset((path, content(files.get(ino, mode), ino)) for path, ino in named)
                 out.enumerated += 1
-                how = f"call {at}/{len(calls)}, {mode}, {len(subset)}/{len(pending)} directory ops durable"
+                how = f"call {at}/{len(calls)}, {what}, {len(subset)}/{len(pending)} directory ops durable"
                 last.append((state, how))
                 out.states.setdefault(state, {}).setdefault(marks, how)
     return out

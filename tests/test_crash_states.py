@@ -130,6 +130,24 @@ def test_keyed_publishes_answered_before_their_fsync(tmp_path: Path) -> None:
     assert report.violations == []
 
 
+async def keys_across_a_roll_then_a_directory_fsync(w: Workload) -> None:
+    """Issue 48's recipe of finding 2: a round, KA's 3 messages and KB's 16 (rolling the segment) answered
+    before their fsync, then the directory fsynced (another topic's round does that in life)."""
+    await w.create_topic("k")
+    await w.create_channel("k", "audit")
+    await w.publish("k", [b"k-plain-%d" % i for i in range(3)])
+    await w.nsqd.topics["k"].group.sync_round()
+    await w.publish("k", [b"k-A-%d" % i for i in range(3)], key="KA")
+    await w.publish("k", [b"k-B-%d" % i for i in range(16)], key="KB")
+    files.fsync_dir(w.disk.data_dir)
+
+
+def test_keys_across_a_roll_then_a_directory_fsync(tmp_path: Path) -> None:
+    report = check_workload(str(tmp_path), "keys-roll-directory-fsync", keys_across_a_roll_then_a_directory_fsync,
+                            {"mem_queue_size": 0, "max_bytes_per_file": 400})
+    assert report.violations == []
+
+
 async def log_positions(w: Workload) -> None:
     """A topic read by position: its id and tail shown, records served, a /log/commit and a seek."""
     await w.create_topic("p")
