@@ -41,6 +41,7 @@ Not modelled (as PowerLoss): directories made after the start, hard links, dir_f
 from __future__ import annotations
 
 import copy
+import errno
 import fcntl
 import functools
 import logging
@@ -139,6 +140,19 @@ class Recorder(PowerLoss):
         self.initial: dict[tuple[str, str], tuple[int, bytes]] = {}
         self._ids: dict[tuple[int, int], int] = {}
         self._count = 0
+        self._fail_writes: Callable[[str], bool] | None = None
+
+    def fail_writes(self, predicate: Callable[[str], bool] | None) -> None:
+        """From now on a write to a file whose path the predicate selects raises OSError(ENOSPC) and
+        writes nothing (a full disk), until `fail_writes(None)`."""
+        with self._lock:
+            self._fail_writes = predicate
+
+    def _check_write(self, fd: int) -> None:
+        if self._fail_writes is not None and self._target(fd) is not None:
+            path = self._fd_name(fd)
+            if self._fail_writes(path):
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (write to {path} made to fail)")
 
     def mark(self, kind: str, **what: Any) -> None:
         """The workload was answered (or is about to ask: "attempt"): the expectations change here."""
@@ -224,6 +238,7 @@ class Recorder(PowerLoss):
 
     def _write(self, fd: int, data: Any) -> int:
         with self._lock:
+            self._check_write(fd)
             ino = self._target(fd)
             offset = self._offset(fd) if ino is not None else 0
             n = super()._write(fd, data)
@@ -234,6 +249,7 @@ class Recorder(PowerLoss):
     def _writev(self, fd: int, buffers: Any) -> int:
         with self._lock:
             buffers = list(buffers)
+            self._check_write(fd)
             ino = self._target(fd)
             offset = self._offset(fd) if ino is not None else 0
             n = super()._writev(fd, buffers)
@@ -244,6 +260,7 @@ class Recorder(PowerLoss):
 
     def _pwrite(self, fd: int, data: Any, offset: int) -> int:
         with self._lock:
+            self._check_write(fd)
             ino = self._target(fd)
             n = super()._pwrite(fd, data, offset)
             if ino is not None:
@@ -939,26 +956,35 @@ class Workload:
 Scenario = Callable[[Workload], Awaitable[None]]
 
 
-def record(folder: str, scenario: Scenario, options: dict[str, Any]) -> Recorder:
-    """Run `scenario` on a broker in process over `folder`, every file-system call recorded; the broker's
-    clean exit is not (the recording ends as a power loss would)."""
+def record(folder: str, scenario: Scenario, options: dict[str, Any], *, clean_exit: bool = False) -> Recorder:
+    """Run `scenario` on a broker in process over `folder`, every file-system call recorded; then the
+    broker's clean exit, recorded too when `clean_exit` (else the recording ends as a power loss would)."""
     os.makedirs(folder)
     disk = Recorder(folder)
 
+    async def run(nursery: trio.Nursery) -> None:
+        running = await nursery.start(functools.partial(run_nsqd, data_path=folder, **options))
+        async with httpx.AsyncClient(base_url=f"http://{running.http_address}") as client:
+            await scenario(Workload(client, running.server, disk))
+        nursery.cancel_scope.cancel()
+
     async def main() -> None:
+        if clean_exit:
+            with disk:
+                async with trio.open_nursery() as nursery:
+                    await run(nursery)
+            return
         async with trio.open_nursery() as nursery:
             with disk:
-                running = await nursery.start(functools.partial(run_nsqd, data_path=folder, **options))
-                async with httpx.AsyncClient(base_url=f"http://{running.http_address}") as client:
-                    await scenario(Workload(client, running.server, disk))
-            nursery.cancel_scope.cancel()
+                await run(nursery)  # (the clean exit runs once the nursery's body is done: not recorded)
     trio.run(main)
     return disk
 
 
-def check_workload(folder: str, name: str, scenario: Scenario, options: dict[str, Any], *, seed: int = 0) -> Report:
+def check_workload(folder: str, name: str, scenario: Scenario, options: dict[str, Any], *, seed: int = 0,
+                   clean_exit: bool = False) -> Report:
     """Record `scenario` under `folder`/record, enumerate its crash states, check each in `folder`/state."""
-    disk = record(os.path.join(folder, "record"), scenario, options)
+    disk = record(os.path.join(folder, "record"), scenario, options, clean_exit=clean_exit)
     enumeration = crash_states(disk, seed=seed)
     marks = [c for c in disk.calls if isinstance(c, Mark)]
     expectations = [Expected()]

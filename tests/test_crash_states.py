@@ -298,3 +298,18 @@ def test_mutation_answer_before_fsync_is_caught(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(NSQD, "metadata_persisted", not_waiting)
     report = check_workload(str(tmp_path), "mutation-answer-before-fsync", many_creations, STRICT)
     assert any("answered and is missing" in v for v in report.violations), report.violations
+
+
+async def keys_then_a_failing_disk(w: Workload) -> None:
+    """A keyed publish at default flags (in memory, answered), then the disk refuses every write to the
+    topic's and channel's queues: the clean exit cannot flush the message."""
+    await w.create_topic("e")
+    await w.create_channel("e", "c")
+    await w.publish("e", [b"e-0"], key="K1")
+    w.disk.fail_writes(lambda path: ".diskqueue.0" in os.path.basename(path))
+
+
+def test_a_clean_exit_that_cannot_flush(tmp_path: Path) -> None:
+    """Every state of a clean exit whose flush fails (issue 48's finding 3): a key kept has its message."""
+    report = check_workload(str(tmp_path), "exit-flush-fails", keys_then_a_failing_disk, {}, clean_exit=True)
+    assert report.violations == []
