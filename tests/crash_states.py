@@ -659,6 +659,17 @@ class Expected:
             ex = self.topic(w["topic"])
             ex.gone_channels.discard(w["channel"])
             ex.channels.setdefault(w["channel"], ExChannel())
+        elif kind == "creating":  # asked, not answered: there or not (what it had before must not be)
+            if w.get("channel") is None:
+                self.gone.discard(w["topic"])
+            elif w["topic"] in self.topics:
+                self.topics[w["topic"]].gone_channels.discard(w["channel"])
+        elif kind == "pausing":  # asked, not answered: paused or not
+            ex = self.topics[w["topic"]]
+            if w.get("channel") is None:
+                ex.paused = None
+            else:
+                ex.channels[w["channel"]].paused = None
         elif kind == "deleting":
             if w.get("channel") is None:
                 self.topics[w["topic"]].deleting = True
@@ -848,9 +859,6 @@ def judge(seen: Seen, ex: Expected) -> list[str]:
         if lost:
             out.append(f"topic {name}: Idempotency-Key {lost[0]} answered, lost (a retry duplicates)")
         all_bodies = {b for sc in st.channels.values() for _, b in sc.messages}
-        old = sorted(all_bodies & ex.old_bodies.get(name, set()))
-        if old:
-            out.append(f"topic {name}: {len(old)} messages of the deleted topic came back ({old[0]!r}...)")
         consumed = {b for ec in et.channels.values() for b in ec.never}
         for key in sorted(st.keys):
             asked = et.attempts.get(key)
@@ -868,6 +876,9 @@ def judge(seen: Seen, ex: Expected) -> list[str]:
     for name, st in seen.topics.items():
         if st.log_id is not None and st.log_id in ex.old_ids.get(name, ()):
             out.append(f"topic {name}: has the log id {st.log_id} of a deleted topic")
+        old = sorted({b for sc in st.channels.values() for _, b in sc.messages} & ex.old_bodies.get(name, set()))
+        if old and name not in ex.gone:
+            out.append(f"topic {name}: {len(old)} messages of the deleted topic came back ({old[0]!r}...)")
     for body, topic, channel, dead in ex.moved:
         places = [seen.topics[t].channels[c] for t, c in ((topic, channel),) if t in seen.topics
                   and c in seen.topics[t].channels]
@@ -911,10 +922,12 @@ class Workload:
         return answer
 
     async def create_topic(self, topic: str) -> None:
+        self.disk.mark("creating", topic=topic)
         await self.post(f"/topic/create?topic={topic}")
         self.disk.mark("topic", topic=topic)
 
     async def create_channel(self, topic: str, channel: str) -> None:
+        self.disk.mark("creating", topic=topic, channel=channel)
         await self.post(f"/channel/create?topic={topic}&channel={channel}")
         self.disk.mark("channel", topic=topic, channel=channel)
 
@@ -932,6 +945,7 @@ class Workload:
 
     async def pause(self, topic: str, channel: str | None = None, paused: bool = True) -> None:
         what = "pause" if paused else "unpause"
+        self.disk.mark("pausing", topic=topic, channel=channel)
         if channel is None:
             await self.post(f"/topic/{what}?topic={topic}")
         else:
