@@ -59,6 +59,7 @@ import trio
 
 from trio_nsq.broker.nsqd import NSQD
 from trio_nsq.broker.options import Options
+from trio_nsq.broker.storage.log_index import PositionError
 from trio_nsq.testing.embed import run_nsqd
 from tests.power_loss import PowerLoss, _path, _real_fstat, _real_lstat
 from tests.topic_owner import kill
@@ -153,6 +154,10 @@ class Recorder(PowerLoss):
             path = self._fd_name(fd)
             if self._fail_writes(path):
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (write to {path} made to fail)")
+
+    def __enter__(self) -> Recorder:
+        super().__enter__()
+        return self
 
     def mark(self, kind: str, **what: Any) -> None:
         """The workload was answered (or is about to ask: "attempt"): the expectations change here."""
@@ -749,6 +754,9 @@ class SeenTopic:
     end: int | None
     keys: set[str]
     channels: dict[str, SeenChannel]
+    records: dict[int, bytes] = field(default_factory=dict)  # the log read by position: position -> body
+    log_error: tuple[int, str, bool] | None = None  # a read by position that failed: where, why, an error the
+    # log API answers 500 for (not a PositionError)
 
 
 @dataclass
@@ -787,10 +795,11 @@ def observe(folder: str, options: dict[str, Any]) -> Seen:
                     while batch := channel.take(1000):
                         messages.extend((m.pos, bytes(m.body)) for m in batch)
                     channels[cname] = SeenChannel(channel.paused, messages)
+                records, log_error = _read_log(log_) if log_ is not None else ({}, None)
                 seen.topics[name] = SeenTopic(
                     topic.paused, log_.log_id if log_ is not None and log_.epoch_on_disk else None,
                     log_ is not None and log_.positional,
-                    ends.get(name), set(topic.idempotency.keys), channels)
+                    ends.get(name), set(topic.idempotency.keys), channels, records, log_error)
         except Exception as exc:  # a state the broker cannot start on is a violation
             seen.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -807,6 +816,28 @@ def observe(folder: str, options: dict[str, Any]) -> Seen:
     finally:
         os.fsync, os.fdatasync = real
     return seen
+
+
+def _read_log(log_: Any) -> tuple[dict[int, bytes], tuple[int, str, bool] | None]:
+    """Every record of a topic's log up to its durable tail, as /log/read serves them: position -> body."""
+    records: dict[int, bytes] = {}
+    end = log_.durable_tail
+    pos = log_.segments.start
+    try:
+        while pos < end.position:
+            block = log_.index.read(log_.index.locate(pos, end), end, end.position, 1 << 20)
+            if not len(block):
+                break
+            starts = block.starts
+            for i in range(len(block)):
+                record = block.data[starts[i]:starts[i + 1]]
+                records[block.position + starts[i]] = bytes(record[4 + 26:])  # size, id, timestamp, attempts
+            pos = block.next
+    except PositionError as exc:
+        return records, (pos, f"{exc.code} at {pos}: {exc}", False)
+    except (OSError, ValueError) as exc:
+        return records, (pos, f"{type(exc).__name__} at {pos}: {exc}", True)
+    return records, None
 
 
 def judge(seen: Seen, ex: Expected) -> list[str]:
@@ -829,7 +860,14 @@ def judge(seen: Seen, ex: Expected) -> list[str]:
             out.append(f"topic {name}: read by position (answered), not after")
         if st.end is not None and st.end < et.end:
             out.append(f"topic {name}: durable tail {et.end} shown, {st.end} after")
-        positions: dict[int, bytes] = {}
+        if st.log_error is not None:
+            at, why, internal = st.log_error
+            # a position served that cannot be read back; an error the log API answers 500 for anywhere
+            # (one that says the position is gone is the log's first position after a crash of records
+            # never answered, unless a record there was served)
+            if internal or any(pos >= at for pos in et.served):
+                out.append(f"topic {name}: its log cannot be read by position: {why}")
+        positions: dict[int, bytes] = dict(st.records)
         for sc in st.channels.values():
             positions.update(sc.messages)
         for pos, body in et.served.items():
