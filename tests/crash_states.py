@@ -13,8 +13,15 @@ calls `crash()`. This module does what the ALICE study and CrashMonkey do instea
    a power loss may leave there (within the bounds below), deduplicated: the same directory content
    reached at many boundaries is opened once and judged against each boundary's expectations.
 3. `check_workload` writes each distinct state into a fresh directory, opens the broker's objects on it in
-   process (NSQD: nsqd.dat, its journal, each topic with its log, cursors and keys), and checks what the
-   README promises against what was answered before the boundary (`Expected`, built from the marks).
+   process as a restart does (NSQD: nsqd.dat, its journal, each topic with its log, cursors and keys; the
+   durable tail noted before the first round, then one round, whose fsyncs are skipped: a scratch copy),
+   and checks what the README promises against what was answered before the boundary (`Expected`, built
+   from the marks): every topic, channel, pause, message, Idempotency-Key and log id answered is there;
+   nothing deleted (topic, channel, its messages, keys, log id) comes back; a position served holds the
+   record it held; the durable tail shown does not go back; the positional flag given out stays; a kept
+   key has its messages; a dead letter is in its channel or the dead-letter topic. A request asked and
+   not answered (creating, pausing, deleting, a seek) may have happened or not. One line per workload:
+   distinct states checked, states enumerated, call boundaries, violations.
 
 The model of one boundary (POSIX, the worst a journaling file system is allowed, as PowerLoss):
 - Directory entries: what the directory held at its last successful fsync, plus any subset of the
@@ -939,6 +946,10 @@ class Report:
     sampled: int
     calls: int
     violations: list[str]
+
+    def summary(self) -> str:
+        """The report's line and the first violations of each kind (an assertion's message)."""
+        return "\n".join([self.line(), *_summary(self.violations)])
 
     def line(self) -> str:
         return (f"crash states {self.name}: {self.states} distinct states checked ({self.enumerated} enumerated at "
