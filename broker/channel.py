@@ -659,10 +659,11 @@ class Channel:
         if self.waiters:
             self._wake_waiters()
 
-    def flush_for_shutdown(self) -> None:
+    def flush_for_shutdown(self) -> bool:
         """At a clean exit: what the channel holds in memory only (handed over in memory, in flight or
         deferred, requeued) goes to its own queue, a deferred one held there with its deadline. What was
-        read from a log stays there (its cursor has it, with its attempts and deadline)."""
+        read from a log stays there (its cursor has it, with its attempts and deadline). Whether nothing
+        was lost."""
         now_wall = self.clock()
         now = trio.current_time()
         plain = [msg for msg in self.memory if msg.pos < 0]
@@ -670,7 +671,7 @@ class Channel:
         deferred = [msg for msg in self.deferred.drain() if msg.pos < 0]
         self.memory.clear()
         if not (plain or deferred):
-            return
+            return True
         stored = self.backend.store([msg.encode() for msg in plain]) if plain else 0
         # a deferred one is held with its deadline: the restart's reader defers it again
         holds = [(msg.attempts, now_wall + max(0.001, msg.pri - now)) for msg in deferred]
@@ -680,6 +681,7 @@ class Channel:
             log.error("CHANNEL(%s): %d messages held in memory lost at exit", self.name, lost)
         if stored + stored_deferred:
             log.info("CHANNEL(%s): flushed %d messages to its own queue", self.name, stored + stored_deferred)
+        return not lost
 
     def close(self) -> None:
         self.backend.close()

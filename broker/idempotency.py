@@ -12,10 +12,15 @@ Durability: a key is exactly as durable as the messages it covers.
 - When every message of the request went to the topic's log without an fsync before the answer (a
   topic read by position, --mem-queue-size=0, a full memory queue), the key is appended to the journal
   without an fsync, with the log position its messages end at: a kill -9 keeps both (the page cache), and
-  at the next start a key whose position is past the log's end (a power loss cut the log, whatever the
-  journal kept) is dropped, so a retry publishes again; never a key kept for messages lost.
+  at the next start a key whose position the log does not hold (past its end, or in the gap a torn
+  segment left: a power loss cut the log, whatever the journal kept) is dropped, so a retry publishes
+  again; never a key kept for messages lost. (A segment rolled to since the log's last metadata write is
+  given a start past such a gap at open, so after a kill -9 too the keys of its messages are dropped: a
+  retry duplicates them.)
 - Otherwise (messages in memory) the key is held in memory and journalled at a clean exit with the
-  messages themselves; a kill -9 loses both, so a retry publishes again.
+  messages themselves, only if every message was flushed and the last round succeeded; a kill -9 loses
+  both, so a retry publishes again.
+- A key counts as durable only once the journal's name is too (its directory fsynced once per process).
 
 The journal is not a go-diskqueue file (Go nsqd ignores it in the data dir): a header line, then one
 line per key, `<expiry unix seconds>[@<log position>] <key>`; a torn last line (kill -9 mid-append) is
@@ -54,10 +59,11 @@ def journal_name(topic_name: str) -> str:
 
 class IdempotencyKeys:
     def __init__(self, topic_name: str, data_path: str | None, *, window: float, max_keys: int,
-                 log_end: int | None = None) -> None:
-        """`log_end`: where the topic's log ends at this start (keys of messages past it are dropped)."""
+                 log_holds: Callable[[int], bool] | None = None) -> None:
+        """`log_holds(position)`: whether the topic's log at this start holds the records that end at a
+        position (keys of messages past its end, or in a gap lost records left, are dropped)."""
         self.topic_name = topic_name
-        self.log_end = log_end
+        self.log_holds = log_holds
         self.window = window
         self.max_keys = max(1, max_keys)
         self.path = os.path.join(data_path, journal_name(topic_name)) if data_path else None
@@ -67,6 +73,9 @@ class IdempotencyKeys:
         self._pending: dict[str, trio.Event] = {}  # keys whose first request is still publishing
         self._journal_lines = 0
         self._fd: int | None = None
+        # the journal's name is in a directory a successful fsync made durable (only that sets it): a
+        # key is not durable before
+        self._name_durable = False
         self._warned_full = False
         self._closed = False
         # group commit of journal appends: every waiter of one moment shares one fsync
@@ -160,7 +169,7 @@ class IdempotencyKeys:
             except ValueError:
                 log.warning("TOPIC(%s): skipping a bad line in %s", self.topic_name, self.path)
                 continue
-            if position is not None and (self.log_end is None or position > self.log_end):
+            if position is not None and (self.log_holds is None or not self.log_holds(position)):
                 lost += 1  # its messages are not all in the log (a power loss cut it): a retry publishes
                 continue
             if expiry > now and valid_key(key):
@@ -196,6 +205,7 @@ class IdempotencyKeys:
         keep = [k for k in self.keys if k in self._durable or k in self._at] if keys is None else keys
         tmp = f"{self.path}.tmp"
         data = JOURNAL_HEADER + b"".join(self._line(k) for k in keep)
+        self._name_durable = False
         try:
             write_synced(tmp, data)
             os.rename(tmp, self.path)
@@ -203,6 +213,7 @@ class IdempotencyKeys:
         except OSError as exc:
             log.error("TOPIC(%s): failed to write %s - %s", self.topic_name, self.path, exc)
             return
+        self._name_durable = True
         self._durable = {k for k in keep if k not in self._at}
         self._journal_lines = len(keep)
 
@@ -264,6 +275,10 @@ class IdempotencyKeys:
             try:
                 if fd is not None:
                     await trio.to_thread.run_sync(os.fsync, fd)
+                if not self._name_durable:
+                    # made (or found, maybe left by a kill -9 before its directory's fsync) since
+                    await trio.to_thread.run_sync(fsync_dir, os.path.dirname(self.path))
+                    self._name_durable = True
                 self._synced = max(self._synced, upto)
             except OSError as exc:
                 log.error("TOPIC(%s): failed to fsync %s - %s", self.topic_name, self.path, exc)
@@ -279,14 +294,24 @@ class IdempotencyKeys:
 
     # --- lifetime ------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """At a clean exit, with the messages flushed to disk: every key held goes to the journal."""
+    def close(self, flushed: bool = True) -> None:
+        """At a clean exit: every key held goes to the journal when the messages were flushed to disk
+        and persisted (`flushed`); otherwise only those journalled already (durable, or with the log
+        position their messages end at): the keys of messages held in memory covered messages that may
+        be lost, and a retry must publish them again."""
         if self._closed:
             return
         self._closed = True
         if self.path is not None and (self.keys or self._journal_lines):
             self._expire(time.time())
-            self._rewrite(list(self.keys))
+            if flushed:
+                self._rewrite(list(self.keys))
+            else:
+                dropped = [k for k in self.keys if k not in self._durable and k not in self._at]
+                if dropped:
+                    log.warning("TOPIC(%s): %d idempotency keys not kept: their messages were not flushed",
+                                self.topic_name, len(dropped))
+                self._rewrite()
         self._close_fd()
 
     def delete(self) -> None:

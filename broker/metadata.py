@@ -22,8 +22,18 @@ temporary file, fsynced and renamed over nsqd.dat, the directory fsynced, then t
 directory fsynced again. A crash anywhere in between leaves nsqd.dat old or new, with or without the
 journal, and each of those replays to the state written.
 
-Who calls it: NSQD loads it at start, tells it of every change (`changed`), runs `run` in its nursery and
-calls `write_now` at a clean exit; the HTTP API awaits `persisted` (creations) and `persist_now` (settings).
+What is deleted stays deleted: a deletion removes the files first (NSQD, Topic), then the line that says so
+is written, and the data directory is fsynced before that line (`_append`, and a compaction's rename is
+followed by a directory fsync), so a line saying "deleted" is never durable while the files' removal is
+not. A journal line counts only once the journal's own name is durable in the directory: a flag only a
+successful directory fsync sets (a journal created by a write that failed, or left empty by a kill, gets
+its directory fsynced by the next append). At start, lines a kill -9 left in the page cache only are
+fsynced (with the journal's name) before anything acts on them.
+
+Who calls it: NSQD loads it at start, tells it of every change (`changed`) and creation (`created`), runs
+`run` in its nursery and calls `write_now` at a clean exit; the HTTP API awaits `persisted` (creations,
+pauses, deletions) and `persist_now` (settings); a publish or a SUB that made a topic or a channel awaits
+`persisted` once `unnamed` holds it (its name is not on disk yet), over HTTP and TCP (`names.sync`).
 """
 
 from __future__ import annotations
@@ -32,12 +42,13 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from trio_nsq.broker.queue_settings import QueueSettings
+from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.files import fsync_dir, write_synced
 from trio_nsq.shared.version import VERSION
 
@@ -55,6 +66,8 @@ JOURNAL_MIN = 64 * 1024
 COMPACT_AFTER = 1.0
 # seconds before a failed write is tried again
 RETRY_AFTER = 1.0
+# how a journal line saying "deleted" ends (an entry's line ends with "}]")
+DELETION = b"null]\n"
 
 
 def topic_entry(topic: Topic) -> dict[str, Any]:
@@ -177,6 +190,25 @@ def read_metadata(data_path: str) -> tuple[list[dict[str, Any]], int, int]:
     return list(topics.values()), good, len(journal)
 
 
+def unnamed_key(topic: str, channel: str = "") -> str:
+    """A topic's or a channel's key in `Metadata.unnamed` (no valid name holds a colon)."""
+    return f"{topic}:{channel}" if channel else topic
+
+
+class Names:
+    """What a TCP answer awaits (in a client's pending_sync, as a sync group is) when its command made a
+    topic or a channel: the metadata write naming it."""
+
+    def __init__(self, meta: Metadata) -> None:
+        self.meta = meta
+
+    async def sync(self) -> None:
+        try:
+            await self.meta.persisted()
+        except OSError as exc:
+            raise BackendError(f"failed to persist metadata - {exc}") from None
+
+
 class Metadata:
     """nsqd.dat and its journal for one NSQD: what changed since the last write, the writes, and who
     waits for them."""
@@ -196,10 +228,23 @@ class Metadata:
         self._unjournaled: dict[tuple[str, str], None] = {}
         self._compact = False  # the next write is a compaction, whatever the journal's size
         self._journal_size = 0  # what the journal holds, fsynced
+        # the journal's name is durable in the data directory: set only by a successful directory fsync
+        # after it was made (or found at start), cleared when it is unlinked
+        self._journal_named = False
+        # nsqd.dat (or a journal naming topics) was there at start and loaded: what it does not name was
+        # deleted (NSQD removes such files at start; not when nsqd.dat is missing)
+        self.found = False
+        # topics and channels made at run time whose line is not written yet (unnamed_key -> the change
+        # that made them): what published to them or subscribed is answered once they are named
+        self.unnamed: dict[str, int] = {}
+        self.names = Names(self)
         self._dat_size = 0
         self._wake = trio.Event()
         self._written = trio.Event()
         self._lock = trio.Lock()  # one write at a time: they share the files
+        # where the file work runs (tests under trio's MockClock run it inline: a worker thread's real
+        # time would let the mock clock jump, a heartbeat before the OK of a PUB that made its topic)
+        self.run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -214,9 +259,18 @@ class Metadata:
         if good < size:
             log.warning("%s: %d bytes past its last whole line dropped", self.journal_path, size - good)
             os.truncate(self.journal_path, good)
+        if good:
+            # a kill -9 may have left these lines in the page cache only: on disk, and the journal's
+            # name with them, before the broker acts on them (a power loss next must not undo them)
             with open(self.journal_path, "rb+") as fh:
                 os.fsync(fh.fileno())
+            fsync_dir(self.nsqd.data_path)
+            self._journal_named = True
+        elif size:
+            with open(self.journal_path, "rb+") as fh:
+                os.fsync(fh.fileno())  # (cut to nothing: the next append fsyncs its directory)
         self._journal_size = good
+        self.found = self._dat_size > 0
         if size:
             self._compact = True
             self.changes += 1
@@ -231,6 +285,16 @@ class Metadata:
         self._unjournaled[(topic, channel)] = None
         self.changes += 1
         self._wake.set()
+
+    def created(self, topic: str, channel: str = "") -> None:
+        """`topic` (or its `channel`) was made at run time: changed, and unnamed until that is on disk."""
+        self.changed(topic, channel)
+        self.unnamed[unnamed_key(topic, channel)] = self.changes
+
+    def is_named(self, topic: str, channel: str = "") -> bool:
+        """Whether nothing waits for the topic's (or channel's) line: made before, or written since."""
+        unnamed = self.unnamed
+        return not unnamed or (topic not in unnamed and (not channel or unnamed_key(topic, channel) not in unnamed))
 
     async def persisted(self) -> None:
         """Return once a write begun after this call's changes is on disk. Raises OSError if the write
@@ -272,9 +336,9 @@ class Metadata:
             self._compact = False
             try:
                 if compact:
-                    await trio.to_thread.run_sync(self._compact_files, lines, self.metadata_bytes())
+                    await self.run_sync(self._compact_files, lines, self.metadata_bytes())
                 else:
-                    await trio.to_thread.run_sync(self._append, lines)
+                    await self.run_sync(self._append, lines)
             except OSError:
                 self.failed = max(self.failed, covers)
                 # the changes it held are written by the next write (as they are then)
@@ -285,12 +349,19 @@ class Metadata:
                 written, self._written = self._written, trio.Event()
                 written.set()
             self.covered = max(self.covered, covers)
+            self._named(covers)
+
+    def _named(self, covers: int) -> None:
+        """The creations up to change `covers` are on disk."""
+        if self.unnamed:
+            self.unnamed = {key: change for key, change in self.unnamed.items() if change > covers}
 
     def write_now(self) -> None:
         """A compaction in the caller's thread (a clean exit): nsqd.dat as Go's, no journal left."""
         keys, self._unjournaled = self._unjournaled, {}
         self._compact_files(self._journal_lines(keys), self.metadata_bytes())
         self.covered = self.changes
+        self._named(self.covered)
 
     def _journal_lines(self, keys: dict[tuple[str, str], None]) -> bytes:
         """The journal lines of the topics and channels in `keys`, as they are now."""
@@ -330,10 +401,13 @@ class Metadata:
 
     def _append(self, lines: bytes) -> None:
         """The lines written where the journal's fsynced part ends (over what a failed append left), and
-        fsynced; a journal made now is fsynced into its directory too."""
+        fsynced; the journal's name is fsynced into its directory too until once done. Lines that say
+        "deleted" (`null`) follow a directory fsync: the files the deletion removed are gone for good
+        before the line is (else a power loss could bring them back under a name made again)."""
         if not lines:
             return
-        created = not os.path.exists(self.journal_path)
+        if DELETION in lines:
+            fsync_dir(self.nsqd.data_path)
         fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size > self._journal_size:
@@ -343,8 +417,9 @@ class Metadata:
             os.fsync(fd)
         finally:
             os.close(fd)
-        if created:
+        if not self._journal_named:
             fsync_dir(self.nsqd.data_path)
+            self._journal_named = True
         self._journal_size += len(lines)
 
     def _compact_files(self, lines: bytes, data: bytes) -> None:
@@ -360,6 +435,7 @@ class Metadata:
         except FileNotFoundError:
             pass
         else:
+            self._journal_named = False
             fsync_dir(self.nsqd.data_path)
         self._journal_size = 0
 

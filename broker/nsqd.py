@@ -18,6 +18,7 @@ import trio
 from trio_nsq.broker.channel import Channel
 from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.storage.data_dir import DataDir
+from trio_nsq.broker.storage.files import fsync_dir, remove_quietly
 from trio_nsq.broker.lookup import LookupManager
 from trio_nsq.broker.metadata import METADATA_FILE, Metadata, valid
 from trio_nsq.broker.options import Options
@@ -283,10 +284,17 @@ class NSQD:
         for hook in self.notify_hooks:
             hook("topic" if isinstance(obj, Topic) else "channel", obj, created)
         if isinstance(obj, Topic):
-            if not obj.ephemeral:
+            if obj.ephemeral:
+                pass
+            elif created:
+                self.meta.created(obj.name)
+            else:
                 self.persist_metadata(obj.name)
         elif not obj.ephemeral and not obj.topic.ephemeral:
-            self.persist_metadata(obj.topic_name, obj.name)
+            if created:
+                self.meta.created(obj.topic_name, obj.name)
+            else:
+                self.persist_metadata(obj.topic_name, obj.name)
 
     # --- metadata (nsqd.dat, broker/metadata.py) ------------------------------------------------
 
@@ -324,10 +332,41 @@ class NSQD:
         except ValueError as exc:
             path = os.path.join(self.data_path, METADATA_FILE)
             raise RuntimeError(f"failed to parse metadata in {path} - {exc}") from None
+        if self.meta.found:
+            self._remove_unnamed_files(topics)
         for t in valid(topics, is_valid_topic_name, "topic"):
             self._pending.setdefault(t["name"], t)
         if not self._pending:
             self.loaded.set()
+
+    def _remove_unnamed_files(self, topics: list[dict[str, Any]]) -> None:
+        """Files of topics and channels nsqd.dat (with its journal) does not name: what a deletion left
+        (a removal that failed; a broker, ours before this or Go's, that did not fsync the removals).
+        Removed now, so a topic or channel made later under the name starts afresh, as one deleted
+        does. Only called when nsqd.dat was there and loaded: a missing one says nothing was deleted.
+        Ephemeral names are left alone (nsqd.dat never names them)."""
+        named = {t.get("name", ""): t for t in topics}
+        removed = False
+        for name in self.data_dir.topics():
+            if is_ephemeral(name):
+                continue
+            entry = named.get(name)
+            if entry is None:
+                files, what = self.data_dir.take(name), f"TOPIC({name})"
+            else:
+                channels = {c.get("name", "") for c in entry.get("channels") or ()}
+                files, what = self.data_dir.take_channels(
+                    name, lambda channel: channel not in channels and not is_ephemeral(channel)), f"TOPIC({name}) channels"
+            if not files:
+                continue
+            for file in files:
+                failed = remove_quietly(os.path.join(self.data_path, file))
+                if failed is not None:
+                    log.error("%s: failed to remove %s - %s", what, file, failed)
+            removed = True
+            log.warning("%s: not in %s (deleted before a crash): removed %s", what, METADATA_FILE, " ".join(sorted(files)))
+        if removed:
+            fsync_dir(self.data_path)  # gone for good before anything is made again under the name
 
     def _open_from_metadata(self, t: dict[str, Any]) -> Topic:
         """A topic nsqd.dat names, with its channels, pauses and settings as it says (nothing told to the

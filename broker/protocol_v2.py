@@ -222,7 +222,7 @@ class ProtocolV2:
                         break
                     try:
                         response = handler(self, client, command)
-                    except _AskAuthAgain:
+                    except (_AskAuthAgain, _NameFirst):
                         awaiting = command
                         break
                     if response is not None:
@@ -277,8 +277,17 @@ class ProtocolV2:
             raise FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}") from None
         if published.sync is not None:
             client.pending_sync.setdefault(published.sync, command)
+        self._await_name(client, command, run.topic)
         client.published(run.topic, published.count)
         responses.extend([OK] * len(bodies))
+
+    def _await_name(self, client: ClientV2, command: str, topic: str, channel: str = "") -> None:
+        """A command that made its topic (or channel), or came while another's making of it is not on disk
+        yet, is answered once nsqd.dat names it (as an fsync is awaited: pending_sync). Only a creation
+        pays: `unnamed` is empty otherwise."""
+        meta = self.nsqd.meta
+        if meta.unnamed and not meta.is_named(topic, channel):
+            client.pending_sync.setdefault(meta.names, command)
 
     async def heartbeat_loop(self, client: ClientV2) -> None:
         """Send _heartbeat_ every heartbeat_interval; IDENTIFY restarts the schedule with its interval."""
@@ -452,12 +461,9 @@ class ProtocolV2:
         handler = _AWAITING.get(cmd.name)
         if handler is not None:
             return await handler(self, client, cmd)
-        try:
-            await self._query_authd(client)
-        except AuthError as exc:
-            log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
-            raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
-        client.auth_refreshed = True  # what authd just said counts, even with a ttl already gone
+        if cmd.name == b"SUB":
+            return await self._sub_awaiting(client, cmd)
+        await self._ask_auth_again(client)
         try:
             if cmd.name in _RUNS:
                 run = _PublishRun()
@@ -467,6 +473,33 @@ class ProtocolV2:
                 self._publish_run(client, run, responses)
                 return responses[0]
             return _HANDLERS[cmd.name](self, client, cmd)
+        finally:
+            client.auth_refreshed = False
+
+    async def _ask_auth_again(self, client: ClientV2) -> None:
+        try:
+            await self._query_authd(client)
+        except AuthError as exc:
+            log.warning("PROTOCOL(V2): [%s] AUTH failed %s", client, exc)
+            raise FatalClientError("E_AUTH_FAILED", "AUTH failed") from None
+        client.auth_refreshed = True  # what authd just said counts, even with a ttl already gone
+
+    async def _sub_awaiting(self, client: ClientV2, cmd: Command) -> bytes | None:
+        """A SUB that could not be done in place: its authorisation to ask for again, or its topic or
+        channel, made by it or by a command not answered yet, to be named on disk first (nsqd.dat), so
+        that a crash after its OK keeps the channel and what it is owed. Not subscribed meanwhile: no
+        message goes out before the OK."""
+        try:
+            while True:
+                try:
+                    return self.SUB(client, cmd)
+                except _AskAuthAgain:
+                    await self._ask_auth_again(client)
+                except _NameFirst:
+                    try:
+                        await self.nsqd.meta.names.sync()
+                    except BackendError as exc:
+                        raise FatalClientError("E_SUB_FAILED", f"SUB failed {exc}") from None
         finally:
             client.auth_refreshed = False
 
@@ -597,6 +630,8 @@ class ProtocolV2:
             channel.add_client(client, self.options.max_channel_consumers)
         except ChannelError as exc:
             raise FatalClientError("E_SUB_FAILED", f"SUB failed {exc}") from None
+        if not self.nsqd.meta.is_named(topic.name, channel.name):
+            raise _NameFirst()  # made, not on disk yet: subscribed once it is (_sub_awaiting)
         client.state = ClientState.SUBSCRIBED
         client.channel = channel
         client.wake()
@@ -708,6 +743,7 @@ class ProtocolV2:
             raise FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}") from None
         if published.sync is not None:
             client.pending_sync.setdefault(published.sync, command)
+        self._await_name(client, command, topic_name)
         client.published(topic_name, published.count)
 
 
@@ -751,6 +787,11 @@ _AWAITING = {
 class _AskAuthAgain(Exception):
     """An expired authorisation must be asked for again before this command (an await): raised before
     the command changed anything."""
+
+
+class _NameFirst(Exception):
+    """A SUB whose topic or channel is not named on disk yet (nsqd.dat): it goes to exec_awaiting, which
+    awaits the metadata write, then subscribes."""
 
 
 def _parse_signed(value: bytes) -> int:

@@ -131,7 +131,7 @@ class Topic:
         self.idempotency = IdempotencyKeys(
             name, None if self.ephemeral else nsqd.data_path,
             window=opts.idempotency_window, max_keys=opts.max_idempotency_keys,
-            log_end=None if self.log is None else self.log.segments.tail,
+            log_holds=None if self.log is None else self.log.segments.holds_end,
         )
         # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
         self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None
@@ -545,6 +545,7 @@ class Topic:
         """A clean exit (nsqd's topic Close): what is in memory goes to disk (the topic's to its log,
         each channel's to its own queue), the last sync round persists it all, the files are closed."""
         self.exit()
+        flushed = True  # every message held in memory is on disk now
         if self.log is not None and self.memory:
             msgs = list(self.memory)
             self.memory.clear()
@@ -554,17 +555,19 @@ class Topic:
             except BackendError as exc:
                 log.error("TOPIC(%s): failed to flush %d of %d messages - %s",
                           self.name, len(msgs) - exc.stored, len(msgs), exc)
+                flushed = False
             if not self.paused and self.channels:
                 self.log.dispatch()
         for channel in self.channels.values():
             if not channel.ephemeral:  # a durable channel of an ephemeral topic has its own queue too
-                channel.flush_for_shutdown()
-        await self.group.close()
+                flushed = channel.flush_for_shutdown() and flushed
+        flushed = await self.group.close() and flushed
         for channel in self.channels.values():
             channel.close()
         if self.log is not None:
             self.log.close()
-        self.idempotency.close()  # after the messages: a key is never kept for messages lost
+        # after the messages: a key is never kept for messages lost
+        self.idempotency.close(flushed=flushed)
 
     def delete(self) -> None:
         """Every file of the topic, now (NSQD's delete_topic, after its channels)."""

@@ -162,10 +162,14 @@ class Api:
         body = await req.read(self.options.max_msg_size)
         topic, bodies, deferred = self._pub_body(req, body)
         await self._publish(topic, bodies, "pub", key, deferred)
+        await self._named(topic)
         return OK
 
     def pub_now(self, req: Request, params: Mapping[str, str]) -> Reply | None:
         if not self._publishes_now(req):
+            return None
+        checked = self._pub_queries.get(req.query)
+        if not self._named_now(checked[0] if checked is not None else self._topic_arg(req)):
             return None
         self._pub_head(req)
         topic, bodies, deferred = self._pub_body(req, req.body_now(self.options.max_msg_size))
@@ -209,10 +213,11 @@ class Api:
         key, topic, binary = self._mpub_head(req)
         body = await req.read(self.options.max_body_size)
         await self._publish(topic, self._mpub_bodies(body, binary), "mpub", key)
+        await self._named(topic)
         return OK
 
     def mpub_now(self, req: Request, params: Mapping[str, str]) -> Reply | None:
-        if not self._publishes_now(req):
+        if not self._publishes_now(req) or not self._named_now(self._topic_arg(req)):
             return None
         _, topic, binary = self._mpub_head(req)
         self._publish_sync(topic, self._mpub_bodies(req.body_now(self.options.max_body_size), binary), "mpub")
@@ -253,6 +258,26 @@ class Api:
         """A publish answered without awaiting: no Idempotency-Key (its journal awaits) and no fsync to
         wait for (--sync-every=1)."""
         return req.idempotency_key is None and self.options.sync_every != 1
+
+    def _named_now(self, name: str) -> bool:
+        """The topic is there and nsqd.dat names it: a publish to it may be answered without awaiting (else
+        the awaiting path makes it and answers once it is named)."""
+        return name in self.nsqd.topics and self.nsqd.meta.is_named(name)
+
+    def _topic_arg(self, req: Request) -> str:
+        """The query's topic, or "" (a query that does not parse is refused by the awaiting path)."""
+        try:
+            names = self._params(req).get("topic")
+        except HTTPError:
+            return ""
+        return names[0] if names else ""
+
+    async def _named(self, topic: Topic, channel: str = "") -> None:
+        """A publish or a commit that made its topic (or channel), or came while another's making of it
+        is not on disk yet, is answered once nsqd.dat names it: at start, files of a topic or channel
+        nsqd.dat does not name are removed (what was deleted), and an answered message must not be."""
+        if not self.nsqd.meta.is_named(topic.name, channel):
+            await self._metadata_persisted()
 
     @staticmethod
     def _idempotency_key(req: Request) -> str | None:
@@ -341,6 +366,7 @@ class Api:
             self.nsqd.delete_topic(self._topic_name(req))
         except KeyError:
             raise HTTPError(404, "TOPIC_NOT_FOUND") from None
+        await self._metadata_persisted()  # (a power loss now does not bring it back)
         return EMPTY
 
     async def topic_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -361,21 +387,22 @@ class Api:
             raise HTTPError(500, "INTERNAL_ERROR") from None
 
     async def topic_pause(self, req: Request, params: Mapping[str, str]) -> Reply:
-        return self._set_paused(self._existing_topic(self._topic_name(req)), True)
+        return await self._set_paused(self._existing_topic(self._topic_name(req)), True)
 
     async def topic_unpause(self, req: Request, params: Mapping[str, str]) -> Reply:
-        return self._set_paused(self._existing_topic(self._topic_name(req)), False)
+        return await self._set_paused(self._existing_topic(self._topic_name(req)), False)
 
-    def _set_paused(self, target: Topic | Channel, paused: bool) -> Reply:
+    async def _set_paused(self, target: Topic | Channel, paused: bool) -> Reply:
         if paused:
             target.pause()
         else:
             target.unpause()
-        # persisted at once so a crash cannot silently (un)pause it, as nsqd
+        # on disk before the answer so a crash cannot silently (un)pause it, as nsqd
         if isinstance(target, Topic):
             self.nsqd.persist_metadata(target.name)
         else:
             self.nsqd.persist_metadata(target.topic_name, target.name)
+        await self._metadata_persisted()
         return EMPTY
 
     # --- channels ---------------------------------------------------------------------------
@@ -392,6 +419,7 @@ class Api:
             topic.delete_channel(name)
         except KeyError:
             raise HTTPError(404, "CHANNEL_NOT_FOUND") from None
+        await self._metadata_persisted()  # (a power loss now does not bring it back)
         return EMPTY
 
     async def channel_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -438,10 +466,10 @@ class Api:
         return ok_json(list_messages(channel, state, limit))
 
     async def channel_pause(self, req: Request, params: Mapping[str, str]) -> Reply:
-        return self._set_paused(self._existing_channel(req), True)
+        return await self._set_paused(self._existing_channel(req), True)
 
     async def channel_unpause(self, req: Request, params: Mapping[str, str]) -> Reply:
-        return self._set_paused(self._existing_channel(req), False)
+        return await self._set_paused(self._existing_channel(req), False)
 
     # --- settings per topic and channel, dead letters (not in nsqd) --------------------------
 

@@ -86,8 +86,9 @@ class LogApi:
         if topic.exiting:
             raise HTTPError(503, "EXITING")
         topic.keep_whole_log()
-        if not log_.epoch_on_disk:
-            # the id is given out only once a crash cannot make another
+        if not (log_.epoch_on_disk and log_.positional_on_disk):
+            # the id is given out only once a crash cannot make another, and a position only once a
+            # crash cannot undo the positional flag (after it, messages would go through memory again)
             log_.request_meta()
             try:
                 await topic.group.sync_round()
@@ -213,4 +214,6 @@ class LogApi:
         await self.api._persisted(topic, f"CHANNEL({topic.name}:{channel.name})")
         if created:
             await self.api._metadata_persisted()
+        else:
+            await self.api._named(topic, channel.name)  # (made by a request not answered yet)
         return ok_json({"log_id": log_.log_id, "position": place.position, "depth": channel.depth()})

@@ -12,13 +12,16 @@ A file belongs to a topic by its name: `<topic>:<channel>...` (a channel's curso
 dots (and even "diskqueue"), so the topic is what comes before the *last* `.diskqueue.` or
 `.idempotency`; a name that is none of these belongs to no topic.
 
-Who calls it: NSQD lists it at start and gives each Topic its names (`take`); a topic made later, at run
-time, takes what the listing had for it (files a crash or Go nsqd left), and owns its files from then on.
+Who calls it: NSQD lists it at start, takes away (and removes) the names of topics and channels a loaded
+nsqd.dat does not name (`take`, `take_channels`: what a deletion left behind), and gives each Topic its
+names (`take`); a topic made later, at run time, takes what the listing had for it (files a crash or Go
+nsqd left when there was no nsqd.dat to say whose they are), and owns its files from then on.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 
 def topic_of(name: str) -> str | None:
@@ -31,6 +34,18 @@ def topic_of(name: str) -> str | None:
         if at > 0:
             return name[:at]
     return None
+
+
+def channel_of(name: str) -> str | None:
+    """The channel a file of the data directory belongs to (`<topic>:<channel>.cursor...` or
+    `<topic>:<channel>.diskqueue...`; None: a topic's own file, or a name none of these). Channel
+    names may hold dots: the channel is what comes before the last marker."""
+    colon = name.find(":")
+    if colon <= 0:
+        return None
+    rest = name[colon + 1:]
+    at = max(rest.rfind(".cursor."), rest.rfind(".diskqueue."))
+    return rest[:at] if at > 0 else None
 
 
 class DataDir:
@@ -54,6 +69,16 @@ class DataDir:
     def take(self, topic: str) -> list[str]:
         """The names the listing had for `topic` (none the second time: the topic owns its files now)."""
         return self._by_topic.pop(topic, [])
+
+    def take_channels(self, topic: str, gone: Callable[[str], bool]) -> list[str]:
+        """The names the listing had for the channels of `topic` that `gone` selects (taken: the topic
+        does not get them); a name whose channel cannot be told stays the topic's."""
+        names = self._by_topic.get(topic, [])
+        taken = [name for name in names if (channel := channel_of(name)) is not None and gone(channel)]
+        if taken:
+            gone_names = set(taken)
+            self._by_topic[topic] = [name for name in names if name not in gone_names]
+        return taken
 
     def topics(self) -> list[str]:
         """The topics with files the listing found and no one took yet."""

@@ -18,9 +18,11 @@ run out (2**63 bytes) whatever the segment numbers are: go-diskqueue's file numb
 a long-lived Go nsqd's directory carries numbers past 2**23 that `file << 40 | offset` (what positions
 were before) could not hold in 63 bits. Segments of a log written by trio-nsq-log 1 keep their start
 `file << 40`, so the positions its cursor files hold stay true; a queue Go wrote starts at 0. Positions
-are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta, and
-a segment found past it starts where the one before it ends). Each record also has an index (its number
-in the log), so the records between two positions are counted by a subtraction.
+are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta; a
+segment found past it at open starts past every position the files from the meta's write file on may
+have held, since a power loss may have cut the file before it: what a torn tail loses is a gap of
+positions, never a shift of the next segment's). Each record also has an index (its number in the log),
+so the records between two positions are counted by a subtraction.
 
 What go-diskqueue did that stays: the put size check, when a file rolls, a record length outside [min,
 max] or a short read cutting the file there (Go renames it `.bad` and skips to the next; the write file
@@ -337,6 +339,11 @@ class SegmentLog:
         num, pos = self.write_file_num, self.write_pos
         self.synced_at_open = (Place(self.tail, self.tail_index) if self.meta_found
                                else Place(self.start, self.start_index()))
+        # A segment the metadata does not name (a roll since its last write) starts past every position
+        # the files from its write file on may have held: a power loss may have cut the file before it
+        # (torn inside, or at a record boundary: nothing tells), and a position given then (a key's, a
+        # deadline's) must land in the gap the loss left, never on another record.
+        floor = self._starts[-1] + (max([num, *existing]) - num + 1) * self._span()
         while True:
             path = self.file_name(num)
             try:
@@ -346,7 +353,7 @@ class SegmentLog:
                 if later:
                     log.warning("DISKQUEUE(%s) %s is missing (metadata writePos %d), recovering from %s",
                                 self.name, path, pos, self.file_name(later[0]))
-                    self._starts.extend(self._after_gap(i) for i in range(1, later[0] - num + 1))
+                    self._starts.extend(max(floor, self._after_gap(i)) for i in range(1, later[0] - num + 1))
                     num, pos = self._write_file_is(later[0])
                     continue
                 if pos == 0:
@@ -358,8 +365,8 @@ class SegmentLog:
                 if size >= 0:
                     log.error("DISKQUEUE(%s) %s is shorter (%d) than metadata writePos %d, moving to a new file",
                               self.name, path, size, pos)
-                # positions up to the metadata's write position were given: the next file starts past them
-                self._starts.append(self._starts[-1] + pos)
+                # positions up to the metadata's write position were given, and maybe more past it
+                self._starts.append(max(floor, self._starts[-1] + pos))
                 num, pos = self._write_file_is(num + 1)
                 continue
             end = self._recover_file(num, pos, size)
@@ -367,7 +374,7 @@ class SegmentLog:
             if not os.path.exists(self.file_name(num)):
                 break
             self._first_index[num] = self.tail_index
-            self._starts.append(num << LEGACY_SHIFT if self._legacy else self._starts[-1] + end)
+            self._starts.append(num << LEGACY_SHIFT if self._legacy else max(floor, self._starts[-1] + end))
         if self.write_file_num not in self._first_index:
             self._first_index[self.write_file_num] = self.tail_index - self._count_before(self.write_file_num, self.write_pos)
         if self.first_file > self.write_file_num:
@@ -394,6 +401,10 @@ class SegmentLog:
             log.warning("DISKQUEUE(%s) cutting %d bytes of a torn record%s off the end of %s", self.name,
                         size - end, f" ({why})" if end == limit and why else "", path)
             os.truncate(path, end)
+            if not count:
+                # no record recovered here, so no round fsyncs this file: a second power loss would bring
+                # the torn bytes back (past a sealed segment's end, where a read then fails)
+                self._sync_cut(path)
         if count:
             log.info("DISKQUEUE(%s) recovered %d records past writePos %d in %s (written after the "
                      "last metadata sync)", self.name, count, pos, path)
@@ -404,6 +415,16 @@ class SegmentLog:
         self.tail_index += count
         self.write_file_num, self.write_pos = num, end
         return end
+
+    def _sync_cut(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("DISKQUEUE(%s) failed to fsync the cut of %s - %s", self.name, path, exc)
 
     def _scan(self, num: int, pos: int, size: int, check: Callable[[bytes], bool] | None = None) -> tuple[int, int]:
         """(end of the last whole, valid record from pos, how many records) in segment num up to size,
@@ -503,6 +524,17 @@ class SegmentLog:
     def file_of(self, pos: int) -> int:
         """The segment holding position `pos` (first_file - 1 for a position before the log)."""
         return self.first_file + bisect_right(self._starts, pos) - 1
+
+    def holds_end(self, pos: int) -> bool:
+        """Whether the records that end at position `pos` are all in the log (or were dropped, every
+        reader past them): not past the tail, nor in a gap that lost records left (a segment cut short
+        before the next one's start)."""
+        if pos <= self.start:
+            return True
+        if pos > self.tail:
+            return False
+        num = self.file_of(pos - 1)
+        return pos - self.start_of(num) <= self._size(num)
 
     def split(self, pos: int) -> tuple[int, int]:
         """(segment, offset in it) of position `pos`."""

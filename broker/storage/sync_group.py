@@ -388,13 +388,15 @@ class SyncGroup:
                 # publisher waiting for durability (sync()) starts its own round at once
                 await trio.sleep(MIN_ROUND_INTERVAL)
 
-    async def close(self) -> None:
-        """The last round (every member's metadata written); no more after it."""
+    async def close(self) -> bool:
+        """The last round (every member's metadata written); no more after it. Whether it succeeded."""
         self._closing = True
+        ok = True
         with trio.CancelScope(shield=True):
             try:
                 await self.sync_round()
             except BackendError:
-                pass  # logged
+                ok = False  # logged
         self.closed = True
         self._wake.set()
+        return ok

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.deadlines import PublishDeadlines
-from trio_nsq.broker.storage.files import close_quietly, remove_quietly
+from trio_nsq.broker.storage.files import close_quietly, fsync_dir, remove_quietly
 from trio_nsq.broker.storage.log_index import LogIndex
 from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.storage.records import looks_like_message
@@ -100,9 +100,9 @@ class TopicLog:
         self._meta_at = -META_INTERVAL  # when the metadata was last written (a round's monotonic time)
         self._meta_dispatched = ""
         self._first_stamps: dict[int, int | None] = {}  # segment -> its first record's timestamp
-        # what a round has fsynced (position, index): at open, what the metadata says was (records found
-        # past it, and the deadlines after them, are fsynced by the first round: a kill -9 may have left
-        # them in the page cache only)
+        # what a round has fsynced (position, index): at open, what the metadata says was; records found
+        # past it are fsynced at open and it moves over those of the metadata's write file
+        # (_sync_recovered); the deadlines after them are fsynced by the first round
         self.durable_tail = segments.synced_at_open
         self._round_tail = self.durable_tail
         self._suspect = False  # a round failed: the durable tail stays until a restart
@@ -111,17 +111,52 @@ class TopicLog:
         # the log id (the epoch) is in a metadata file on disk: until it is, it is not given out (a crash
         # before would make another)
         self.epoch_on_disk = segments.epoch_loaded
+        self.positional_on_disk = self.positional  # ... and so is "positional 1" (the log API awaits it)
         self._meta_in_round = False
+        self._positional_in_round = False
         self._index: LogIndex | None = None
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
-        self._load_deadlines(segments.start, deadline_files)
+        # the log does not end where the metadata said (records recovered, a torn tail cut, segments
+        # given a start): a deadline entry may name a position its record no longer has
+        changed = segments.tail != segments.synced_at_open.position
+        self._load_deadlines(segments.start, deadline_files, check_ids=changed)
         if segments.recovered:
             self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail.position))
+            self._sync_recovered()
             group.request_round()
         group.members.append(self)
 
     def __repr__(self) -> str:
         return f"TopicLog({self.name})"
+
+    def _sync_recovered(self) -> None:
+        """Records a kill -9 left past the metadata's write position (maybe in the page cache only) are
+        fsynced now, with the names of their segments: the durable tail starts where the recovered
+        records of the metadata's write file end, not back at its write position (a reader shown the old
+        end before the kill would find its positions past the end until the first round). Not further:
+        a segment the metadata does not name got its start at this open, from the files there now, and
+        another open before the first round writes the metadata may give it another (a roll since)."""
+        segments = self.segments
+        named = segments.file_of(segments.synced_at_open.position)  # the metadata's write file
+        if named == segments.write_file_num:
+            end = Place(segments.tail, segments.tail_index)
+        else:
+            end = Place(segments.start_of(named) + segments.segment_size(named), segments.index_of_file(named + 1))
+        paths = segments.take_unsynced()
+        try:
+            for path in paths:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(self.data_path)
+        except OSError as exc:
+            log.error("TOPIC(%s) failed to fsync the records recovered at open - %s", self.name, exc)
+            segments.unsynced_again(paths)  # the first round does it
+            return
+        if end.position > self.durable_tail.position:
+            self.durable_tail = self._round_tail = end
 
     def _load_dispatched(self) -> Place:
         segments = self.segments
@@ -146,13 +181,19 @@ class TopicLog:
     def _deadline_files(self) -> list[int]:
         return numbered_files(list_dir(self.data_path), f"{self.name}.diskqueue.deadlines")
 
-    def _load_deadlines(self, start: int, files: list[int]) -> None:
+    def _load_deadlines(self, start: int, files: list[int], check_ids: bool = False) -> None:
         """The deadlines still ahead of records from `start` on (a restart, or a seek back), from deadline
         files `files`. Entries past the log's end (their records lost with a power failure, or a torn
-        write) are cut off their file: a record written there later is not deferred by them."""
+        write) are cut off their file: a record written there later is not deferred by them. With
+        `check_ids` (at open, after a crash), those of the segments past what the metadata saw must also
+        name the message id of the record at their position (or follow it: `_verified`)."""
         now = self.clock()
-        tail = self.segments.tail
-        first = self.segments.file_of(start)
+        segments = self.segments
+        tail = segments.tail
+        first = segments.file_of(start)
+        # segments a crash may have changed since their deadlines were written: from the one the metadata
+        # saw the end of (records past it recovered at open, segments past it given a start at open)
+        recovered = segments.file_of(segments.synced_at_open.position) if check_ids else segments.write_file_num + 1
         found: list[tuple[int, float]] = []
         for num in files:
             path = self.deadline_file_name(num)
@@ -167,6 +208,11 @@ class TopicLog:
                 log.error("TOPIC(%s) cannot read %s - %s", self.name, path, exc)
                 continue
             usable = len(data) - len(data) % _DEADLINE.size  # a crash may cut the last entry
+            if num >= recovered:
+                for pos, deadline, _ in self._verified(num, path, data[:usable], len(data)):
+                    if pos >= start and deadline > now:
+                        found.append((pos, deadline))
+                continue
             kept = 0
             for pos, deadline, _ in _DEADLINE.iter_unpack(data[:usable]):
                 if pos >= tail:
@@ -183,6 +229,75 @@ class TopicLog:
                     log.error("TOPIC(%s) cannot cut %s - %s", self.name, path, exc)
         if found:
             self.publish_deadlines.load(found)
+
+    def _verified(self, num: int, path: str, data: bytes, size: int) -> list[tuple[int, float, bytes]]:
+        """The entries of segment num's deadline file whose record is there: the message id at the
+        position is the entry's, or (the segment was given another start at open) the record with that id
+        is found in the segment and the entry moves to its position. The others (their records lost) go,
+        so a deadline never defers another record written at their position. The file is rewritten
+        when anything changed (the next round fsyncs it)."""
+        segments = self.segments
+        entries = list(_DEADLINE.iter_unpack(data))
+        first, end = segments.start_of(num), segments.start_of(num) + segments.segment_size(num)
+        kept: list[tuple[int, float, bytes]] = []
+        missing: dict[bytes, float] = {}
+        reader = segments.reader(first, segments.index_of_file(num))
+        try:
+            for pos, deadline, msg_id in entries:
+                try:
+                    same = first <= pos < end and reader.fetch(pos)[10:26] == msg_id
+                except (OSError, ValueError):
+                    same = False
+                if same:
+                    kept.append((pos, deadline, msg_id))
+                else:
+                    missing[msg_id] = deadline
+        finally:
+            reader.close()
+        moved = 0
+        if missing:
+            for pos, msg_id in self._positions_of(num, set(missing)):
+                kept.append((pos, missing.pop(msg_id), msg_id))
+                moved += 1
+            kept.sort()
+            if missing:
+                log.warning("TOPIC(%s) dropping %d deadline entries of %s: their records are not in the log",
+                            self.name, len(missing), path)
+            if moved:
+                log.info("TOPIC(%s) %d deadline entries of %s follow their records to the positions their "
+                         "segment has since this start", self.name, moved, path)
+        if missing or moved or size != len(data):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+                try:
+                    os.write(fd, b"".join(_DEADLINE.pack(*entry) for entry in kept))
+                finally:
+                    close_quietly(fd)
+                self._deadline_unsynced.add(num)
+            except OSError as exc:
+                log.error("TOPIC(%s) cannot rewrite %s - %s", self.name, path, exc)
+        return kept
+
+    def _positions_of(self, num: int, ids: set[bytes]) -> list[tuple[int, bytes]]:
+        """(position, id) of the records of segment num whose message id is in `ids`."""
+        segments = self.segments
+        found: list[tuple[int, bytes]] = []
+        reader = segments.reader(segments.start_of(num), segments.index_of_file(num))
+        upto = segments.start_of(num + 1)
+        try:
+            while ids:
+                positions: list[int] = []
+                records = reader.read(4096, upto, positions)
+                if not records:
+                    break
+                for pos, data in zip(positions, records):
+                    msg_id = data[10:26]
+                    if msg_id in ids:
+                        ids.discard(msg_id)
+                        found.append((pos, msg_id))
+        finally:
+            reader.close()
+        return found
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -468,6 +583,7 @@ class TopicLog:
         if self.positional:
             extra.append("positional 1")
         self._meta_in_round = True
+        self._positional_in_round = self.positional
         plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(go_pos, go_index, extra)))
 
     def _retained(self, needed_file: int) -> int:
@@ -496,6 +612,7 @@ class TopicLog:
             self._removing = []
             if self._meta_in_round:
                 self.epoch_on_disk = True
+                self.positional_on_disk = self.positional_on_disk or self._positional_in_round
             if not self._suspect:
                 self.durable_tail = self._round_tail
         else:
