@@ -12,7 +12,8 @@ def looks_like_message(record: bytes) -> bool:
     """Whether a record found past the persisted write position at open is a message and not what a power
     loss left (zeros where its bytes were never written back): a message's id is 16 hex digits (Go nsqd's
     and ours). A record whose first bytes were written back and the rest not
-    cannot be told from one whose body ends in zeros: go-diskqueue's format has no checksum."""
+    cannot be told from one whose body ends in zeros: go-diskqueue's format has no checksum (the side
+    files of checksums.py add one, checked before this)."""
     if len(record) < MIN_VALID_MSG_LENGTH:
         return False
     for byte in record[10:26]:

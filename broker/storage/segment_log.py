@@ -9,6 +9,8 @@ Files, in the data directory (byte for byte those of github.com/nsqio/go-diskque
   still needs: what Go nsqd would deliver from) and may add lines after Go's three (`trio-nsq-log 2`:
   the log's epoch, each segment's first record index and start position, the index at the write
   position, and the owner's own lines); Go's Fscanf reads the three and stops.
+Beside each segment, not Go's: `<name>.diskqueue.%06d.crc`, a CRC32 of every append batch (checksums.py):
+records past the metadata's write position are checked against it at open (Go nsqd never opens it).
 
 A record's *position* is where it is in the log's life: its segment's start position plus its offset
 in the file. A new segment starts where the last one ended, so positions are byte offsets that never
