@@ -292,6 +292,11 @@ class SyncGroup:
         descriptor), so the event loop may close or replace its write descriptor meanwhile."""
         for path in plan.fsync:
             _fsync_file(path)
+        if plan.new_names and plan.replaces:
+            # names made since the last round (a segment begun at a roll) durable before the metadata that
+            # names them is renamed into place: POSIX orders no two names without a directory fsync, and
+            # a metadata naming a segment a power loss then lost leaves its readers a gap (once a roll)
+            fsync_dir(self.data_path)
         for member, path, data in plan.appends:
             self._append(member, path, data)
         for member, path, data in plan.replaces:
