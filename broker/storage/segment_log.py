@@ -346,12 +346,14 @@ class SegmentLog:
         tells), and a position given then (a key's, a deadline's) must land in the gap, never on another
         record. A segment missing below one that is there (its name not durable: POSIX orders no two
         names without a directory fsync) stays in the log as a gap its readers skip."""
-        if not self.meta_found and existing:
+        if not self.meta_found:
             # no metadata (a crash before the first round): the log began at segment 0, position 0, with
             # the epoch its side files were written with
-            header = self._checksums.header(existing[0])
-            if header is not None:
-                self.epoch = header[0]
+            for found in existing:
+                header = self._checksums.header(found)
+                if header is not None:
+                    self.epoch = header[0]
+                    break
         num, pos = self.write_file_num, self.write_pos
         self.synced_at_open = (Place(self.tail, self.tail_index) if self.meta_found
                                else Place(self.start, self.start_index()))
@@ -429,7 +431,8 @@ class SegmentLog:
 
     def _recorded_start(self, num: int, at_least: int) -> tuple[int, int] | None:
         """(start, first index) segment num's side file recorded when it was begun, if its header is whole,
-        of this log's epoch, and past what the log before it holds (`at_least`, the tail_index)."""
+        of this log's epoch, and not before what the log before it holds (position `at_least`, the index
+        tail_index): else None (the caller starts it past a gap)."""
         header = self._checksums.header(num)
         if header is None:
             return None
