@@ -224,3 +224,27 @@ def test_the_metadata_never_names_a_segment_a_power_loss_lost(tmp_path):
                 assert f"k.diskqueue.{num:06d}.dat" in found, (num, meta, sorted(found))
                 checked += 1
     assert checked > 0
+
+
+def test_the_metadata_never_says_a_channels_messages_were_handed_to_it_without_its_cursor(tmp_path):
+    """A channel made, messages handed to it, the first round: its first cursor file is made durable
+    before the topic's metadata (which says "dispatched all") is renamed into place. On main both renames
+    shared one directory fsync: a power loss could keep the metadata and not the cursor's name, and the
+    channel, found without a cursor, started where everything was handed already (part E's "audit
+    delivers none of k-B-5..15")."""
+    from tests.crash_states import crash_states, record
+
+    async def scenario(w: Any) -> None:
+        await w.create_topic("k")
+        await w.create_channel("k", "audit")
+        await w.publish("k", PLAIN)
+        await w.nsqd.topics["k"].group.sync_round()
+    disk = record(str(tmp_path / "record"), scenario, dict(OPTIONS))
+    checked = 0
+    for state in crash_states(disk).states:
+        found = dict(state)
+        meta = found.get("k.diskqueue.meta.dat")
+        if meta and b"\ndispatched all\n" in meta and meta.startswith(b"3\n"):  # 3 records, all handed
+            assert "k:audit.cursor.dat" in found, sorted(found)
+            checked += 1
+    assert checked > 0
