@@ -183,8 +183,9 @@ class SegmentLog:
         self._remove_temp_files(mine)
         self._retrieve_metadata()
         existing = numbered_files(mine, f"{name}.diskqueue")
+        named = self.write_file_num  # the metadata's write file: recovery looks at it and past it
         self._recover_tail(existing)
-        self._note_missing(existing)
+        self._note_missing(existing, named)
         self._remove_stale_segments(existing)
         self._checksums.remove_below(self.first_file, mine)
 
@@ -418,12 +419,12 @@ class SegmentLog:
             self._starts = self._starts[-1:]
         del self._starts[self.write_file_num - self.first_file + 1:]
 
-    def _note_missing(self, existing: list[int]) -> None:
-        """Segments the metadata names that are not there (a power loss kept a later segment's name and
-        not theirs): their positions are a gap that readers skip (go-diskqueue reads on from the next
-        file, as SegmentReader does), and records ending past it may have begun in it."""
+    def _note_missing(self, existing: list[int], named: int) -> None:
+        """Segments the metadata names before its write file that are not there (a power loss kept a
+        later name and not theirs): their positions are a gap that readers skip (go-diskqueue reads on
+        from the next file, as SegmentReader does), and records ending past it may have begun in it."""
         there = set(existing)
-        for num in range(self.first_file, self.write_file_num):
+        for num in range(self.first_file, min(named, self.write_file_num)):
             if num not in there:
                 log.warning("DISKQUEUE(%s) %s is missing: its positions are lost", self.name, self.file_name(num))
                 self._lost_before = min(self._lost_before, self.start_of(num + 1))
