@@ -130,9 +130,15 @@ def test_keyed_publishes_across_a_roll(tmp_path: Path) -> None:
 
 def test_keyed_publishes_answered_before_their_fsync(tmp_path: Path) -> None:
     """--sync-every > 1: a publish is answered before its fsync and promises nothing across a power loss,
-    but a key kept must still have its messages (its journal line names where they end). On main and with
-    issue 48's fixes: a later segment's name durable while an earlier one's is not (POSIX orders no two
-    names without a directory fsync) keeps KA or KB without their messages (a new finding)."""
+    but a key kept must still have its messages (its journal line names where they end). Found with issue
+    48's first fixes (~180 violations): a later segment's name durable while an earlier one's is not (POSIX
+    orders no two names without a directory fsync) kept KA or KB without their messages: with no metadata
+    yet, segment 1 was renumbered to start at 0 (KA's position then fell inside KB's records); with the
+    metadata naming both, KB's records that began in the missing segment 0 were not checked; and when a
+    round ran mid-workload, the metadata ("dispatched all") could be durable without the channel's first
+    cursor file, so `audit` started past every message. Now a segment starts where its side file's header
+    recorded, a missing one is a gap readers skip, no key is kept for records ending past a gap found at
+    open, and a round makes new names durable before it replaces the metadata (tests/test_segment_starts.py)."""
     report = check_workload(str(tmp_path), "keyed-publishes-unsynced", keyed_publishes,
                             {"mem_queue_size": 0, "max_bytes_per_file": 400})
     assert not report.violations, report.summary()

@@ -341,8 +341,9 @@ def test_compiled_storage_calls_go_through_the_harness(power_loss):
     log = segment_log.SegmentLog("q", d, min_msg_size=1)
     log.append([b"record"])
     seg = log.file_name(0)
-    crc = seg[:-4] + ".crc"  # the CRC side file's entry goes first (broker/storage/checksums.py)
-    assert power_loss.ops("write") == [Event("write", crc, 16), Event("write", seg, 10)]
+    # the CRC side file's header (the segment's start) and the batch's entry go first (checksums.py)
+    crc = seg[:-4] + ".crc"
+    assert power_loss.ops("write") == [Event("write", crc, 48), Event("write", crc, 16), Event("write", seg, 10)]
     sync_group._fsync_file(seg)
     assert [e.path for e in power_loss.ops("fsync")] == [seg]
     assert power_loss.durable(seg) is None  # fsynced, but its name is not durable yet

@@ -6,8 +6,15 @@ batch; so does this, per append batch (one writev run of up to 512 records: one 
 the write joins anyway, and one 16-byte entry, instead of one per record).
 
 File: `<name>.diskqueue.%06d.crc` beside segment `<name>.diskqueue.%06d.dat` (Go nsqd opens only `.dat`
-names it makes itself, and `.bad`): entries `[offset uint64 BE][length uint32 BE][crc32 uint32 BE]`, the
-batch of `length` bytes at `offset` of the segment and zlib's CRC32 of them. An entry is written before
+names it makes itself, and `.bad`): a header of 48 bytes, then entries `[offset uint64 BE][length uint32
+BE][crc32 uint32 BE]`, the batch of `length` bytes at `offset` of the segment and zlib's CRC32 of them.
+The header `[magic "\xffNSQSEG1"][epoch uint64][segment number uint64][start position uint64][first index
+uint64][version uint32][crc32 of the 44 bytes before it uint32]` is written when the segment is begun,
+before its first record: at open, a segment the metadata does not name yet (a roll since its last write)
+starts where its header says, if whole and of the log's epoch (SegmentLog._recorded_start), so a kill -9
+keeps every position and a power loss that cut the segment before it leaves a gap, never a shift. Its
+first 8 bytes read as an entry's offset are past 2**63: never a batch's. (A side file without a header, as
+the first version of this file wrote, is read as entries from its start.) An entry is written before
 its batch (a kill -9 between the two leaves an entry past the file's end, which covers nothing); the side
 file is fsynced in the same round as its segment, and its creation made durable by the round's directory
 fsync, as the segment's is.
@@ -36,6 +43,12 @@ from trio_nsq.broker.storage.files import close_quietly, remove_quietly
 log = logging.getLogger("nsqd")
 
 ENTRY = struct.Struct(">QII")
+# the header, three entries long (what the side file holds before its segment's first record): magic, the
+# log's epoch, the segment's number, start position and first record's index, a version, and a CRC32 of
+# the 44 bytes before it. Its first 8 bytes read as an entry's offset are past 2**63: never a batch's.
+HEADER = struct.Struct(">8sQQQQII")
+MAGIC = b"\xffNSQSEG1"
+_HEADER_VERSION = 1
 _ENTRY_SIZE = ENTRY.size
 # the hot path's calls, looked up once (an append of one record pays for every lookup); not os.write,
 # which is looked up when it runs (tests/power_loss.py replaces it)
@@ -100,6 +113,41 @@ class Checksums:
         self._size += _ENTRY_SIZE
         return created
 
+    def begin(self, num: int, epoch: int, start: int, index: int) -> None:
+        """Segment num is about to get its first record: its side file starts afresh with the header that
+        says where the segment starts in the log (at open, a segment the metadata does not name yet takes
+        its start from there). Raises OSError (the record is not written)."""
+        self.close()
+        path = self.file_name(num)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            body = HEADER.pack(MAGIC, epoch, num, start, index, _HEADER_VERSION, 0)[:-4]
+            header = body + _crc32(body).to_bytes(4, "big")
+            if os.write(fd, header) != len(header):
+                raise OSError(errno.ENOSPC, f"short write of {path}'s header")
+        except OSError:
+            close_quietly(fd)
+            raise
+        self._fd, self._num, self._size = fd, num, len(header)
+
+    def header(self, num: int) -> tuple[int, int, int] | None:
+        """(epoch, start, index) in segment num's side file's header; None when there is no side file, or
+        its header is torn, damaged or another segment's."""
+        try:
+            with open(self.file_name(num), "rb") as fh:
+                data = fh.read(HEADER.size)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("DISKQUEUE(%s) cannot read %s - %s", self.name, self.file_name(num), exc)
+            return None
+        if len(data) < HEADER.size or not data.startswith(MAGIC):
+            return None
+        _, epoch, found, start, index, version, crc = HEADER.unpack(data)
+        if crc != _crc32(data[:-4]) or version != _HEADER_VERSION or found != num:
+            return None
+        return epoch, start, index
+
     def _open(self, num: int) -> bool:
         self.close()
         path = self.file_name(num)
@@ -132,7 +180,8 @@ class Checksums:
         except FileNotFoundError:
             return None
         found: dict[int, tuple[int, int]] = {}
-        for offset, length, crc in ENTRY.iter_unpack(data[:len(data) - len(data) % ENTRY.size]):
+        skip = HEADER.size if data.startswith(MAGIC) else 0  # a side file made before headers has none
+        for offset, length, crc in ENTRY.iter_unpack(data[skip:len(data) - len(data) % ENTRY.size]):
             if length:
                 found[offset] = (length, crc)
         return found

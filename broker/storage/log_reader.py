@@ -428,7 +428,8 @@ class LogReader:
             return
         cursor = self.cursor
         if self._snapshot_due or cursor.wants_snapshot():
-            plan.replaces.append((self, self.cursor_file_name(), cursor.snapshot()))
+            # a first cursor file is a new name: made durable before the topic's metadata is replaced
+            (plan.replaces if self.on_disk else plan.creates).append((self, self.cursor_file_name(), cursor.snapshot()))
             self._snapshot_due = False
         else:
             delta = cursor.take_delta()

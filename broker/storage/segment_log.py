@@ -18,10 +18,12 @@ run out (2**63 bytes) whatever the segment numbers are: go-diskqueue's file numb
 a long-lived Go nsqd's directory carries numbers past 2**23 that `file << 40 | offset` (what positions
 were before) could not hold in 63 bits. Segments of a log written by trio-nsq-log 1 keep their start
 `file << 40`, so the positions its cursor files hold stay true; a queue Go wrote starts at 0. Positions
-are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta; a
-segment found past it at open starts past every position the files from the meta's write file on may
-have held, since a power loss may have cut the file before it: what a torn tail loses is a gap of
-positions, never a shift of the next segment's). Each record also has an index (its number in the log),
+are stable, ordered as the log, and the same on every copy of the files (the starts are in the meta, and
+each segment's own start in the header of its CRC side file, written before its first record: a segment
+found past the meta at open starts there, or, without a whole header, past every position the files from
+the meta's write file on may have held, since a power loss may have cut the file before it: what a torn
+tail loses is a gap of positions, never a shift of the next segment's; a segment missing below one that
+is there is a gap readers skip). Each record also has an index (its number in the log),
 so the records between two positions are counted by a subtraction.
 
 What go-diskqueue did that stays: the put size check, when a file rolls, a record length outside [min,
@@ -161,6 +163,9 @@ class SegmentLog:
         # what the files held at open that a round had fsynced (a metadata write follows a round's
         # fsync): records found past it were written after, and may be in the page cache only
         self.synced_at_open = Place(0, 0)
+        # where the first stretch of positions lost at open ends (records lost before a segment's start,
+        # or a segment missing): records ending past it may have begun in the lost stretch
+        self._lost_before = POS_LIMIT
 
         # what the metadata said: Go's read position and depth, and our lines after them
         self.meta_read = (0, 0)
@@ -179,8 +184,11 @@ class SegmentLog:
         mine = self._my_files(list_dir(data_path) if names is None else names)
         self._remove_temp_files(mine)
         self._retrieve_metadata()
-        self._recover_tail(numbered_files(mine, f"{name}.diskqueue"))
-        self._remove_stale_segments(numbered_files(mine, f"{name}.diskqueue"))
+        existing = numbered_files(mine, f"{name}.diskqueue")
+        named = self.write_file_num  # the metadata's write file: recovery looks at it and past it
+        self._recover_tail(existing)
+        self._note_missing(existing, named)
+        self._remove_stale_segments(existing)
         self._checksums.remove_below(self.first_file, mine)
 
     def __repr__(self) -> str:
@@ -330,19 +338,28 @@ class SegmentLog:
 
     def _recover_tail(self, existing: list[int]) -> None:
         """Count in the records written after the metadata was last persisted: past the write position in
-        the write file, then in the files a roll had started since."""
-        if not self.meta_found and existing and existing[0] > self.write_file_num:
-            # no metadata: the log begins at its first file
-            self.first_file = self.write_file_num = existing[0]
-            self._first_index = {existing[0]: 0}
-            self._starts = [0]
+        the write file, then in the files a roll had started since.
+
+        A segment the metadata does not name (a roll since its last write) takes the start its side file's
+        header recorded when it was begun (checksums.py), if whole and of this log's epoch: a kill -9
+        keeps every position, and a power loss that cut the file before it leaves a gap up to it, never a
+        shift. Without one (torn, or its name not durable, or a log Go or an older trio-nsq wrote) it
+        starts past every position the files from the metadata's write file on may have held (`floor`):
+        a power loss may have cut the file before it (torn inside, or at a record boundary: nothing
+        tells), and a position given then (a key's, a deadline's) must land in the gap, never on another
+        record. A segment missing below one that is there (its name not durable: POSIX orders no two
+        names without a directory fsync) stays in the log as a gap its readers skip."""
+        if not self.meta_found:
+            # no metadata (a crash before the first round): the log began at segment 0, position 0, with
+            # the epoch its side files were written with
+            for found in existing:
+                header = self._checksums.header(found)
+                if header is not None:
+                    self.epoch = header[0]
+                    break
         num, pos = self.write_file_num, self.write_pos
         self.synced_at_open = (Place(self.tail, self.tail_index) if self.meta_found
                                else Place(self.start, self.start_index()))
-        # A segment the metadata does not name (a roll since its last write) starts past every position
-        # the files from its write file on may have held: a power loss may have cut the file before it
-        # (torn inside, or at a record boundary: nothing tells), and a position given then (a key's, a
-        # deadline's) must land in the gap the loss left, never on another record.
         floor = self._starts[-1] + (max([num, *existing]) - num + 1) * self._span()
         while True:
             path = self.file_name(num)
@@ -353,8 +370,15 @@ class SegmentLog:
                 if later:
                     log.warning("DISKQUEUE(%s) %s is missing (metadata writePos %d), recovering from %s",
                                 self.name, path, pos, self.file_name(later[0]))
-                    self._starts.extend(max(floor, self._after_gap(i)) for i in range(1, later[0] - num + 1))
-                    num, pos = self._write_file_is(later[0])
+                    recorded = self._recorded_start(later[0], self._starts[-1] + pos)
+                    if recorded is None:
+                        self._starts.extend(max(floor, self._after_gap(i)) for i in range(1, later[0] - num + 1))
+                        num, pos = self._write_file_is(later[0])
+                    else:
+                        # the missing ones are a gap up to where the one found recorded its start
+                        self._starts.extend([self._starts[-1]] * (later[0] - num - 1))
+                        num, pos = self._starts_at(later[0], recorded)
+                    self._lost_before = min(self._lost_before, self._starts[-1])
                     continue
                 if pos == 0:
                     break
@@ -366,21 +390,69 @@ class SegmentLog:
                     log.error("DISKQUEUE(%s) %s is shorter (%d) than metadata writePos %d, moving to a new file",
                               self.name, path, size, pos)
                 # positions up to the metadata's write position were given, and maybe more past it
-                self._starts.append(max(floor, self._starts[-1] + pos))
-                num, pos = self._write_file_is(num + 1)
+                recorded = self._recorded_start(num + 1, self._starts[-1] + pos)
+                if recorded is None:
+                    self._starts.append(max(floor, self._starts[-1] + pos))
+                    num, pos = self._write_file_is(num + 1)
+                else:
+                    num, pos = self._starts_at(num + 1, recorded)
+                self._lost_before = min(self._lost_before, self._starts[-1])
                 continue
             end = self._recover_file(num, pos, size)
             num, pos = num + 1, 0
             if not os.path.exists(self.file_name(num)):
                 break
-            self._first_index[num] = self.tail_index
-            self._starts.append(num << LEGACY_SHIFT if self._legacy else max(floor, self._starts[-1] + end))
+            if self._legacy:
+                self._first_index[num] = self.tail_index
+                self._starts.append(num << LEGACY_SHIFT)
+                continue
+            recorded = self._recorded_start(num, self._starts[-1] + end)
+            if recorded is None:
+                self._first_index[num] = self.tail_index
+                self._starts.append(max(floor, self._starts[-1] + end))
+            else:
+                self._starts_at(num, recorded)
+            if self._starts[-1] > self._starts[-2] + end:
+                self._lost_before = min(self._lost_before, self._starts[-1])
         if self.write_file_num not in self._first_index:
             self._first_index[self.write_file_num] = self.tail_index - self._count_before(self.write_file_num, self.write_pos)
         if self.first_file > self.write_file_num:
             self.first_file = self.write_file_num
             self._starts = self._starts[-1:]
         del self._starts[self.write_file_num - self.first_file + 1:]
+
+    def _note_missing(self, existing: list[int], named: int) -> None:
+        """Segments the metadata names before its write file that are not there (a power loss kept a
+        later name and not theirs): their positions are a gap that readers skip (go-diskqueue reads on
+        from the next file, as SegmentReader does), and records ending past it may have begun in it."""
+        there = set(existing)
+        for num in range(self.first_file, min(named, self.write_file_num)):
+            if num not in there:
+                log.warning("DISKQUEUE(%s) %s is missing: its positions are lost", self.name, self.file_name(num))
+                self._lost_before = min(self._lost_before, self.start_of(num + 1))
+                break
+
+    def _recorded_start(self, num: int, at_least: int) -> tuple[int, int] | None:
+        """(start, first index) segment num's side file recorded when it was begun, if its header is whole,
+        of this log's epoch, and not before what the log before it holds (position `at_least`, the index
+        tail_index): else None (the caller starts it past a gap)."""
+        header = self._checksums.header(num)
+        if header is None:
+            return None
+        epoch, start, index = header
+        if epoch != self.epoch or start < at_least or index < self.tail_index or start >= POS_LIMIT:
+            log.warning("DISKQUEUE(%s) ignoring the start recorded for %s (epoch %x, start %d, index %d)",
+                        self.name, self.file_name(num), epoch, start, index)
+            return None
+        return start, index
+
+    def _starts_at(self, num: int, recorded: tuple[int, int]) -> tuple[int, int]:
+        """Segment num starts where its side file says: recovery goes on there (records lost between are
+        a gap of positions and indices)."""
+        start, index = recorded
+        self._starts.append(start)
+        self.tail_index = index
+        return self._write_file_is(num)
 
     def _write_file_is(self, num: int) -> tuple[int, int]:
         """Recovery goes on in segment num, from its start: it is the write file until one after it is."""
@@ -528,10 +600,10 @@ class SegmentLog:
     def holds_end(self, pos: int) -> bool:
         """Whether the records that end at position `pos` are all in the log (or were dropped, every
         reader past them): not past the tail, nor in a gap that lost records left (a segment cut short
-        before the next one's start)."""
+        before the next one's start), nor past a gap found at open (they may have begun in it)."""
         if pos <= self.start:
             return True
-        if pos > self.tail:
+        if pos > self.tail or pos > self._lost_before:
             return False
         num = self.file_of(pos - 1)
         return pos - self.start_of(num) <= self._size(num)
@@ -681,6 +753,13 @@ class SegmentLog:
         if self.write_pos == 0:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             self._files_changed = True
+            try:
+                # where the segment starts, before its first record: an open before the metadata names it
+                # reads it there (a kill -9 then keeps every position)
+                self._checksums.begin(self.write_file_num, self.epoch, self._starts[-1], self.tail_index)
+            except OSError:
+                os.close(fd)
+                raise
         else:
             # records before write_pos must be there: never create it, nor write past its end
             try:

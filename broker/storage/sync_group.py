@@ -64,10 +64,15 @@ class SyncMember(Protocol):
 @attrs.define
 class RoundPlan:
     """What one round persists, in this order: segments fsynced, cursor blocks appended (and fsynced),
-    files replaced (a temp file fsynced and renamed), the directory fsynced, then files removed."""
+    files made (a channel's first cursor file) and, when names were made since the last round, the
+    directory fsynced, then files replaced (a temp file fsynced and renamed: a log's metadata), the
+    directory fsynced, then files removed."""
 
     fsync: list[str] = attrs.Factory(list)
     appends: list[tuple[SyncMember, str, bytes]] = attrs.Factory(list)
+    # whole files whose names are new (a channel's first cursor file): durable before any replace, so a
+    # topic's metadata saying what it handed to its channels never is without the cursors that hold it
+    creates: list[tuple[SyncMember, str, bytes]] = attrs.Factory(list)
     replaces: list[tuple[SyncMember, str, bytes]] = attrs.Factory(list)
     removes: list[tuple[str, bool, str]] = attrs.Factory(list)  # (path, keep it as .bad, the log's name)
     writes: int = 0  # records written before the round began: the group commit's target
@@ -76,7 +81,7 @@ class RoundPlan:
     now: float = 0.0  # monotonic time of the round (members write metadata at most every META_INTERVAL)
 
     def empty(self) -> bool:
-        return not (self.fsync or self.appends or self.replaces or self.removes)
+        return not (self.fsync or self.appends or self.creates or self.replaces or self.removes)
 
 
 class _Round:
@@ -316,9 +321,18 @@ class SyncGroup:
         _fsync_files(plan.fsync)
         for member, path, data in plan.appends:
             self._append(member, path, data)
+        for member, path, data in plan.creates:
+            self._replace(member, path, data)
+        if plan.replaces and (plan.new_names or plan.creates):
+            # names made since the last round (a segment begun at a roll, a channel's first cursor file)
+            # durable before the metadata that counts on them is renamed into place: POSIX orders no two
+            # names without a directory fsync (a metadata naming a segment whose name a power loss lost
+            # leaves its readers a gap; one saying "dispatched" past a channel's messages, with no cursor
+            # file, leaves the channel without them). Once a roll or a new channel.
+            fsync_dir(self.data_path)
         for member, path, data in plan.replaces:
             self._replace(member, path, data)
-        if plan.replaces or plan.new_names:
+        if plan.replaces or plan.creates or plan.new_names:
             fsync_dir(self.data_path)  # the renames and any new file's name
         for path, bad, name in plan.removes:
             remove_dropped(path, bad, name)
