@@ -1,0 +1,178 @@
+"""Day-long deferred publishes with random delays through a broker, past the first segment:
+
+    python -m tests.bench.dpub_random [--counts 1000000 4000000] [--rounds N]
+
+A broker with --max-defer-time=48h, a topic `t` whose channel `c` has one consumer subscribed with RDY 1
+(so the channel reads every record as it is written and indexes the deferred ones), then `count`
+`DPUB t <1-24 h, random>` of 100-byte bodies, pipelined by 1,000: the seconds each 500,000 took, the total,
+the ratio of the largest count's total to the smallest's (the time must grow as the count does: once the
+topic's first segment is full, reclaim moves the deferred records keeping it to the channel's own queue, and
+each of its calls asks the channel's DeferredIndex for a few thousand positions among millions), the longest
+/ping (HTTP, polled every 50 ms by a thread through the run: how long the event loop stalls at most), and
+the broker's RSS (VmRSS at the end, VmHWM the peak) and CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import socket
+import statistics
+import threading
+import time
+import urllib.request
+
+from tests.bench.broker import Broker
+from tests.bench.dpub import _post, _subscribe
+from tests.bench.machine import describe, machine, merge_report
+from trio_nsq.shared.protocol import MAGIC_V2, FrameParser, encode_dpub
+
+PIPELINE = 1000
+BODY = b"d" * 100
+SLICE = 500_000
+HOUR_MS = 3_600_000
+
+
+class PingPoller(threading.Thread):
+    """GET /ping every `interval` seconds: the longest answer."""
+
+    def __init__(self, url: str, interval: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.interval = interval
+        self.stop = threading.Event()
+        self.longest = 0.0
+        self.polls = 0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            started = time.perf_counter()
+            with urllib.request.urlopen(self.url, timeout=60) as resp:
+                resp.read()
+            self.longest = max(self.longest, time.perf_counter() - started)
+            self.polls += 1
+
+
+class Consumer(threading.Thread):
+    """Subscribed with RDY 1 to t/c through the run: answers heartbeats, FINs what comes (nothing should:
+    every delay is an hour or more)."""
+
+    def __init__(self, broker: Broker) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.parser = _subscribe(broker, "t", 1)
+        self.sock.settimeout(1)
+        self.stop = threading.Event()
+        self.received = 0
+
+    def run(self) -> None:
+        with self.sock:
+            while not self.stop.is_set():
+                try:
+                    data = self.sock.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if not data:
+                    return
+                self.parser.feed(data)
+                while (frame := self.parser.next_frame()) is not None:
+                    if frame[1] == b"_heartbeat_":
+                        self.sock.sendall(b"NOP\n")
+                    elif frame[0] == 2:
+                        self.received += 1
+                        self.sock.sendall(b"FIN " + frame[1][10:26] + b"\n")
+
+
+def _dpub_random(broker: Broker, count: int, seed: int) -> list[float]:
+    """`count` DPUBs of 1-24 h random delays, pipelined by PIPELINE: the seconds each SLICE took."""
+    rng = random.Random(seed)
+    parser = FrameParser()
+    slices: list[float] = []
+    with socket.create_connection(broker.tcp) as sock:
+        sock.sendall(MAGIC_V2)
+        started = last = time.perf_counter()
+        for sent in range(0, count, PIPELINE):
+            sock.sendall(b"".join(encode_dpub("t", rng.randint(HOUR_MS, 24 * HOUR_MS), BODY)
+                                  for _ in range(PIPELINE)))
+            answered = 0
+            while answered < PIPELINE:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise RuntimeError("the broker closed the connection")
+                parser.feed(data)
+                while (frame := parser.next_frame()) is not None:
+                    if frame[0] != 0:
+                        raise RuntimeError(f"DPUB refused: {frame!r}")
+                    answered += 1
+            if (sent + PIPELINE) % SLICE == 0:
+                now = time.perf_counter()
+                slices.append(now - last)
+                last = now
+        if count % SLICE:
+            slices.append(time.perf_counter() - last)
+        del started
+    return slices
+
+
+def run_once(count: int, seed: int) -> dict[str, object]:
+    broker = Broker("--max-defer-time=48h")
+    try:
+        _post(f"{broker.http_url}/topic/create?topic=t")
+        _post(f"{broker.http_url}/channel/create?topic=t&channel=c")
+        consumer = Consumer(broker)
+        consumer.start()
+        poller = PingPoller(f"{broker.http_url}/ping")
+        poller.start()
+        cpu = broker.cpu_seconds()
+        slices = _dpub_random(broker, count, seed)
+        poller.stop.set()
+        poller.join()
+        memory = broker.memory()
+        consumer.stop.set()
+        consumer.join()
+        return {"count": count, "slices_s": slices, "total_s": sum(slices), "ping_max_ms": poller.longest * 1000,
+                "pings": poller.polls, "rss_mb": memory["VmRSS"] / (1024 * 1024),
+                "peak_rss_mb": memory["VmHWM"] / (1024 * 1024), "cpu_s": broker.cpu_seconds() - cpu,
+                "delivered": consumer.received}
+    finally:
+        broker.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--counts", type=int, nargs="*", default=[1_000_000, 4_000_000])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=48)
+    parser.add_argument("--output", default="bench-results.json")
+    args = parser.parse_args(argv)
+    print(f"machine: {describe(machine())}")
+    samples: dict[int, list[dict[str, object]]] = {}
+    for _ in range(args.rounds):
+        for count in args.counts:
+            figures = run_once(count, args.seed)
+            samples.setdefault(count, []).append(figures)
+            slices = " ".join(f"{s:.1f}" for s in figures["slices_s"])
+            print(f"DPUB x {count:>9,} random 1-24 h: {figures['total_s']:7.1f} s (per 500k: {slices}), "
+                  f"/ping max {figures['ping_max_ms']:.0f} ms over {figures['pings']} polls, "
+                  f"RSS {figures['rss_mb']:.0f} MB (peak {figures['peak_rss_mb']:.0f} MB), "
+                  f"broker CPU {figures['cpu_s']:.1f} s, delivered {figures['delivered']}", flush=True)
+    results: dict[str, object] = {}
+    for count, runs in samples.items():
+        results[str(count)] = {
+            "total_s": statistics.median(float(r["total_s"]) for r in runs),
+            "ping_max_ms": max(float(r["ping_max_ms"]) for r in runs),
+            "rss_mb": statistics.median(float(r["rss_mb"]) for r in runs),
+            "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in runs),
+            "cpu_s": statistics.median(float(r["cpu_s"]) for r in runs),
+            "slices_s": runs[0]["slices_s"]}
+    counts = sorted(samples)
+    if len(counts) > 1:
+        low, high = results[str(counts[0])], results[str(counts[-1])]
+        ratio = high["total_s"] / low["total_s"]
+        results["ratio"] = ratio
+        print(f"{counts[-1]:,} / {counts[0]:,}: x{ratio:.2f} the time (x{counts[-1] / counts[0]:.0f} the count)")
+    merge_report(args.output, results, "dpub_random")
+    return results
+
+
+if __name__ == "__main__":
+    main()
