@@ -43,8 +43,10 @@ def deliver(channel: Channel, fin: bool = True, batch: int = 2500) -> list[Messa
 
 
 def due(channel: Channel) -> None:
-    """The queue scan's pass over the channel's deferred messages."""
-    channel.process_deferred_queue(trio.current_time())
+    """The queue scan's passes over the channel's deferred messages (it samples again at once while the
+    channel has work: the index moves a bounded number a call)."""
+    while channel.process_deferred_queue(trio.current_time()):
+        pass
 
 
 async def test_many_messages_deferred_for_a_day_hold_no_bodies_and_all_come_after_it(tmp_path, mock_clock):
@@ -71,7 +73,8 @@ async def test_many_messages_deferred_for_a_day_hold_no_bodies_and_all_come_afte
     kept = sys.getallocatedblocks() - blocks
     assert kept < 1.5 * (n // 2), kept / (n // 2)
     assert (len(channel.backend.deferred_records), len(channel.deferred), channel.deferred_count(), channel.depth()) == (n, 0, n, 0)
-    assert channel.backend.deferred_records.nbytes() <= 16 * n + 64 * 1024
+    # 16 bytes an entry in the index's runs, 16 by position (what reclaim looks up)
+    assert channel.backend.deferred_records.nbytes() <= 32 * n + 64 * 1024
     assert os.path.getsize(tmp_path / "t:c.cursor.dat") < 1024
     mock_clock.jump(DAY - 1)
     due(channel)
