@@ -82,14 +82,17 @@ class Consumer(threading.Thread):
                         self.sock.sendall(b"FIN " + frame[1][10:26] + b"\n")
 
 
-def _dpub_random(broker: Broker, count: int, seed: int) -> list[float]:
-    """`count` DPUBs of 1-24 h random delays, pipelined by PIPELINE: the seconds each SLICE took."""
+def _dpub_random(broker: Broker, count: int, seed: int) -> tuple[list[float], list[float]]:
+    """`count` DPUBs of 1-24 h random delays, pipelined by PIPELINE: the seconds each SLICE took, and the
+    broker's CPU seconds in each (what the machine's other load does not change)."""
     rng = random.Random(seed)
     parser = FrameParser()
     slices: list[float] = []
+    cpu: list[float] = []
+    cpu_last = broker.cpu_seconds()
     with socket.create_connection(broker.tcp) as sock:
         sock.sendall(MAGIC_V2)
-        started = last = time.perf_counter()
+        last = time.perf_counter()
         for sent in range(0, count, PIPELINE):
             sock.sendall(b"".join(encode_dpub("t", rng.randint(HOUR_MS, 24 * HOUR_MS), BODY)
                                   for _ in range(PIPELINE)))
@@ -103,14 +106,14 @@ def _dpub_random(broker: Broker, count: int, seed: int) -> list[float]:
                     if frame[0] != 0:
                         raise RuntimeError(f"DPUB refused: {frame!r}")
                     answered += 1
-            if (sent + PIPELINE) % SLICE == 0:
+            if (sent + PIPELINE) % SLICE == 0 or sent + PIPELINE >= count:
                 now = time.perf_counter()
                 slices.append(now - last)
                 last = now
-        if count % SLICE:
-            slices.append(time.perf_counter() - last)
-        del started
-    return slices
+                cpu_now = broker.cpu_seconds()
+                cpu.append(cpu_now - cpu_last)
+                cpu_last = cpu_now
+    return slices, cpu
 
 
 def run_once(count: int, seed: int) -> dict[str, object]:
@@ -123,7 +126,7 @@ def run_once(count: int, seed: int) -> dict[str, object]:
         poller = PingPoller(f"{broker.http_url}/ping")
         poller.start()
         cpu = broker.cpu_seconds()
-        slices = _dpub_random(broker, count, seed)
+        slices, cpu_slices = _dpub_random(broker, count, seed)
         poller.stop.set()
         poller.join()
         memory = broker.memory()
@@ -132,6 +135,7 @@ def run_once(count: int, seed: int) -> dict[str, object]:
         return {"count": count, "slices_s": slices, "total_s": sum(slices), "ping_max_ms": poller.longest * 1000,
                 "pings": poller.polls, "rss_mb": memory["VmRSS"] / (1024 * 1024),
                 "peak_rss_mb": memory["VmHWM"] / (1024 * 1024), "cpu_s": broker.cpu_seconds() - cpu,
+                "cpu_slices_s": cpu_slices,
                 "delivered": consumer.received}
     finally:
         broker.close()
@@ -151,10 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
             figures = run_once(count, args.seed)
             samples.setdefault(count, []).append(figures)
             slices = " ".join(f"{s:.1f}" for s in figures["slices_s"])
+            cpu_slices = " ".join(f"{s:.1f}" for s in figures["cpu_slices_s"])
             print(f"DPUB x {count:>9,} random 1-24 h: {figures['total_s']:7.1f} s (per 500k: {slices}), "
                   f"/ping max {figures['ping_max_ms']:.0f} ms over {figures['pings']} polls, "
                   f"RSS {figures['rss_mb']:.0f} MB (peak {figures['peak_rss_mb']:.0f} MB), "
-                  f"broker CPU {figures['cpu_s']:.1f} s, delivered {figures['delivered']}", flush=True)
+                  f"broker CPU {figures['cpu_s']:.1f} s (per 500k: {cpu_slices}), delivered {figures['delivered']}",
+                  flush=True)
     results: dict[str, object] = {}
     for count, runs in samples.items():
         results[str(count)] = {
@@ -163,13 +169,16 @@ def main(argv: list[str] | None = None) -> dict:
             "rss_mb": statistics.median(float(r["rss_mb"]) for r in runs),
             "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in runs),
             "cpu_s": statistics.median(float(r["cpu_s"]) for r in runs),
-            "slices_s": runs[0]["slices_s"]}
+            "slices_s": runs[0]["slices_s"], "cpu_slices_s": runs[0]["cpu_slices_s"]}
     counts = sorted(samples)
     if len(counts) > 1:
         low, high = results[str(counts[0])], results[str(counts[-1])]
         ratio = high["total_s"] / low["total_s"]
+        cpu_ratio = high["cpu_s"] / low["cpu_s"]
         results["ratio"] = ratio
-        print(f"{counts[-1]:,} / {counts[0]:,}: x{ratio:.2f} the time (x{counts[-1] / counts[0]:.0f} the count)")
+        results["cpu_ratio"] = cpu_ratio
+        print(f"{counts[-1]:,} / {counts[0]:,}: x{ratio:.2f} the time, x{cpu_ratio:.2f} the broker's CPU "
+              f"(x{counts[-1] / counts[0]:.0f} the count)")
     merge_report(args.output, results, "dpub_random")
     return results
 
