@@ -9,15 +9,22 @@ the ratio of the largest count's total to the smallest's (the time must grow as 
 topic's first segment is full, reclaim moves the deferred records keeping it to the channel's own queue, and
 each of its calls asks the channel's DeferredIndex for a few thousand positions among millions), the longest
 /ping (HTTP, polled every 50 ms by a thread through the run: how long the event loop stalls at most), and
-the broker's RSS (VmRSS at the end, VmHWM the peak) and CPU seconds.
+the broker's RSS (VmRSS at the end, VmHWM the peak) and CPU seconds (each 500k's too). The broker runs
+with its event-loop steps timed (tests/bench/loop_steps.py): the longest step's CPU time is what the loop
+stalls by its own work, whatever else the machine runs (which a /ping's wall time includes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import socket
+import os
+import shutil
 import statistics
+import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -31,6 +38,25 @@ PIPELINE = 1000
 BODY = b"d" * 100
 SLICE = 500_000
 HOUR_MS = 3_600_000
+
+
+class TimedBroker(Broker):
+    """A trio-nsqd whose event-loop steps are timed (tests/bench/loop_steps.py)."""
+
+    def __init__(self, *flags: str) -> None:
+        self.steps_file = f"{tempfile.mkdtemp(prefix='trio-nsq-steps-')}/steps.json"
+        super().__init__(*flags, env={"TRIO_NSQ_LOOP_STEPS": self.steps_file})
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tests.bench.loop_steps"]
+
+    def steps(self) -> dict:
+        with open(self.steps_file) as fh:
+            return json.load(fh)
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(os.path.dirname(self.steps_file), ignore_errors=True)
 
 
 class PingPoller(threading.Thread):
@@ -117,7 +143,7 @@ def _dpub_random(broker: Broker, count: int, seed: int) -> tuple[list[float], li
 
 
 def run_once(count: int, seed: int) -> dict[str, object]:
-    broker = Broker("--max-defer-time=48h")
+    broker = TimedBroker("--max-defer-time=48h")
     try:
         _post(f"{broker.http_url}/topic/create?topic=t")
         _post(f"{broker.http_url}/channel/create?topic=t&channel=c")
@@ -130,12 +156,16 @@ def run_once(count: int, seed: int) -> dict[str, object]:
         poller.stop.set()
         poller.join()
         memory = broker.memory()
+        time.sleep(1.5)  # the step times are written once a second
+        steps = broker.steps()
         consumer.stop.set()
         consumer.join()
         return {"count": count, "slices_s": slices, "total_s": sum(slices), "ping_max_ms": poller.longest * 1000,
                 "pings": poller.polls, "rss_mb": memory["VmRSS"] / (1024 * 1024),
                 "peak_rss_mb": memory["VmHWM"] / (1024 * 1024), "cpu_s": broker.cpu_seconds() - cpu,
-                "cpu_slices_s": cpu_slices,
+                "cpu_slices_s": cpu_slices, "step_max_cpu_ms": steps["max_cpu_ms"],
+                "step_max_wall_ms": steps["max_wall_ms"], "steps_cpu_over_50ms": steps["cpu_over_50ms"],
+                "step_top": steps["top"],
                 "delivered": consumer.received}
     finally:
         broker.close()
@@ -159,7 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"DPUB x {count:>9,} random 1-24 h: {figures['total_s']:7.1f} s (per 500k: {slices}), "
                   f"/ping max {figures['ping_max_ms']:.0f} ms over {figures['pings']} polls, "
                   f"RSS {figures['rss_mb']:.0f} MB (peak {figures['peak_rss_mb']:.0f} MB), "
-                  f"broker CPU {figures['cpu_s']:.1f} s (per 500k: {cpu_slices}), delivered {figures['delivered']}",
+                  f"broker CPU {figures['cpu_s']:.1f} s (per 500k: {cpu_slices}), delivered {figures['delivered']}; "
+                  f"longest loop step {figures['step_max_cpu_ms']:.0f} ms CPU ({figures['step_max_wall_ms']:.0f} ms "
+                  f"wall at most), {figures['steps_cpu_over_50ms']} steps over 50 ms CPU {figures['step_top']}",
                   flush=True)
     results: dict[str, object] = {}
     for count, runs in samples.items():
@@ -169,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
             "rss_mb": statistics.median(float(r["rss_mb"]) for r in runs),
             "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in runs),
             "cpu_s": statistics.median(float(r["cpu_s"]) for r in runs),
+            "step_max_cpu_ms": max(float(r["step_max_cpu_ms"]) for r in runs),
+            "step_max_wall_ms": max(float(r["step_max_wall_ms"]) for r in runs),
             "slices_s": runs[0]["slices_s"], "cpu_slices_s": runs[0]["cpu_slices_s"]}
     counts = sorted(samples)
     if len(counts) > 1:
