@@ -167,6 +167,17 @@ class _Chunk:
         self.live = 1
 
 
+class _Hint:
+    """Where the last lookup by position of one caller found its entry: the next one is usually just after
+    it (entries come due, and are taken, in the order they were read when their deadlines are)."""
+
+    __slots__ = ("chunk", "at")
+
+    def __init__(self) -> None:
+        self.chunk: _Chunk | None = None
+        self.at = 0
+
+
 class _Merge:
     """`fanout` runs of one level being merged into `output` a step at a time."""
 
@@ -183,6 +194,7 @@ class DeferredIndex:
     __slots__ = ("clock", "_runs", "_open", "_lasts", "_last", "_last_i", "_last_limit", "_pending_deadlines",
                  "_pending_positions", "_pending_min", "_merges", "_inflow", "_count", "_ready", "_ready_head",
                  "_dead", "_ready_dead", "_chunks", "_firsts", "_tail", "_tail_limit", "_strays", "_chunk",
+                 "_due_hint", "_take_hint", "_hint",
                  "_max_open", "_pending_max", "_fanout", "_step", "_work", "_due_max", "_slice_max")
 
     def __init__(self, clock: Callable[[], float], *, max_open: int = MAX_OPEN, pending_max: int = PENDING_MAX,
@@ -223,6 +235,9 @@ class DeferredIndex:
         self._tail: _Chunk | None = None
         self._tail_limit = 0
         self._strays: dict[int, float] = {}
+        self._due_hint = _Hint()
+        self._take_hint = _Hint()
+        self._hint = _Hint()
 
     def __len__(self) -> int:
         """Entries not due yet (deferred)."""
@@ -287,9 +302,10 @@ class DeferredIndex:
                 return chunk.states[j]
         return _GONE
 
-    def _swap(self, pos: int, state: float) -> float:
+    def _swap(self, pos: int, state: float, hint: _Hint) -> float:
         """The entry's state becomes `state` (_READY, or _GONE: it is forgotten); what it was (_GONE:
-        not here, and left so). A chunk left with nothing goes."""
+        not here, and left so). Looked for just after where `hint` found the last one first (O(1) for
+        positions in order), else by two bisects. A chunk left with nothing goes."""
         strays = self._strays
         if strays:
             old = strays.get(pos)
@@ -299,15 +315,18 @@ class DeferredIndex:
                 else:
                     del strays[pos]
                 return old
-        firsts = self._firsts
-        i = bisect_right(firsts, pos) - 1
-        if i < 0:
-            return _GONE
-        chunk = self._chunks[i]
-        positions = chunk.positions
-        j = bisect_left(positions, pos)
-        if j == len(positions) or positions[j] != pos:
-            return _GONE
+        chunk = hint.chunk
+        j = hint.at
+        if chunk is None or j >= len(chunk.positions) or chunk.positions[j] != pos:
+            i = bisect_right(self._firsts, pos) - 1
+            if i < 0:
+                return _GONE
+            chunk = self._chunks[i]
+            j = bisect_left(chunk.positions, pos)
+            if j == len(chunk.positions) or chunk.positions[j] != pos:
+                return _GONE
+        hint.chunk = chunk
+        hint.at = j + 1
         old = chunk.states[j]
         if old != old:  # gone already
             return old
@@ -315,10 +334,17 @@ class DeferredIndex:
         if state != state:
             chunk.live -= 1
             if not chunk.live:
-                del self._chunks[i]
-                del firsts[i]
-                self._tail = None
+                self._drop_chunk(chunk)
         return old
+
+    def _drop_chunk(self, chunk: _Chunk) -> None:
+        i = bisect_right(self._firsts, chunk.positions[0]) - 1
+        del self._chunks[i]
+        del self._firsts[i]
+        self._tail = None
+        for hint in (self._due_hint, self._take_hint, self._hint):
+            if hint.chunk is chunk:
+                hint.chunk = None
 
     # --- adding -------------------------------------------------------------------------------
 
@@ -544,7 +570,7 @@ class DeferredIndex:
         ready = self._ready
         moved = 0
         for pos in got:
-            old = self._swap(pos, _READY)
+            old = self._swap(pos, _READY, self._due_hint)
             if old != old:  # removed: it goes here
                 self._dead -= 1
             else:
@@ -585,7 +611,7 @@ class DeferredIndex:
         while head < end and len(out) < n:
             pos = ready[head]
             head += 1
-            if self._swap(pos, _GONE) == _READY:
+            if self._swap(pos, _GONE, self._take_hint) == _READY:
                 out.append(pos)
             else:  # removed while due
                 self._ready_dead -= 1
@@ -612,6 +638,9 @@ class DeferredIndex:
         self._firsts = array("Q")
         self._tail = None
         self._strays = {}
+        self._due_hint = _Hint()
+        self._take_hint = _Hint()
+        self._hint = _Hint()
 
     def _clear_runs(self) -> None:
         """No entry is deferred (the runs hold removed ones at most): the runs, the buffer and the merges
@@ -679,7 +708,7 @@ class DeferredIndex:
         position at once, O(k log n); where they are in the runs, the buffer or the ready queue they are
         dropped when met there (they come due, or are taken)."""
         for pos in gone:
-            state = self._swap(pos, _GONE)
+            state = self._swap(pos, _GONE, self._hint)
             if state == _READY:
                 self._ready_dead += 1
             elif state == state:
