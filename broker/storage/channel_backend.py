@@ -161,7 +161,8 @@ class ChannelBackend:
         self._reader_of(pos).hold(pos, attempts, deadline)
 
     def due(self, now: float) -> int:
-        """Deferred records whose deadline passed are ready to be read back; how many."""
+        """Deferred records whose deadline passed are ready to be read back; how many the index took
+        (made ready, or dropped as moved by reclaim): work done, call again while there is some."""
         return self.deferred_records.due(now) if len(self.deferred_records) else 0
 
     def store(self, records: list[bytes], holds: list[tuple[int, float]] | None = None) -> int:

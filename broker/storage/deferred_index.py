@@ -77,10 +77,10 @@ every moment; nothing else is assumed of them, so `due` and `earliest` read any 
 What bounds a call, then: add is O(1) (a bisect when the last open run or chunk does not take the entry),
 and a full buffer adds its sort (4,096 entries) and at most `work` + `step` entries of merging (more only
 with over 2 merges in progress: past 128M entries); due, a look at each run's front, 41 bisects a run at
-most and at most `due_max` entries sorted and looked up by position (a call passes over at most 4 x
-`due_max` removed ones more); earliest, n, the runs and the removed entries met; take_ready, n lookups
-(and the removed ones met). Cutting consumed entries off a run's front copies at most half of it.
-entries_in and remove, k lookups by position: O(k log n), nothing copied.
+most and at most `due_max` entries sorted and looked up by position (removed ones among them); earliest,
+n, the runs and the removed entries met; take_ready, n lookups (and the removed ones met). Cutting
+consumed entries off a run's front copies at most half of it. entries_in and remove, k lookups by
+position: O(k log n), nothing copied.
 
 Who calls it: the Channel (add through LogReader.read, due from the queue scan, take_ready from take,
 clear on empty and seek, entries_in and remove from reclaim, earliest from GET /channel/messages); /stats
@@ -530,26 +530,16 @@ class DeferredIndex:
     # --- due ----------------------------------------------------------------------------------
 
     def due(self, now: float) -> int:
-        """The entries whose deadline is at or before `now` move to the ready queue, earliest first; how
-        many did. At most `due_max` a call: the earliest of them, so call again while it moves some.
-        Removed entries met on the way are dropped (up to 4 x due_max of them a call)."""
-        dropped = 0
-        while True:
-            taken, moved = self._due_step(now)
-            dropped += taken - moved
-            if moved or not taken or dropped > 4 * self._due_max:
-                return moved
-
-    def _due_step(self, now: float) -> tuple[int, int]:
-        """At most due_max entries due, earliest first, taken from the runs: (how many, how many of them
-        were not removed and went to the ready queue)."""
+        """The entries whose deadline is at or before `now` move to the ready queue, earliest first (those
+        removed are dropped instead); how many it took, both kinds: at most `due_max` a call, the
+        earliest of them, so call again while it takes some."""
         if self._pending_deadlines and self._pending_min <= now:
             self._flush_pending()
             self._schedule()
             self._do_work(self._work // 2)  # half a full buffer's: this call sorts what is due too
         runs = [run for run in self._runs if run.head < len(run.deadlines) and run.deadlines[run.head] <= now]
         if not runs:
-            return 0, 0
+            return 0
         got: array[int] = array("Q")
         if len(runs) == 1:
             run = runs[0]
@@ -579,7 +569,7 @@ class DeferredIndex:
         self._count -= moved
         if emptied:
             self._drop_empty()
-        return len(got), moved
+        return len(got)
 
     def _drop_empty(self) -> None:
         """Runs left empty go (a merge's output stays, emptied, until the merge is done; with nothing left
