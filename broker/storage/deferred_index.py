@@ -2,10 +2,11 @@
 
 A channel that reads a record whose deadline is still ahead (a deferred publish, a record a REQ with a
 delay held before a restart, one reclaim moved to the channel's own queue) does not make a Message of it:
-the record stays in its log, and its position and deadline go here, 16 bytes an entry in arrays (nothing
-for the garbage collector to walk). When it is due the position moves to the `ready` queue (8 bytes), and
-the channel reads the record back from its log when a consumer takes it. So a million messages deferred
-for a day cost ~16 MB here (and their place in the cursor), not a million bodies and Message objects.
+the record stays in its log, and its position and deadline go here, 32 bytes an entry in arrays (16 in
+deadline order, 16 in position order; nothing for the garbage collector to walk). When it is due the
+position moves to the `ready` queue (8 bytes), and the channel reads the record back from its log when a
+consumer takes it. So a million messages deferred for a day cost ~32 MB here (and their place in the
+cursor), not a million bodies and Message objects.
 Pulsar's delayed-delivery tracker does the same over its ledger: (ledger, entry, deliver-at), entries
 read again when due.
 
@@ -53,20 +54,33 @@ every moment; nothing else is assumed of them, so `due` and `earliest` read any 
   fewer times (log_fanout) for more runs to look at: 32 rather than 16 took 10-15% less time at 4M, for
   109 runs at most rather than 67.
 - `due(now)` moves what is due, earliest first: everything due if that is at most `due_max` (16,384,
-  sorted when several runs give some) or, from a single run, `slice_max` (1,048,576, a memory copy);
-  else what is at most a deadline t found by halving the span between the earliest front and the latest
-  due entry (a bisect a run each time, 40 times at most) until between due_max / 2 and due_max are at
-  most t (or the same cut as a merge's, per = due_max / runs, when more than due_max share the earliest
-  deadline): what it moves is due and at most anything left. The rest moves at the next call (a
+  sorted when several runs give some; each marked due by position, below); else what is at most a
+  deadline t found by halving the span between the earliest front and the latest due entry (a bisect a
+  run each time, 40 times at most) until between due_max / 2 and due_max are at most t (or the same cut
+  as a merge's, per = due_max / runs, when more than due_max share the earliest deadline): what it
+  moves is due and at most anything left. The rest moves at the next call (a
   channel's queue scan counts a due() that moved some as work, and samples again at once while enough of
   its channels have some).
 
-What bounds a call, then: add is O(1) (a bisect when the last open run does not take the entry), and a
-full buffer adds its sort (4,096 entries) and at most `work` + `step` entries of merging (more only with
-over 2 merges in progress: past 128M entries); due, a look at each run's front, 41 bisects a run at
-most and at most `due_max` entries sorted (or `slice_max` copied); earliest, n and the runs;
-take_ready, n. Cutting consumed entries off a run's front copies at most half of it. entries_in and
-remove look at every entry, in C (a set lookup each).
+- By position: reclaim asks for the oldest few thousand positions a channel read (to move their records
+  out of the topic log's way) among all the entries, then removes those it moved; the runs cannot say
+  where a position is (a merge scatters them). So every entry is also kept by position: in *chunks* of
+  `chunk` (4,096) positions in the order added, with each one's state (its deadline while deferred,
+  -inf once due), the chunks in position order (a log read forward adds increasing positions: appended
+  to the last chunk in O(1); one inside a chunk's span, out of order, is kept aside in a dict). A lookup
+  is two bisects. due() marks what it moves due, take_ready() forgets what it takes, and a chunk goes
+  once nothing in it is left. `remove` forgets an entry by position at once and counts it gone; its copy
+  in a run, the buffer or the ready queue stays until it is met there (due() drops it, take_ready() skips
+  it): so a remove is O(k log n), and what removed entries keep (16 bytes each in a run) is bounded by
+  the entries added and goes when they come due, or when nothing deferred is left.
+
+What bounds a call, then: add is O(1) (a bisect when the last open run or chunk does not take the entry),
+and a full buffer adds its sort (4,096 entries) and at most `work` + `step` entries of merging (more only
+with over 2 merges in progress: past 128M entries); due, a look at each run's front, 41 bisects a run at
+most and at most `due_max` entries sorted and looked up by position (removed ones among them); earliest,
+n, the runs and the removed entries met; take_ready, n lookups (and the removed ones met). Cutting
+consumed entries off a run's front copies at most half of it. entries_in and remove, k lookups by
+position: O(k log n), nothing copied.
 
 Who calls it: the Channel (add through LogReader.read, due from the queue scan, take_ready from take,
 clear on empty and seek, entries_in and remove from reclaim, earliest from GET /channel/messages); /stats
@@ -77,11 +91,9 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from itertools import compress
-from operator import not_
-from typing import Final, TypeVar
+from typing import Final
 
 # open runs that take entries in order before the buffer does
 MAX_OPEN: Final = 16
@@ -95,14 +107,19 @@ STEP: Final = 4096
 # one due() sorts at most
 WORK: Final = 16384
 DUE_MAX: Final = 16384
-# entries moved from a single run (a memory copy, not a sort) in one step or one due() at most
+# entries moved from a single run (a memory copy, not a sort) in one merge step at most
 SLICE_MAX: Final = 1 << 20
 # consumed entries at a run's (or the ready queue's) front are cut off once more than this many
 _TRIM: Final = 4096
 
 _INF: Final = float("inf")
-
-_V = TypeVar("_V", int, float)
+# an entry's state where its position is kept (_Chunk): its deadline while deferred, these once due or gone
+_READY: Final = float("-inf")
+_GONE: Final = float("nan")
+# entries a _Chunk holds at most (positions in the order added, increasing)
+CHUNK: Final = 4096
+# one past the largest position
+_END: Final = 1 << 64
 
 # what a run is
 _OPEN: Final = 0  # takes entries appended in order
@@ -138,6 +155,29 @@ class _Run:
             self.head = 0
 
 
+class _Chunk:
+    """Entries by position: positions increasing, in the order added, and each one's state (its deadline
+    while deferred, _READY once due, _GONE once taken or removed); `live` of them not gone."""
+
+    __slots__ = ("positions", "states", "live")
+
+    def __init__(self, pos: int, state: float) -> None:
+        self.positions: array[int] = array("Q", [pos])
+        self.states: array[float] = array("d", [state])
+        self.live = 1
+
+
+class _Hint:
+    """Where the last lookup by position of one caller found its entry: the next one is usually just after
+    it (entries come due, and are taken, in the order they were read when their deadlines are)."""
+
+    __slots__ = ("chunk", "at")
+
+    def __init__(self) -> None:
+        self.chunk: _Chunk | None = None
+        self.at = 0
+
+
 class _Merge:
     """`fanout` runs of one level being merged into `output` a step at a time."""
 
@@ -153,11 +193,13 @@ class _Merge:
 class DeferredIndex:
     __slots__ = ("clock", "_runs", "_open", "_lasts", "_last", "_last_i", "_last_limit", "_pending_deadlines",
                  "_pending_positions", "_pending_min", "_merges", "_inflow", "_count", "_ready", "_ready_head",
+                 "_dead", "_ready_dead", "_chunks", "_firsts", "_tail", "_tail_limit", "_strays", "_chunk",
+                 "_due_hint", "_take_hint", "_hint",
                  "_max_open", "_pending_max", "_fanout", "_step", "_work", "_due_max", "_slice_max")
 
     def __init__(self, clock: Callable[[], float], *, max_open: int = MAX_OPEN, pending_max: int = PENDING_MAX,
                  fanout: int = FANOUT, step: int = STEP, work: int = WORK, due_max: int = DUE_MAX,
-                 slice_max: int = SLICE_MAX) -> None:
+                 slice_max: int = SLICE_MAX, chunk: int = CHUNK) -> None:
         """The keyword arguments are the bounds above (tests make them small to reach every path)."""
         self.clock = clock  # what the deadlines here are in (`due` is given a time of it)
         self._max_open = max(1, max_open)
@@ -167,6 +209,7 @@ class DeferredIndex:
         self._work = max(1, work)
         self._due_max = max(1, due_max)
         self._slice_max = max(1, slice_max)
+        self._chunk = max(1, chunk)
         self._runs: list[_Run] = []  # every run (open, resting, in a merge)
         self._open: list[_Run] = []  # the open runs, by their last deadline
         self._lasts: array[float] = array("d")  # their last deadlines (the one of `_last` may be behind)
@@ -181,6 +224,20 @@ class DeferredIndex:
         self._count = 0  # entries not due yet
         self._ready: array[int] = array("Q")  # positions due, in the order they became due
         self._ready_head = 0
+        # removed entries still in the runs or the buffer (dropped when they come due), and in `_ready`
+        self._dead = 0
+        self._ready_dead = 0
+        # every entry by position: chunks in position order (their first positions in `_firsts`), the one
+        # the last entry went to (`_tail`, taking positions below `_tail_limit`), and positions added
+        # inside a chunk's span (out of order: none from a log read forward) aside
+        self._chunks: list[_Chunk] = []
+        self._firsts: array[int] = array("Q")
+        self._tail: _Chunk | None = None
+        self._tail_limit = 0
+        self._strays: dict[int, float] = {}
+        self._due_hint = _Hint()
+        self._take_hint = _Hint()
+        self._hint = _Hint()
 
     def __len__(self) -> int:
         """Entries not due yet (deferred)."""
@@ -188,14 +245,106 @@ class DeferredIndex:
 
     def ready_count(self) -> int:
         """Entries due and not taken yet (queued)."""
-        return len(self._ready) - self._ready_head
+        return len(self._ready) - self._ready_head - self._ready_dead
 
     def nbytes(self) -> int:
         """The bytes the entries take (the arrays' contents)."""
         total = 8 * (len(self._pending_deadlines) + len(self._pending_positions) + len(self._ready))
         for run in self._runs:
             total += 8 * (len(run.deadlines) + len(run.positions))
+        for chunk in self._chunks:
+            total += 16 * len(chunk.positions)
         return total
+
+    # --- entries by position ----------------------------------------------------------------------
+
+    def _place(self, pos: int, deadline: float) -> None:
+        """A new entry's position and state: appended to the chunk the last one went to when it is
+        after that one's last and before the next chunk (a log read forward: always)."""
+        chunk = self._tail
+        if chunk is not None and chunk.positions[-1] < pos < self._tail_limit and len(chunk.positions) < self._chunk:
+            chunk.positions.append(pos)
+            chunk.states.append(deadline)
+            chunk.live += 1
+            return
+        firsts = self._firsts
+        chunks = self._chunks
+        i = bisect_right(firsts, pos) - 1
+        if i >= 0:
+            chunk = chunks[i]
+            if pos <= chunk.positions[-1]:
+                self._strays[pos] = deadline
+                return
+            if len(chunk.positions) < self._chunk:
+                chunk.positions.append(pos)
+                chunk.states.append(deadline)
+                chunk.live += 1
+                self._tail = chunk
+                self._tail_limit = firsts[i + 1] if i + 1 < len(firsts) else _END
+                return
+        chunk = _Chunk(pos, deadline)
+        chunks.insert(i + 1, chunk)
+        firsts.insert(i + 1, pos)
+        self._tail = chunk
+        self._tail_limit = firsts[i + 2] if i + 2 < len(firsts) else _END
+
+    def _state(self, pos: int) -> float:
+        """The entry's deadline while deferred, _READY when due, _GONE when not here."""
+        if self._strays:
+            state = self._strays.get(pos)
+            if state is not None:
+                return state
+        i = bisect_right(self._firsts, pos) - 1
+        if i >= 0:
+            chunk = self._chunks[i]
+            j = bisect_left(chunk.positions, pos)
+            if j < len(chunk.positions) and chunk.positions[j] == pos:
+                return chunk.states[j]
+        return _GONE
+
+    def _swap(self, pos: int, state: float, hint: _Hint) -> float:
+        """The entry's state becomes `state` (_READY, or _GONE: it is forgotten); what it was (_GONE:
+        not here, and left so). Looked for just after where `hint` found the last one first (O(1) for
+        positions in order), else by two bisects. A chunk left with nothing goes."""
+        strays = self._strays
+        if strays:
+            old = strays.get(pos)
+            if old is not None:
+                if state == _READY:
+                    strays[pos] = state
+                else:
+                    del strays[pos]
+                return old
+        chunk = hint.chunk
+        j = hint.at
+        if chunk is None or j >= len(chunk.positions) or chunk.positions[j] != pos:
+            i = bisect_right(self._firsts, pos) - 1
+            if i < 0:
+                return _GONE
+            chunk = self._chunks[i]
+            j = bisect_left(chunk.positions, pos)
+            if j == len(chunk.positions) or chunk.positions[j] != pos:
+                return _GONE
+        hint.chunk = chunk
+        hint.at = j + 1
+        old = chunk.states[j]
+        if old != old:  # gone already
+            return old
+        chunk.states[j] = state
+        if state != state:
+            chunk.live -= 1
+            if not chunk.live:
+                self._drop_chunk(chunk)
+        return old
+
+    def _drop_chunk(self, chunk: _Chunk) -> None:
+        i = bisect_right(self._firsts, chunk.positions[0]) - 1
+        del self._chunks[i]
+        del self._firsts[i]
+        self._tail = None
+        for hint in (self._due_hint, self._take_hint, self._hint):
+            if hint.chunk is chunk:
+                hint.chunk = None
 
     # --- adding -------------------------------------------------------------------------------
 
@@ -205,7 +354,9 @@ class DeferredIndex:
             self.add(deadline, pos)
 
     def add(self, deadline: float, pos: int) -> None:
+        """An entry at a position not in the index (deferred or due)."""
         self._count += 1
+        self._place(pos, deadline)
         run = self._last
         if run is not None and run.deadlines[-1] <= deadline < self._last_limit:
             run.deadlines.append(deadline)
@@ -379,9 +530,9 @@ class DeferredIndex:
     # --- due ----------------------------------------------------------------------------------
 
     def due(self, now: float) -> int:
-        """The entries whose deadline is at or before `now` move to the ready queue, earliest first; how
-        many did. At most `due_max` (or `slice_max` from one run) a call: the earliest of them, so call
-        again while it moves some."""
+        """The entries whose deadline is at or before `now` move to the ready queue, earliest first (those
+        removed are dropped instead); how many it took, both kinds: at most `due_max` a call, the
+        earliest of them, so call again while it takes some."""
         if self._pending_deadlines and self._pending_min <= now:
             self._flush_pending()
             self._schedule()
@@ -389,15 +540,15 @@ class DeferredIndex:
         runs = [run for run in self._runs if run.head < len(run.deadlines) and run.deadlines[run.head] <= now]
         if not runs:
             return 0
+        got: array[int] = array("Q")
         if len(runs) == 1:
             run = runs[0]
-            cut = bisect_right(run.deadlines, now, run.head, min(run.head + self._slice_max, len(run.deadlines)))
-            self._ready.extend(run.positions[run.head:cut])
-            moved = cut - run.head
+            cut = bisect_right(run.deadlines, now, run.head, min(run.head + self._due_max, len(run.deadlines)))
+            got = run.positions[run.head:cut]
             run.head = cut
         else:
             cuts = _due_cuts(runs, now, self._due_max)
-            moved = _due_into(runs, cuts, self._ready)
+            _due_into(runs, cuts, got)
             for run, cut in zip(runs, cuts):
                 run.head = cut
         emptied = False
@@ -406,18 +557,25 @@ class DeferredIndex:
                 emptied = True
             else:
                 run.trim()
+        ready = self._ready
+        moved = 0
+        for pos in got:
+            old = self._swap(pos, _READY, self._due_hint)
+            if old != old:  # removed: it goes here
+                self._dead -= 1
+            else:
+                ready.append(pos)
+                moved += 1
         self._count -= moved
         if emptied:
             self._drop_empty()
-        return moved
+        return len(got)
 
     def _drop_empty(self) -> None:
         """Runs left empty go (a merge's output stays, emptied, until the merge is done; with nothing left
         deferred the merges go too); the open runs follow."""
         if not self._count:
-            ready, head = self._ready, self._ready_head
-            self.clear()
-            self._ready, self._ready_head = ready, head
+            self._clear_runs()
             return
         for run in self._runs:
             if run.kind == _OUTPUT and run.head and run.head == len(run.deadlines):
@@ -438,8 +596,16 @@ class DeferredIndex:
         """Up to n positions of due entries, in the order they became due; taken out."""
         ready = self._ready
         head = self._ready_head
-        end = min(head + n, len(ready))
-        out = ready[head:end].tolist()
+        end = len(ready)
+        out: list[int] = []
+        while head < end and len(out) < n:
+            pos = ready[head]
+            head += 1
+            if self._swap(pos, _GONE, self._take_hint) == _READY:
+                out.append(pos)
+            else:  # removed while due
+                self._ready_dead -= 1
+        end = head
         if end == len(ready):
             self._ready = array("Q")
             self._ready_head = 0
@@ -454,6 +620,21 @@ class DeferredIndex:
 
     def clear(self) -> None:
         """Every entry goes (the channel emptied or sought)."""
+        self._clear_runs()
+        self._ready = array("Q")
+        self._ready_head = 0
+        self._ready_dead = 0
+        self._chunks = []
+        self._firsts = array("Q")
+        self._tail = None
+        self._strays = {}
+        self._due_hint = _Hint()
+        self._take_hint = _Hint()
+        self._hint = _Hint()
+
+    def _clear_runs(self) -> None:
+        """No entry is deferred (the runs hold removed ones at most): the runs, the buffer and the merges
+        go; the due entries stay."""
         self._runs = []
         self._open = []
         self._lasts = array("d")
@@ -463,27 +644,32 @@ class DeferredIndex:
         self._merges = []
         self._inflow = 0
         self._count = 0
-        self._ready = array("Q")
-        self._ready_head = 0
+        self._dead = 0
 
     def earliest(self, n: int) -> list[tuple[float, int]]:
         """The n entries due first, (deadline, position), nearest first; none taken out (a look inside:
-        GET /channel/messages). What it costs is bounded by n and the runs, not by the entries."""
+        GET /channel/messages). What it costs is bounded by n, the runs and the removed entries it meets,
+        not by the entries."""
         runs = self._runs
         heads: list[tuple[float, int, int, int]] = []  # (deadline, position, run, index)
         for r, run in enumerate(runs):
             if run.head < len(run.deadlines):
                 heads.append((run.deadlines[run.head], run.positions[run.head], r, run.head))
-        pending = heapq.nsmallest(n, zip(self._pending_deadlines, self._pending_positions))
-        out: list[tuple[float, int]] = []
+        pending = list(zip(self._pending_deadlines, self._pending_positions))
+        if self._dead:
+            pending = [(deadline, pos) for deadline, pos in pending if self._state(pos) == deadline]
+        out: list[tuple[float, int]] = heapq.nsmallest(n, pending)
         heapq.heapify(heads)
-        while heads and len(out) < n:
+        taken = 0
+        while heads and taken < n:
             deadline, pos, r, i = heapq.heappop(heads)
-            out.append((deadline, pos))
+            if not self._dead or self._state(pos) == deadline:
+                out.append((deadline, pos))
+                taken += 1
             run = runs[r]
             if i + 1 < len(run.deadlines):
                 heapq.heappush(heads, (run.deadlines[i + 1], run.positions[i + 1], r, i + 1))
-        return sorted(out + pending)[:n]
+        return sorted(out)[:n]
 
     def entries(self) -> list[tuple[int, float]]:
         """(position, deadline) of every entry not due yet (a look inside, for tests)."""
@@ -491,51 +677,39 @@ class DeferredIndex:
         for run in self._runs:
             out.extend(zip(run.positions[run.head:], run.deadlines[run.head:]))
         out.extend(zip(self._pending_positions, self._pending_deadlines))
+        if self._dead:
+            out = [(pos, deadline) for pos, deadline in out if self._state(pos) == deadline]
         return out
 
     def entries_in(self, wanted: set[int]) -> list[tuple[int, float]]:
         """(position, deadline) of the entries at these positions: deferred ones with their deadline,
-        ready ones with 0. One pass over the entries in C (a set lookup each), then a step per hit."""
+        due ones with 0. A lookup by position each (two bisects): O(k log n)."""
         out: list[tuple[int, float]] = []
-        if not wanted:
-            return out
-        groups = [(run.deadlines, run.positions, run.head) for run in self._runs]
-        groups.append((self._pending_deadlines, self._pending_positions, 0))
-        for deadlines, positions, head in groups:
-            mask = _mask(positions, head, wanted)
-            if mask is not None:
-                hits = list(compress(range(head, len(positions)), mask))
-                out.extend(zip(map(positions.__getitem__, hits), map(deadlines.__getitem__, hits)))
-        mask = _mask(self._ready, self._ready_head, wanted)
-        if mask is not None:
-            out.extend((pos, 0.0) for pos in compress(self._ready[self._ready_head:], mask))
+        for pos in wanted:
+            state = self._state(pos)
+            if state == _READY:
+                out.append((pos, 0.0))
+            elif state == state:
+                out.append((pos, state))
         return out
 
     def remove(self, gone: set[int]) -> None:
-        """The entries at these positions go (reclaim moved their records elsewhere). One pass over the
-        entries in C (a set lookup each); the arrays that hold some are copied without them."""
-        if not gone:
-            return
-        for run in self._runs:
-            mask = _mask(run.positions, run.head, gone)
-            if mask is not None:
-                run.deadlines = _kept(run.deadlines, run.head, mask)
-                run.positions = _kept(run.positions, run.head, mask)
-                run.mark = max(0, run.mark - run.head)
-                run.head = 0
-        mask = _mask(self._pending_positions, 0, gone)
-        if mask is not None:
-            self._pending_deadlines = _kept(self._pending_deadlines, 0, mask)
-            self._pending_positions = _kept(self._pending_positions, 0, mask)
-            self._pending_min = min(self._pending_deadlines) if self._pending_deadlines else 0.0
-        mask = _mask(self._ready, self._ready_head, gone)
-        if mask is not None:
-            self._ready = _kept(self._ready, self._ready_head, mask)
+        """The entries at these positions go (reclaim moved their records elsewhere): forgotten by
+        position at once, O(k log n); where they are in the runs, the buffer or the ready queue they are
+        dropped when met there (they come due, or are taken)."""
+        for pos in gone:
+            state = self._swap(pos, _GONE, self._hint)
+            if state == _READY:
+                self._ready_dead += 1
+            elif state == state:
+                self._count -= 1
+                self._dead += 1
+        if not self._count and self._dead:
+            self._clear_runs()
+        if self._ready_dead and self._ready_dead == len(self._ready) - self._ready_head:
+            self._ready = array("Q")
             self._ready_head = 0
-        # runs left empty go; an open run's last deadline may have gone: they are sorted again
-        self._runs = [run for run in self._runs if run.head < len(run.deadlines) or run.kind == _OUTPUT]
-        self._reopen([run for run in self._open if run.head < len(run.deadlines)])
-        self._count = sum(run.size() for run in self._runs) + len(self._pending_deadlines)
+            self._ready_dead = 0
 
 
 def _last_deadline(run: _Run) -> float:
@@ -625,26 +799,3 @@ def _due_into(runs: list[_Run], cuts: list[int], ready: array[int]) -> int:
         values = got_p.tolist()
         ready.extend(map(values.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
     return len(got_d)
-
-
-def _mask(positions: array[int], head: int, wanted: set[int]) -> list[bool] | None:
-    """Whether each of positions[head:] is in `wanted` (a set lookup each, in C); None when none is."""
-    part = positions[head:] if head else positions
-    if wanted.isdisjoint(part):
-        return None
-    return list(map(wanted.__contains__, part))
-
-
-def _kept(values: array[_V], head: int, mask: list[bool]) -> array[_V]:
-    """A copy of values[head:] without those the mask marks: slices around a few, a C filter over all
-    when many."""
-    out = values[head:head]
-    if mask.count(True) * 64 < len(mask):
-        at = head
-        for i in compress(range(head, len(values)), mask):
-            out.extend(values[at:i])
-            at = i + 1
-        out.extend(values[at:])
-    else:
-        out.extend(compress(values[head:], map(not_, mask)))
-    return out
