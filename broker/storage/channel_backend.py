@@ -199,14 +199,15 @@ class ChannelBackend:
 
     def pinning(self) -> list[int]:
         """The oldest records of the topic's log read and not finished (up to RECLAIM_CHUNK) that keep two
-        or more segments behind the reader: what reclaim would move."""
+        or more segments behind the reader: what reclaim would move; and one more, if there is one, which
+        says how far moving them would free the log."""
         self.reclaim_wanted = False
         reader = self.reader
         if reader is None or self.ephemeral or self.exiting:
             return []
         segments = reader.segments
         cutoff = segments.start_of(reader.file_num)
-        return reader.cursor.unfinished_before(cutoff, RECLAIM_CHUNK)
+        return reader.cursor.unfinished_before(cutoff, RECLAIM_CHUNK + 1)
 
     def reclaim(self, pinning: list[int], in_memory: dict[int, tuple[bytes, int, float]]) -> set[int]:
         """A few records deferred or requeued long ago keep the topic's log from being dropped behind them
@@ -221,6 +222,8 @@ class ChannelBackend:
         reader = self.reader
         if reader is None or not pinning:
             return set()
+        more = len(pinning) > RECLAIM_CHUNK  # pinning()'s extra record: more pin the log past these
+        pinning = pinning[:RECLAIM_CHUNK]
         index = self.deferred_records
         indexed = dict(index.entries_in(set(pinning))) if len(index) or index.ready_count() else {}
         movable: list[int] = []
@@ -235,6 +238,12 @@ class ChannelBackend:
         freed = segments.distance(movable[0], stop)
         if self._size_guess(movable, in_memory) * RECLAIM_RATIO > freed:
             return set()  # it would not pay
+        if more and len(movable) == len(pinning):
+            # the log is freed up to `stop` only once every record pinning it before there has moved: that
+            # must pay too (records deferred all along the log would be copied, a chunk a call, for nothing)
+            pins = reader.cursor.unfinished_count_before(stop)
+            if pins * self._mean_size() * RECLAIM_RATIO > freed:
+                return set()
         records, holds, moved = self._copies(reader, movable, in_memory, indexed)
         if not moved or sum(34 + len(record) for record in records) * RECLAIM_RATIO > freed:
             return set()
@@ -245,18 +254,22 @@ class ChannelBackend:
             log.info("CHANNEL(%s): moved %d deferred or requeued messages to its own queue to free the topic's log",
                      self.name, len(done))
             reader.finish_many(sorted(done))
-        if len(pinning) == RECLAIM_CHUNK and stored == len(moved):
+        if more and stored == len(moved):
             self._read_file = -1  # more may pin: look again at the next read
         return done
 
     def _size_guess(self, movable: list[int], in_memory: dict[int, tuple[bytes, int, float]]) -> int:
         """What moving these would write: the memory's records as they are, the others at the topic
         log's mean record size."""
+        mean = self._mean_size()
+        return sum(34 + len(in_memory[pos][0]) if pos in in_memory else mean for pos in movable)
+
+    def _mean_size(self) -> int:
+        """The topic log's mean record size."""
         assert self.reader is not None
         segments = self.reader.segments
         records = max(1, segments.tail_index - segments.start_index())
-        mean = segments.segment_bytes() // records
-        return sum(34 + len(in_memory[pos][0]) if pos in in_memory else mean for pos in movable)
+        return segments.segment_bytes() // records
 
     def _copies(self, reader: LogReader, movable: list[int], in_memory: dict[int, tuple[bytes, int, float]],
                 indexed: dict[int, float]) -> tuple[list[bytes], list[tuple[int, float]], list[int]]:

@@ -250,6 +250,13 @@ class Cursor:
                 out.append(pos)
         return out
 
+    def unfinished_count_before(self, cutoff: int) -> int:
+        """How many records read before `cutoff` are not finished: a bisect, less the FINs out of order
+        among them (bounded by the window of out-of-order FINs)."""
+        self._apply_fins()
+        end = bisect_left(self._pos, cutoff, self._head)
+        return end - self._head - sum(1 for pos in self._done if pos < cutoff)
+
     def reset(self, pos: int, index: int) -> None:
         """Nothing before `pos` is wanted any more, nothing after it is finished (an empty, or a seek)."""
         self.read_pos, self.read_index = pos, index
