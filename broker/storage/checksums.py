@@ -181,7 +181,12 @@ class Checksums:
             return None
         found: dict[int, tuple[int, int]] = {}
         skip = HEADER.size if data.startswith(MAGIC) else 0  # a side file made before headers has none
-        for offset, length, crc in ENTRY.iter_unpack(data[skip:len(data) - len(data) % ENTRY.size]):
+        if skip > len(data):
+            return found  # a torn header: nothing after it was written
+        # whole entries after the header (a torn header or entry: none past it; never a slice whose end is
+        # before its start, which compiled code refuses)
+        end = skip + max(0, len(data) - skip) // ENTRY.size * ENTRY.size
+        for offset, length, crc in ENTRY.iter_unpack(data[skip:end]):
             if length:
                 found[offset] = (length, crc)
         return found
