@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.stuck $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--counts 1000000 --window-count 200000,)
 	$(BIN)/python -m tests.bench.deferred_index $(if $(QUICK),--counts 100000 200000 400000,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_interop --reference $(NSQ_REFERENCE),)
+	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_side_files --reference $(NSQ_REFERENCE),)
 	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 
 clean:

@@ -1,7 +1,8 @@
 """The CRC side files (broker/storage/checksums.py): what Go's format cannot tell, a record whose length
 and message id were written back before a power loss and whose body was not, is cut at open; what a kill
--9 left is all kept; a directory Go nsqd (or an older trio-nsq) wrote last is not cut; Go nsqd 1.3.0
-loads a directory with side files; side files go with their segments."""
+-9 left is all kept; a directory Go nsqd (or an older trio-nsq) wrote last is not cut; side files go with
+their segments. That Go nsqd 1.3.0 loads a directory with side files, and we what it appended, is checked
+by tests/bench/go_side_files.py under `make bench NSQ_REFERENCE=<dir>` (the suite needs no Go binary)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,8 @@ import pytest
 import trio.testing
 
 from trio_nsq.broker.topic import Topic
-from tests.nsq_raw import FrameTimeout, Message, RawNSQ
 from tests.power_loss import PowerLoss, power_loss  # noqa: F401 (the fixture)
-from tests.processes import BrokerProcess
 from tests.topic_owner import Owner, drain, kill
-
-# Go nsqd 1.3.0 (tests/bench/go_interop.py runs it the same way)
-GO_NSQD = os.path.join(os.environ.get("NSQ_REFERENCE", "/work/shared/reference/nsq-1.3.0"), "nsqd")
-
 
 def open_topic(d: Path | str, **options: Any) -> Topic:
     """Topic `t` with its channel `c`, every message through the log (--mem-queue-size=0)."""
@@ -272,68 +267,3 @@ async def test_side_files_go_with_their_segments(tmp_path):
     assert list(tmp_path.glob("t.diskqueue.*.crc"))
     topic.delete()
     assert not list(tmp_path.glob("t.diskqueue.*"))
-
-
-# --- Go nsqd 1.3.0 on the directory ------------------------------------------------------------
-
-
-class GoNsqd(BrokerProcess):
-    """Go nsqd 1.3.0 on another broker's data directory."""
-
-    def __init__(self, base: Path, data: Path, **flags: object) -> None:
-        super().__init__(base, **flags)
-        self.data_path = data
-
-    def command(self) -> list[str]:
-        return [GO_NSQD]
-
-
-def consume(address: str, count: int, quiet: float = 3.0) -> list[bytes]:
-    """Every message channel `c` of topic `t` delivers (FIN'd), until `count` came and `quiet` seconds
-    pass without another."""
-    out: list[bytes] = []
-    with RawNSQ(address, timeout=10) as conn:
-        conn.sub("t", "c")
-        conn.rdy(500)
-        while True:
-            try:
-                frame = conn.next_frame(quiet if len(out) >= count else 20)
-            except FrameTimeout:
-                return out
-            if isinstance(frame, Message):
-                conn.fin(frame.id)
-                out.append(frame.body)
-
-
-def test_go_nsqd_loads_a_directory_with_side_files_and_we_load_its_appends(tmp_path):
-    """Ours with small segments (several side files), a clean exit; Go nsqd 1.3.0 starts on the
-    directory, delivers every message, takes more and exits; ours starts and delivers Go's, none cut."""
-    assert os.access(GO_NSQD, os.X_OK), f"Go nsqd 1.3.0 is needed at {GO_NSQD} (NSQ_REFERENCE=<folder>)"
-    ours = BrokerProcess(tmp_path, mem_queue_size=0, max_bytes_per_file=4096)
-    ours.start()
-    bodies = [b"ours-%04d" % i for i in range(600)]
-    try:
-        with RawNSQ(ours.tcp_address, timeout=10) as conn:
-            conn.sub("t", "c")  # the channel, before the messages
-        with RawNSQ(ours.tcp_address, timeout=10) as conn:
-            for at in range(0, len(bodies), 50):
-                conn.mpub("t", bodies[at:at + 50])
-    finally:
-        assert ours.stop() == 0
-    data = ours.data_path
-    assert len(list(data.glob("t.diskqueue.*.crc"))) > 3
-    go = GoNsqd(tmp_path, data, mem_queue_size=0, max_bytes_per_file=4096)
-    go.start()
-    more = [b"go-%04d" % i for i in range(100)]
-    try:
-        assert sorted(consume(go.tcp_address, len(bodies))) == bodies
-        with RawNSQ(go.tcp_address, timeout=10) as conn:
-            conn.mpub("t", more)
-    finally:
-        assert go.stop() == 0
-    ours.start()
-    try:
-        assert sorted(consume(ours.tcp_address, len(more))) == more
-        assert "cutting" not in ours.log_text()
-    finally:
-        assert ours.stop() == 0
