@@ -156,8 +156,10 @@ def test_nsq_tail_stops_cleanly_on_sigterm(module_broker, tmp_path):
     log = tmp_path / "tail.log"
     proc = start("nsq_tail", f"--nsqd-tcp-address={module_broker.tcp_address}", "--topic=tail3", "--channel=c",
                  log=log)
-    wait_for(lambda: channel_stats(module_broker, "tail3", "c").get("message_count") == 2 and
-             channel_stats(module_broker, "tail3", "c")["in_flight_count"] == 0, timeout=15)
+    # delivered and FIN'd: nothing queued nor in flight (the channel has its 2 messages before the SUB that
+    # made it is answered, once the channel's name is on disk, and nothing is in flight before that)
+    wait_for(lambda: (stats := channel_stats(module_broker, "tail3", "c")).get("message_count") == 2 and
+             stats["depth"] == 0 and stats["in_flight_count"] == 0, timeout=15)
     stop(proc, log)
     assert log.read_bytes() == b"a\nb\n"
     assert channel_stats(module_broker, "tail3", "c")["depth"] == 0
