@@ -344,7 +344,7 @@ def test_compiled_storage_calls_go_through_the_harness(power_loss):
     # the CRC side file's header (the segment's start) and the batch's entry go first (checksums.py)
     crc = seg[:-4] + ".crc"
     assert power_loss.ops("write") == [Event("write", crc, 48), Event("write", crc, 16), Event("write", seg, 10)]
-    sync_group._fsync_file(seg)
+    files.fsync_file(seg)  # what a round does for each segment (sync_group._persist, below)
     assert [e.path for e in power_loss.ops("fsync")] == [seg]
     assert power_loss.durable(seg) is None  # fsynced, but its name is not durable yet
     group = sync_group.SyncGroup("q", d)

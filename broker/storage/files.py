@@ -22,6 +22,20 @@ def write_and_close(fd: int, path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """A file's written bytes durable, through a descriptor of our own (fsync flushes the file, not a
+    descriptor); a file gone meanwhile (dropped, its topic deleted, a side file never made) has nothing
+    to keep."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """After a rename or a new file in `path`: the directory entry is durable once the directory is."""
     fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)

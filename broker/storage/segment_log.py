@@ -55,7 +55,7 @@ import attrs
 
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.checksums import META_KEY, META_VALUE, Checksums
-from trio_nsq.broker.storage.files import close_quietly, remove_quietly
+from trio_nsq.broker.storage.files import close_quietly, fsync_file, remove_quietly
 from trio_nsq.shared.protocol import INT32, int32_at
 
 log = logging.getLogger("nsqd")
@@ -490,11 +490,7 @@ class SegmentLog:
 
     def _sync_cut(self, path: str) -> None:
         try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(path)
         except OSError as exc:
             log.error("DISKQUEUE(%s) failed to fsync the cut of %s - %s", self.name, path, exc)
 

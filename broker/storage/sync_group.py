@@ -37,7 +37,7 @@ import outcome
 import trio
 
 from trio_nsq.broker.storage.backend import BackendError
-from trio_nsq.broker.storage.files import fsync_dir, write_and_close, write_synced
+from trio_nsq.broker.storage.files import fsync_dir, fsync_file, write_and_close, write_synced
 from trio_nsq.broker.storage.segment_log import remove_dropped
 
 log = logging.getLogger("nsqd")
@@ -104,25 +104,6 @@ async def _in_thread(fn: Callable[[RoundPlan], None], plan: RoundPlan) -> None:
 
     trio.lowlevel.start_thread_soon(partial(fn, plan), deliver)
     await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-
-
-def _fsync_file(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return  # dropped meanwhile, or its topic deleted: nothing to keep
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_files(paths: list[str]) -> None:
-    """Every path fsynced, one after the other (in the round's worker thread). Side by side on a pool of
-    threads was slower compiled: --sync-every=1 MPUB 200 x4 at 0.70 of ba431e2's rate against 0.85 one
-    after the other (each return from a pool thread waits for the GIL the event loop holds)."""
-    for path in paths:
-        _fsync_file(path)
 
 
 def _call(callback: Callable[[bool], None], ok: bool) -> None:
@@ -303,7 +284,10 @@ class SyncGroup:
     def _persist(self, plan: RoundPlan) -> None:
         """In a worker thread. fsync goes through a descriptor of our own (fsync flushes the file, not the
         descriptor), so the event loop may close or replace its write descriptor meanwhile."""
-        _fsync_files(plan.fsync)
+        # one after the other: side by side on a pool of threads was slower compiled (--sync-every=1 MPUB 200
+        # x4 at 0.70 of ba431e2's rate against 0.85: each return from a pool thread waits for the GIL)
+        for path in plan.fsync:
+            fsync_file(path)
         for member, path, data in plan.appends:
             self._append(member, path, data)
         for member, path, data in plan.creates:
