@@ -22,7 +22,7 @@ from trio_nsq.broker.storage.data_dir import DataDir, channel_of
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http_api import HTTPError
 from trio_nsq.shared.http_server import Request
-from tests.power_loss import power_loss  # noqa: F401 (the fixture)
+from tests.power_loss import PowerLoss, power_loss  # noqa: F401 (the fixture)
 from tests.topic_owner import kill
 
 
@@ -110,6 +110,15 @@ def journal_lines(data: Path) -> list[bytes]:
 # --- finding 1: a deleted topic stays deleted --------------------------------------------------------
 
 
+async def _deleted_among_creates_then_power_loss(b: Broker, power_loss: PowerLoss, path: str, query: str) -> None:
+    """A delete between two creations (journal lines before and after it), then a power loss."""
+    ok(await b.call("POST", "/topic/create", "topic=x"))
+    ok(await b.call("POST", path, query))
+    ok(await b.call("POST", "/topic/create", "topic=other"))
+    await b.kill()
+    power_loss.crash("strict")
+
+
 async def test_a_deleted_topic_made_again_after_a_power_loss_has_a_new_log_and_no_old_keys(power_loss):
     """Issue 48's recipe: `t` with channel `c`, 5 messages and a key; `x` made (a journal exists), `t`
     deleted, `other` made; a power loss: `t` made again is another log, empty, without the old key."""
@@ -122,11 +131,7 @@ async def test_a_deleted_topic_made_again_after_a_power_loss_has_a_new_log_and_n
         for i in range(5):
             await b.api._publish(t, [b"m%d" % i], "pub", None if i else "K1")
         await t.group.sync_round()
-        ok(await b.call("POST", "/topic/create", "topic=x"))
-        ok(await b.call("POST", "/topic/delete", "topic=t"))
-        ok(await b.call("POST", "/topic/create", "topic=other"))
-        await b.kill()
-        power_loss.crash("strict")
+        await _deleted_among_creates_then_power_loss(b, power_loss, "/topic/delete", "topic=t")
 
         b = await Broker(data, sync_every=1).start(nursery)
         assert b.nsqd.get_existing_topic("t") is None
@@ -152,11 +157,7 @@ async def test_a_deleted_channel_made_again_after_a_power_loss_starts_at_the_end
         for i in range(5):
             await b.api._publish(t, [b"m%d" % i], "pub", None)
         await t.group.sync_round()
-        ok(await b.call("POST", "/topic/create", "topic=x"))
-        ok(await b.call("POST", "/channel/delete", "topic=t&channel=c"))
-        ok(await b.call("POST", "/topic/create", "topic=other"))
-        await b.kill()
-        power_loss.crash("strict")
+        await _deleted_among_creates_then_power_loss(b, power_loss, "/channel/delete", "topic=t&channel=c")
 
         b = await Broker(data, sync_every=1).start(nursery)
         t = b.topic("t")
