@@ -71,6 +71,70 @@ async def nothing(message) -> None:
     pass
 
 
+# --- item 6: IDENTIFY's settings ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BROKER_KINDS)
+async def test_an_idle_connection_lives_on_the_heartbeat_it_asked_for(started, kind):
+    """The client reads with a timeout of twice its heartbeat_interval (4 s here). The broker's own
+    heartbeat is every 15 s (trio-nsqd with --client-timeout=30s; Go nsqd 1.3.0 every 30 s: its
+    ClientTimeout has no flag), so an idle connection lives only if IDENTIFY asked for 2 s."""
+    broker = started(kind, **({"client_timeout": "30s"} if kind == "trio-nsqd" else {}))
+    async with Producer(broker.tcp_address, heartbeat_interval=2.0) as producer:
+        await producer.pub("idle", b"x")
+        first = producer.conn
+        async with Consumer("idle", "c", nothing, nsqd_tcp_addresses=[broker.tcp_address],
+                            heartbeat_interval=2.0) as consumer:
+            await consumer.wait_connected()
+            subscribed = consumer.connections[broker.tcp_address]
+            await trio.sleep(7)  # idle: the broker heartbeats 3 times, the client answers NOP
+            assert consumer.connections.get(broker.tcp_address) is subscribed and not subscribed.is_closed
+        assert producer.conn is first and producer.connects == 1
+        await producer.pub("idle", b"y")
+
+
+async def test_the_default_heartbeat_keeps_a_connection_to_a_broker_with_a_long_client_timeout(autojump_clock,
+                                                                                               tmp_path):
+    """nsqd --client-timeout=150s heartbeats every 75 s to a client that asks for nothing; the client
+    reads with a timeout of twice the heartbeat it asks for (30 s by default, as go-nsq and pynsq), so it
+    must ask. 200 s of idling under MockClock, with an nsqd in-process."""
+    async with trio.open_nursery() as nursery:
+        nsqd = await nursery.start(functools.partial(run_nsqd, client_timeout=150.0, data_path=str(tmp_path)))
+        async with Producer(nsqd.tcp_address) as producer:
+            await producer.pub("t", b"x")
+            await trio.sleep(200)
+            await producer.pub("t", b"y")
+        nursery.cancel_scope.cancel()
+    assert producer.connects == 1
+
+
+async def test_identify_settings_reach_nsqd_as_connect_options(broker_factory):
+    broker = broker_factory()
+    settings = dict(heartbeat_interval=5.0, output_buffer_size=32768, output_buffer_timeout=0.1, sample_rate=50,
+                    msg_timeout=5.0)
+    async with Producer(broker.tcp_address, **settings) as producer:
+        await producer.pub("s", b"x")
+        assert producer.conn is not None
+        identify, features = producer.conn.identify_data, producer.conn.features
+        assert (identify["heartbeat_interval"], identify["output_buffer_timeout"], identify["msg_timeout"]) \
+            == (5000, 100, 5000)  # IDENTIFY's unit: ms
+        assert (features["output_buffer_size"], features["output_buffer_timeout"], features["sample_rate"],
+                features["msg_timeout"]) == (32768, 100, 50, 5000)
+        assert producer.conn.read_timeout == 10.0
+    async with Consumer("s", "c", nothing, nsqd_tcp_addresses=[broker.tcp_address], **settings) as consumer:
+        await consumer.wait_connected()
+        assert consumer.connections[broker.tcp_address].msg_timeout == 5000
+
+
+def test_identify_settings_out_of_range_fail_at_construction():
+    for bad in ({"sample_rate": 100}, {"sample_rate": -1}, {"heartbeat_interval": 0.5}, {"msg_timeout": -1.0},
+                {"output_buffer_size": 10}):
+        with pytest.raises(ValueError):
+            Producer("127.0.0.1:4150", **bad)
+    # -1 turns heartbeats off (nsqd's and go-nsq's value): no read timeout then
+    assert Producer("127.0.0.1:4150", heartbeat_interval=-1).connect("127.0.0.1:4150").read_timeout is None
+
+
 # --- item 7: lookupd addresses ------------------------------------------------------------------------
 
 
@@ -145,3 +209,96 @@ async def test_lookupd_queries_carry_the_auth_secret_as_a_bearer_token():
         assert await lookup_producers(client, "127.0.0.1:4161", "t") == ["127.0.0.1:4150"]
     assert seen[0].headers["authorization"] == "Bearer s3cret"
     assert "authorization" not in seen[1].headers
+
+
+# --- item 9: configuration, IDENTIFY and AUTH errors at once ----------------------------------------
+
+
+def test_snappy_and_deflate_together_fail_at_construction():
+    with pytest.raises(ValueError, match="snappy"):
+        Producer("127.0.0.1:4150", snappy=True, deflate=True)
+    with pytest.raises(ValueError, match="snappy"):
+        Consumer("t", "c", nothing, nsqd_tcp_addresses=["127.0.0.1:4150"], snappy=True, deflate=True)
+    with pytest.raises(ValueError, match="snappy"):
+        Connection("127.0.0.1:4150", snappy=True, deflate=True)
+    # the tools' --producer-opt/--consumer-opt (go-nsq's ConfigFlag) refuse the pair as a bad flag
+    from trio_nsq.apps.app import ConfigError, parse_config_opts
+
+    with pytest.raises(ConfigError, match="snappy"):
+        parse_config_opts(["snappy", "deflate"], consumer=False)
+
+
+async def test_a_refused_identify_raises_at_once(broker_factory):
+    """nsqd refuses a heartbeat over its --max-heartbeat-interval (E_BAD_BODY): the publish gets that
+    error, not a wrapped one after reconnect_timeout."""
+    broker = broker_factory(max_heartbeat_interval="10s")
+    async with Producer(broker.tcp_address, identify={"heartbeat_interval": 20_000}, reconnect_timeout=10) as producer:
+        with pytest.raises(NSQError) as err:
+            await producer.pub("t", b"x")
+        assert err.value.code == "E_BAD_BODY" and "heartbeat" in err.value.description
+        with pytest.raises(NSQError):
+            await producer.ping()
+    assert producer.connects == 0
+
+
+async def test_a_refused_auth_raises_at_once(broker_factory, authd):
+    broker = broker_factory(auth_http_address=authd.address)
+    authd.answer("wrong", 403, b'{"message": "no"}')
+    async with Producer(broker.tcp_address, auth_secret="wrong", reconnect_timeout=10) as producer:
+        with pytest.raises(NSQError) as err:
+            await producer.pub("t", b"x")
+        assert err.value.code == "E_AUTH_FAILED"
+    async with Producer(broker.tcp_address, reconnect_timeout=10) as producer:  # no secret at all
+        with pytest.raises(NSQError) as err:
+            await producer.pub("t", b"x")
+        assert err.value.code == "E_AUTH_REQUIRED"
+
+
+# --- item 10: TLS asked for, broker without TLS -------------------------------------------------------
+
+
+async def test_tls_against_a_broker_without_tls_is_refused(broker_factory):
+    broker = broker_factory()
+    tls = tls_context(verify=False)
+    with pytest.raises(NSQError, match="does not offer TLS"):
+        async with Connection(broker.tcp_address, tls=tls):
+            pass
+    async with Producer(broker.tcp_address, tls=tls, reconnect_timeout=10) as producer:
+        with pytest.raises(NSQError, match="does not offer TLS"):
+            await producer.pub("plain", b"secret")
+    assert await topic_depth(broker, "plain") == 0
+
+
+async def test_a_certificate_refused_raises_at_once(broker_factory, tmp_path):
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")
+    broker = broker_factory(tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.pem")
+    async with Producer(broker.tcp_address, tls=tls_context(), reconnect_timeout=10) as producer:  # system CAs
+        with pytest.raises(NSQConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            await producer.pub("t", b"x")
+
+
+# --- extras: ping, stopped ----------------------------------------------------------------------------
+
+
+async def test_ping_connects_or_raises(broker_factory, tmp_path: Path):
+    broker = broker_factory()
+    async with Producer(broker.tcp_address) as producer:
+        await producer.ping()
+        assert producer.connects == 1
+    async with Producer(BrokerProcess(tmp_path).tcp_address, reconnect_timeout=0.5) as producer:  # nobody there
+        with pytest.raises(NSQConnectionError):
+            await producer.ping()
+
+
+async def test_a_stopped_producer_raises_at_once(broker_factory):
+    broker = broker_factory()
+    producer = Producer(broker.tcp_address, reconnect_timeout=3)
+    with pytest.raises(RuntimeError, match="not open"):
+        await producer.pub("t", b"x")  # never started
+    async with producer:
+        await producer.pub("t", b"x")
+    with pytest.raises(RuntimeError, match="not open"):
+        await producer.pub("t", b"y")
+    with pytest.raises(RuntimeError, match="not open"):
+        await producer.ping()
