@@ -211,6 +211,31 @@ async def test_lookupd_queries_carry_the_auth_secret_as_a_bearer_token():
     assert "authorization" not in seen[1].headers
 
 
+# --- item 8: HTTPProducer with one message too big --------------------------------------------------
+
+
+async def test_http_producer_one_body_too_big_fails_alone(broker_factory):
+    broker = broker_factory(max_msg_size=100)
+    async with HTTPProducer(broker.http_address, batch_size=500, flush_interval=60) as hp:
+        good = [await hp.pub("t", b"good %d" % i) for i in range(100)]
+        bad = await hp.pub("t", b"x" * 101)
+        good += [await hp.pub("t", b"good %d" % i) for i in range(100, 200)]
+        with pytest.raises(NSQError) as err:
+            await hp.flush()  # one batch of 201: nsqd refuses it whole, the producer splits it
+        assert err.value.code == "MSG_TOO_BIG" and err.value.status == 413
+        assert await topic_depth(broker, "t") == 200
+        assert (hp.published, hp.failed) == (200, 1)
+        with pytest.raises(NSQError) as own:
+            await bad.wait()  # the caller that sent the bad body gets its error ...
+        assert own.value.code == "MSG_TOO_BIG" and isinstance(bad.error, NSQError) and bad.error.code == "MSG_TOO_BIG"
+        for receipt in good:
+            await receipt.wait()  # ... the others none
+        later = await hp.pub("t", b"later")  # an unrelated pub after the failure does not raise it
+        await hp.flush()
+        await later.wait()
+    assert await topic_depth(broker, "t") == 201
+
+
 # --- item 9: configuration, IDENTIFY and AUTH errors at once ----------------------------------------
 
 
