@@ -39,19 +39,13 @@ class GoNsqd(BrokerProcess):
 BROKER_KINDS = ["trio-nsqd"] + (["go-nsqd"] if REFERENCE else [])
 
 
-@pytest.fixture
-def started(tmp_path):
-    """``started(kind, **flags) -> BrokerProcess``: trio-nsqd or Go nsqd, stopped at teardown."""
-    procs: list[BrokerProcess] = []
-
-    def start(kind: str, **flags: object) -> BrokerProcess:
-        proc = (GoNsqd if kind == "go-nsqd" else BrokerProcess)(tmp_path, **flags)
-        procs.append(proc)
-        return proc.start()
-
-    yield start
-    for proc in procs:
-        proc.stop()
+@pytest.fixture(params=BROKER_KINDS)
+def slow_heartbeat_nsqd(request, tmp_path):
+    """An nsqd whose own heartbeat is every 15 s or more: trio-nsqd with --client-timeout=30s, and Go nsqd
+    1.3.0 (every 30 s: its ClientTimeout has no flag) when NSQ_REFERENCE is set."""
+    proc = GoNsqd(tmp_path) if request.param == "go-nsqd" else BrokerProcess(tmp_path, client_timeout="30s")
+    yield proc.start()
+    proc.stop()
 
 
 @pytest.fixture
@@ -74,12 +68,10 @@ async def nothing(message) -> None:
 # --- item 6: IDENTIFY's settings ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", BROKER_KINDS)
-async def test_an_idle_connection_lives_on_the_heartbeat_it_asked_for(started, kind):
-    """The client reads with a timeout of twice its heartbeat_interval (4 s here). The broker's own
-    heartbeat is every 15 s (trio-nsqd with --client-timeout=30s; Go nsqd 1.3.0 every 30 s: its
-    ClientTimeout has no flag), so an idle connection lives only if IDENTIFY asked for 2 s."""
-    broker = started(kind, **({"client_timeout": "30s"} if kind == "trio-nsqd" else {}))
+async def test_an_idle_connection_lives_on_the_heartbeat_it_asked_for(slow_heartbeat_nsqd):
+    """The client reads with a timeout of twice its heartbeat_interval (4 s here); the broker's own
+    heartbeat is every 15 s or more, so an idle connection lives only if IDENTIFY asked for 2 s."""
+    broker = slow_heartbeat_nsqd
     async with Producer(broker.tcp_address, heartbeat_interval=2.0) as producer:
         await producer.pub("idle", b"x")
         first = producer.conn
