@@ -319,3 +319,23 @@ async def test_a_stopped_producer_raises_at_once(broker_factory):
         await producer.pub("t", b"y")
     with pytest.raises(RuntimeError, match="not open"):
         await producer.ping()
+
+
+async def test_a_consumer_whose_certificate_is_refused_keeps_running_and_wait_connected_says_why(
+        broker_factory, tmp_path):
+    """A failed TLS handshake (trio's BrokenResourceError) costs the connection attempt, not the consumer,
+    and wait_connected raises it as it raises a broker's refusal."""
+    from trio_nsq.client import Consumer
+
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")
+    broker = broker_factory(tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.pem")
+
+    async def handler(message):
+        pass
+
+    async with Consumer("t", "c", handler, nsqd_tcp_addresses=[broker.tcp_address], tls=tls_context()) as consumer:
+        with trio.fail_after(20):
+            with pytest.raises(NSQConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                await consumer.wait_connected()
+        assert not consumer.closing  # still trying, as with any refusal

@@ -109,6 +109,18 @@ def fresh_error(error: Exception) -> Exception:
     return error
 
 
+
+def connect_refusal(address: str, error: BaseException) -> Exception | None:
+    """The error of a failed connection attempt that trying again will not fix, for the Producer's
+    publishes and the Consumer's wait_connected to raise at once: nsqd's refusal (IDENTIFY, AUTH) or ours
+    (E_TLS_NOT_OFFERED), or a failed TLS handshake (a certificate refused by either side, which trio
+    wraps in BrokenResourceError). None otherwise."""
+    if isinstance(error, NSQError):
+        return error if error.fatal else None
+    if isinstance(error, trio.BrokenResourceError) and isinstance(error.__cause__, ssl.SSLError):
+        return NSQConnectionError(f"{address}: TLS handshake failed - {error.__cause__}", maybe_processed=False)
+    return None
+
 class OwnedNursery:
     """The nursery of an object used as an async context manager: opened in __aenter__, cancelled and
     left in __aexit__. Our tasks never raise, so when the nursery wraps the body's exception in an

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import ssl
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,22 +16,12 @@ from trio_nsq.client.connection import (
     NSQConnectionError,
     NSQError,
     OwnedNursery,
+    connect_refusal,
     fresh_error,
 )
 from trio_nsq.shared.protocol import encode_dpub, encode_mpub, encode_nop, encode_pub
 
 log = logging.getLogger("trio_nsq.client")
-
-
-def _refusal(address: str, error: BaseException) -> Exception | None:
-    """The error of a failed connection attempt that trying again will not fix, for publishes to raise at
-    once: nsqd's refusal (IDENTIFY, AUTH) or ours (E_TLS_NOT_OFFERED), or a failed TLS handshake (a
-    certificate refused by either side, which trio wraps in BrokenResourceError). None otherwise."""
-    if isinstance(error, NSQError):
-        return error
-    if isinstance(error, trio.BrokenResourceError) and isinstance(error.__cause__, ssl.SSLError):
-        return NSQConnectionError(f"{address}: TLS handshake failed - {error.__cause__}", maybe_processed=False)
-    return None
 
 
 @attrs.define(eq=False, slots=False)
@@ -102,7 +91,7 @@ class Producer(ConnectOptions):
             except (OSError, NSQConnectionError, NSQError, trio.BrokenResourceError, trio.TooSlowError,
                     ValueError) as exc:
                 self.last_error = exc
-                self._refusal = _refusal(self.address, exc)
+                self._refusal = connect_refusal(self.address, exc)
                 log.warning("PRODUCER: cannot connect to %s - %s", self.address, self._refusal or exc)
             finally:
                 self.conn = None
