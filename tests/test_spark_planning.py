@@ -343,3 +343,33 @@ def test_a_broker_gone_for_longer_than_broker_gone_timeout_leaves_the_query(modu
         assert down not in r.planner.clients
     finally:
         r.stop()
+
+
+def test_a_broker_back_after_broker_gone_timeout_joins_again_where_it_left(module_broker, broker):
+    topic = "plan-back"
+    for b in (module_broker, broker):
+        by_position(b, topic)
+    first = bodies_for("first", 4)
+    publish_durably(broker, topic, first)
+    r = reader(topic, module_broker.http_address, broker.http_address, startingOffsets="earliest",
+               broker_gone_timeout="5s", failOnDataLoss="false")
+    r.clock = clock = Clock()
+    try:
+        start = r.initialOffset()
+        end = r.latestOffset(start, r.getDefaultReadLimit())
+        assert planned(r, start, end) == first
+        broker.stop()
+        start = end
+        end = r.latestOffset(start, r.getDefaultReadLimit())  # down: it keeps its place
+        clock.now += 6
+        end = r.latestOffset(end, r.getDefaultReadLimit())  # gone: it leaves the query
+        assert list(end[topic]) == [module_broker.http_address]
+        broker.restart()
+        later = bodies_for("later", 3)
+        publish_durably(broker, topic, later)
+        clock.now += 6  # (asked again once per broker_gone_timeout)
+        back = r.latestOffset(end, r.getDefaultReadLimit())
+        after = r.latestOffset(back, r.getDefaultReadLimit())
+        assert planned(r, end, back) + planned(r, back, after) == later  # the first four are not read again
+    finally:
+        r.stop()

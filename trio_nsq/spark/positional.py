@@ -510,6 +510,7 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._last_trigger: float | None = None  # when minOffsetsPerTrigger last let a micro-batch go (s)
         self._down_since: dict[str, float] = {}  # broker -> since when it has not answered (s)
         self._gone: dict[str, float] = {}  # broker -> when it left the query (broker_gone_timeout)
+        self._left: dict[str, int] = {}  # log id -> the position it left the query at (if it comes back)
         self.clock = time.monotonic
 
     @property
@@ -629,6 +630,7 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     cursors[broker] = (log_id, position)
                     continue
                 self._gone[broker] = self.clock()
+                self._left[log_id] = position
                 data_loss(s, broker, f"log {log_id} from position {position} to be read", "the broker has not "
                           f"answered for {gone:g} s (broker_gone_timeout): it leaves the query")
             elif found.answered[broker] is None:
@@ -653,7 +655,11 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 continue
             if log_id not in known:
                 names = found.aliases[log_id]
-                if any(a in waiting for a in names):
+                if log_id in self._left:  # back after broker_gone_timeout: from where it left
+                    joined = max(now.first, min(now.end, self._left.pop(log_id)))
+                    _log().info("nsq: topic %r on %s is back: it joins the query again at %d", s.topic, broker,
+                                joined)
+                elif any(a in waiting for a in names):
                     joined = self.planner.start_position(broker, now, names)
                     _log().info("nsq: topic %r on %s joins the query at its requested start (%d)", s.topic,
                                 broker, joined)
