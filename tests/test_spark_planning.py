@@ -14,7 +14,7 @@ from test_spark_source import channel_stats, eventually
 
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMinRows
 
-from trio_nsq.spark.options import log_settings
+from trio_nsq.spark.options import choose_source, log_settings
 from trio_nsq.spark.positional import (
     DataLossError,
     NSQLogBatchReader,
@@ -296,6 +296,12 @@ def test_min_offsets_per_trigger_waits_for_records_until_max_trigger_delay(modul
         assert r.latestOffset(end, ReadAllAvailable()) != end  # (Trigger.AvailableNow: no minimum)
     finally:
         r.stop()
+
+
+def test_a_kafka_user_s_options_without_a_channel_choose_the_positional_reader():
+    nowhere = f"127.0.0.1:{free_port()}"  # (a lookupd that does not answer: no broker known yet)
+    assert choose_source({"topic": "t", "lookupd_http_address": nowhere})[0] == "log"
+    assert choose_source({"topic": "t", "lookupd_http_address": nowhere, "channel": "c"})[0] == "channel"
 
 
 def test_a_kafka_option_trio_nsq_does_not_support_is_named_as_such():

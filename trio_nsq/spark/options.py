@@ -541,7 +541,8 @@ def explicit_mode(options: dict[str, str]) -> str:
 def choose_source(options: dict[str, str]) -> tuple[str, str]:
     """("log" or "channel", why), by the `mode` option. With mode=auto (the default): the channel source when
     the options are the channel source's (a query written for it reads as it did: the same `channel`
-    option means a channel consumed there, a cursor here), else the positional reader when every broker
+    option means a channel consumed there, a cursor here; without a `channel` it cannot run), else the
+    positional reader when every broker
     that answers has the /log API (GET /log/positions; 404 TOPIC_NOT_FOUND is a trio-nsqd whose topic does
     not exist yet). A broker that does not answer does not count: one down for a restart must not switch a
     query to the other source, whose offsets have another form."""
@@ -556,10 +557,11 @@ def choose_source(options: dict[str, str]) -> tuple[str, str]:
         return "channel", f"option {channel_only[0]} is the channel source's"
     positional = [name for name in _LOG_NAMES if name in options and name not in
                   ("topic", "channel", "lookupd_http_address", "mode")]
-    if not positional:
+    if not positional and "channel" in options:
         return "channel", ("no option is the positional reader's alone (nsqd_http_address, startingOffsets, ...): "
                            "these options consume a channel, as before the positional reader existed; set "
                            "mode=log to read by position")
+    # (without a channel the channel source cannot run; the positional reader needs none, as Kafka's)
     topic = options.get("topic") or options.get("path") or ""
     if topic.endswith("#ephemeral"):
         return "channel", f"topic {topic!r} is #ephemeral: it keeps no log"
