@@ -5,8 +5,9 @@ Offsets are positions: `{"<topic>": {"<broker http address>": {"log_id": "<hex>"
 one position per broker, keys sorted (Spark compares offsets as JSON strings). A position is a byte offset
 in the broker's log of the topic, and `log_id` names that log (a topic deleted and made again, or a data
 directory replaced, has another). A broker is its log: two addresses answering with one log id
-(127.0.0.1:4151 and localhost:4151) are one broker, read once; the key is only where it was reached. Nothing but offsets passes through the driver: each task reads its
-range, [start, end) of one broker, from the broker itself, so a range read again gives the same rows.
+(127.0.0.1:4151 and localhost:4151) are one broker, read once; the key is only where it was reached.
+Nothing but offsets passes through the driver: each task reads its range, [start, end) of one broker,
+from the broker itself, so a range read again gives the same rows.
 
 Who calls what (Spark):
 - `NSQLogStreamReader`: `initialOffset`, `latestOffset`, `reportLatestOffset`, `partitions`, `commit`,
