@@ -646,8 +646,8 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 still.append(broker)
             else:
                 self._gone[broker] = self.clock()
-                _log().warning("nsq: %s has not answered since the query started %g s ago (broker_gone_timeout): "
-                               "it leaves the query; records it has are not read", broker, gone)
+                _log().warning("nsq: %s, waiting to join the query since its start, has not answered for %g s "
+                               "(broker_gone_timeout): it leaves the query; records it has are not read", broker, gone)
         for log_id, (broker, now) in sorted(found.logs.items()):
             cap = None if self._target is None else self._target.get(log_id)
             if self._target is not None and cap is None:
