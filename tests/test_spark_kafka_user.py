@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import BrokerProcess
+from processes import REPO_ROOT, BrokerProcess
 from test_spark_log import by_position, positions, publish_durably
 from test_spark_log_crash import kill_group
 from test_spark_source import eventually
@@ -131,15 +131,17 @@ query.awaitTermination()
 
 
 def start_child(tmp_path: Path, script: Path, run: str, *args: str) -> subprocess.Popen:
-    """`script` with the venv's python in a process group of its own, outside the repo, every scratch
+    """`script` with the venv's python in a process group of its own, run outside the repo, every scratch
     file under tmp_path (as a SIGKILL leaves them)."""
     scratch = {name: tmp_path / name for name in ("cwd", "spark-local", "java-tmp", "python-tmp")}
     for folder in scratch.values():
         folder.mkdir(exist_ok=True)
-    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environ.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-                   SPARK_LOCAL_DIRS=str(scratch["spark-local"]), TMPDIR=str(scratch["python-tmp"]),
-                   JAVA_TOOL_OPTIONS=f"-Djava.io.tmpdir={scratch['java-tmp']}", PYTHONUNBUFFERED="1")
+    environ = dict(os.environ)
+    # the package from this checkout (the one installed, in a clone installed with pip install -e .)
+    environ.update(PYTHONPATH=str(REPO_ROOT), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+                   PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_LOCAL_DIRS=str(scratch["spark-local"]),
+                   TMPDIR=str(scratch["python-tmp"]), JAVA_TOOL_OPTIONS=f"-Djava.io.tmpdir={scratch['java-tmp']}",
+                   PYTHONUNBUFFERED="1")
     with open(tmp_path / f"child-{run}.log", "wb") as output:
         return subprocess.Popen([sys.executable, str(script), *args], cwd=scratch["cwd"], env=environ,
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
