@@ -9,7 +9,10 @@ runs as written.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,6 +25,11 @@ from processes import REPO_ROOT, BrokerProcess
 from test_spark_log import by_position, positions, publish_durably
 from test_spark_log_crash import kill_group
 from test_spark_source import eventually
+
+from trio_nsq.spark import positional
+from trio_nsq.spark.log_client import LogClient
+from trio_nsq.spark.options import log_settings
+from trio_nsq.spark.positional import DataLossError, LogRange, read_range
 
 pytestmark = pytest.mark.spark_log
 
@@ -200,3 +208,110 @@ def test_a_kafka_users_query_killed_and_started_again_on_its_checkpoint_writes_e
     finally:
         kill_group(proc)
     assert Counter(file_sink_lines(output)) == Counter(sent)
+
+
+# --- item 9: a task's read when the broker restarts behind, or lost records -------------------------
+
+
+def range_of(broker: BrokerProcess, topic: str, **options: str) -> tuple:
+    """The settings of a spark.read of the topic and its whole log as one task's range."""
+    settings = log_settings({"topic": topic, "nsqd_http_address": broker.http_address,
+                             "read_max_bytes": "4096", **{k.lower(): v for k, v in options.items()}}, batch=True)
+    now = positions(broker, topic)
+    return settings, LogRange(broker.http_address, topic, now["log_id"], now["first"], now["end"])
+
+
+def numbers_of(batches: list) -> list[int]:
+    return [int(bytes(v)) for batch in batches for v in batch.column("value").to_pylist()]
+
+
+def broker_with_a_copy_of_its_first_half(broker_factory, tmp_path: Path, topic: str) -> tuple[BrokerProcess, Path]:
+    """A broker whose topic holds 2,000 numbered records, and a copy of its data directory when it
+    held the first 1,000 only (the same log, fewer records: a broker restored from it lost the rest)."""
+    broker = broker_factory()
+    by_position(broker, topic)
+    publish_durably(broker, topic, [b"%d" % n for n in range(1000)])
+    broker.stop()
+    half = tmp_path / "first-half"
+    shutil.copytree(broker.data_path, half)
+    broker.start()
+    publish_durably(broker, topic, [b"%d" % n for n in range(1000, 2000)])
+    return broker, half
+
+
+def on_data(broker: BrokerProcess, data: Path) -> None:
+    """Restart the broker (same ports) on another data directory."""
+    broker.stop()
+    broker.data_path = data
+    broker.start()
+
+
+def test_a_task_whose_broker_restarts_behind_waits_for_it_and_reads_its_range_once(
+        broker_factory, tmp_path, monkeypatch):
+    broker, half = broker_with_a_copy_of_its_first_half(broker_factory, tmp_path, "restart")
+    whole = broker.data_path
+    settings, part = range_of(broker, "restart")
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 2:  # the broker is back with every record
+            on_data(broker, whole)
+
+    monkeypatch.setattr(positional, "sleep", sleep, raising=False)
+    rows = read_range(settings, part)
+    got = [next(rows)]
+    on_data(broker, half)  # restarted, and answering behind the range's end for a while
+    got += list(rows)
+    assert numbers_of(got) == list(range(2000))
+    assert len(pauses) == 2 and all(0 < p <= 5 for p in pauses)
+
+
+@pytest.mark.parametrize("fail_on_data_loss", ["true", "false"])
+def test_a_task_whose_broker_lost_synced_records_waits_a_bounded_time_then_reports_data_loss(
+        broker_factory, tmp_path, monkeypatch, caplog, fail_on_data_loss):
+    broker, half = broker_with_a_copy_of_its_first_half(broker_factory, tmp_path, "lost")
+    settings, part = range_of(broker, "lost", failOnDataLoss=fail_on_data_loss)
+    pauses: list[float] = []
+    monkeypatch.setattr(positional, "sleep", pauses.append, raising=False)  # (no real wait)
+    rows = read_range(settings, part)
+    got = [next(rows)]
+    on_data(broker, half)  # the same log, the second half gone for good
+    end_now = positions(broker, "lost")["end"]
+    with caplog.at_level(logging.WARNING, logger="trio_nsq.spark"):
+        if fail_on_data_loss == "true":
+            with pytest.raises(DataLossError, match=rf"(?s)records from position {end_now} to {part.end}.*"
+                                                    r"failOnDataLoss', 'false'"):
+                got += list(rows)
+        else:
+            got += list(rows)
+            assert numbers_of(got) == list(range(1000))  # what is left, then the range ends
+            assert re.search(rf"records from position {end_now} to {part.end}.*failOnDataLoss=false", caplog.text)
+    # it asked again after pauses that grow, within a bound
+    assert len(pauses) > 3 and all(p > 0 for p in pauses) and pauses == sorted(pauses)
+    assert sum(pauses) <= 60
+
+
+def test_a_topic_gone_while_a_task_goes_on_after_lost_records_is_data_loss_not_a_raw_error(
+        broker_factory, tmp_path, monkeypatch, caplog):
+    """failOnDataLoss=false: the range's start is gone (POSITION_GONE), and the topic is deleted before
+    the task asks where its log starts now: a warning, and the range ends."""
+    broker = broker_factory(max_bytes_per_file=4096, retention_bytes=8192)  # (segments of ~120 records)
+    topic = "gone"
+    by_position(broker, topic)
+    publish_durably(broker, topic, [b"%04d" % n for n in range(600)])
+    settings, part = range_of(broker, topic, failOnDataLoss="false")
+    # a cursor at the end: the next sync round removes what it is past, but for the last 8 KiB
+    assert broker.http.post(f"/log/commit?topic={topic}&channel=done&position={part.end}").status_code == 200
+    publish_durably(broker, topic, [b"more"])
+    eventually(lambda: positions(broker, topic)["first"] > part.start, "the first segments removed")
+
+    class DeletedFirst(LogClient):
+        def positions(self, topic_name):
+            assert broker.http.post(f"/topic/delete?topic={topic_name}").status_code == 200
+            return super().positions(topic_name)
+
+    monkeypatch.setattr(positional, "LogClient", DeletedFirst)
+    with caplog.at_level(logging.WARNING, logger="trio_nsq.spark"):
+        assert list(read_range(settings, part)) == []
+    assert "the topic is gone (deleted)" in caplog.text
