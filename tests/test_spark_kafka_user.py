@@ -108,7 +108,8 @@ def test_a_query_started_at_latest_while_a_publisher_runs_reads_every_message_af
     end_of_first = end_of_first[topic][broker.http_address]["position"]
     first_rows = batches[0][1]
     assert first_rows, f"micro-batch 0 read nothing: every message before {end_of_first} was skipped"
-    assert first_rows[-1][0] < end_of_first <= batches[1][1][0][0]
+    later = [rows for _, rows in batches[1:] if rows]
+    assert first_rows[-1][0] < end_of_first <= later[0][0][0]
     # and the first row is the first record at or after the query's start: none is missing before it
     # (the query started at latest after 300 were durable)
     assert numbers[0] >= 300
