@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from time import sleep
 
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
@@ -212,11 +213,18 @@ def record_batch(topic: str, address: str, result: ReadResult):
     ], schema=arrow_schema())
 
 
+# An empty read below a range's end: the broker answers without records it had synced when the range was
+# planned. A broker that restarted (or came back from a copy of its data) may answer behind for a while:
+# the task asks again after these pauses (about 28 s in all); still without them then, they are lost.
+STALLED_PAUSES = (0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 5.0)
+
+
 def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
     """A task's work: the records of `part` as Arrow record batches, one per /log/read, asking for its
     log id (a read never mixes two logs). The next read is on its way (a thread of its own) while Spark
     takes the batch before it. A range whose records are gone fails the task (failOnDataLoss), or goes on
-    from the earliest record kept, with a warning."""
+    from the earliest record kept, with a warning. A broker that serves nothing where the range still has
+    records is asked again after STALLED_PAUSES before that counts as records lost."""
     if not isinstance(part, LogRange):
         return  # Spark's placeholder for a read with no range
     from concurrent.futures import ThreadPoolExecutor
@@ -233,34 +241,49 @@ def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
             try:
                 result = pending.result()
             except LogAPIError as exc:
-                if exc.code not in ("POSITION_GONE", "LOG_ID_MISMATCH", "TOPIC_NOT_FOUND"):
+                if exc.code == "POSITION_PAST_END":
+                    result = None  # its durable tail is before `position` now: as an empty read
+                elif exc.code not in ("POSITION_GONE", "LOG_ID_MISMATCH", "TOPIC_NOT_FOUND"):
                     raise RuntimeError(f"nsq: reading {part.topic!r} on {part.address} at position {position}: "
                                        f"{exc.status} {exc.code}") from exc
-                found = _lost_text(exc.code)
-                data_loss(settings, part.address, f"records from position {position} (log {part.log_id}) to be "
-                          f"there for this task's range [{part.start}, {part.end})", found)
-                if exc.code != "POSITION_GONE":
-                    return
-                first = client.positions(part.topic)
-                if first.log_id != part.log_id:
-                    return
-                position = first.first
-                pending = fetch(position) if position < part.end else None
+                else:
+                    data_loss(settings, part.address, f"records from position {position} (log {part.log_id}) to "
+                              f"be there for this task's range [{part.start}, {part.end})", _lost_text(exc.code))
+                    if exc.code != "POSITION_GONE":
+                        return
+                    try:
+                        first = client.positions(part.topic)
+                    except LogAPIError as gone:  # the topic went too, meanwhile
+                        data_loss(settings, part.address, f"log {part.log_id}", _lost_text(gone.code))
+                        return
+                    if first.log_id != part.log_id:
+                        return
+                    position = first.first
+                    pending = fetch(position) if position < part.end else None
+                    continue
+            if result is not None and (result.records or result.next_position > position):
+                following = max(position, result.next_position)
+                pending = fetch(following) if following < part.end else None
+                if result.records:
+                    yield record_batch(part.topic, part.address, result)
+                    stalled = 0
+                position = following
                 continue
-            following = max(position, result.next_position)
-            pending = fetch(following) if following < part.end else None
-            if result.records:
-                yield record_batch(part.topic, part.address, result)
-                stalled = 0
-            elif result.next_position <= position:
-                # nothing before `end`, which was below the durable tail when the range was planned
-                stalled += 1
-                if stalled > 3:
-                    raise RuntimeError(
-                        f"nsq: {part.address} serves nothing at position {position} of {part.topic!r} (log "
-                        f"{part.log_id}) although the range was planned up to {part.end} (its durable tail now: "
-                        f"{result.end}); the broker lost records it had synced")
-            position = following
+            # nothing served at `position`, below the range's end
+            tail = "past it" if result is None else f"at {result.end}"
+            if stalled == len(STALLED_PAUSES):
+                data_loss(settings, part.address, f"records from position {position} to {part.end} of log "
+                          f"{part.log_id} (synced when this task's range was planned)",
+                          f"it still serves none after {sum(STALLED_PAUSES):.0f} s (its durable tail is {tail})",
+                          then="ending this task's range there")
+                return
+            if not stalled:
+                _log().warning("nsq: %s serves nothing at position %d of %r (log %s; its durable tail is %s) below "
+                               "the range's end %d: asking again for up to %.0f s (a broker restarting)", part.address,
+                               position, part.topic, part.log_id, tail, part.end, sum(STALLED_PAUSES))
+            sleep(STALLED_PAUSES[stalled])
+            stalled += 1
+            pending = fetch(position)
 
 
 def _lost_text(code: str) -> str:
@@ -273,15 +296,16 @@ class DataLossError(RuntimeError):
     """Records the query was to read are gone, and failOnDataLoss is true."""
 
 
-def data_loss(settings: LogSettings, broker: str, expected: str, found: str) -> None:
-    """Records to read are gone: raise (failOnDataLoss=true) or log a warning; the caller goes on from the
-    earliest record kept."""
+def data_loss(settings: LogSettings, broker: str, expected: str, found: str,
+              then: str = "going on from the earliest record kept") -> None:
+    """Records to read are gone: raise (failOnDataLoss=true) or log a warning; the caller goes on as
+    `then` says (from the earliest record kept, unless it says otherwise)."""
     text = (f"nsq: topic {settings.topic!r} on broker {broker}: expected {expected}, but {found}. Records may "
             "have been lost: they were not read before the broker removed them")
     if settings.fail_on_data_loss:
         raise DataLossError(text + ". To go on from the earliest record kept, set .option('failOnDataLoss', "
                                    "'false') (and restart the query from its checkpoint)")
-    _log().warning("%s; failOnDataLoss=false: going on from the earliest record kept", text)
+    _log().warning("%s; failOnDataLoss=false: %s", text, then)
 
 
 def _log() -> logging.Logger:
