@@ -379,3 +379,24 @@ def test_a_broker_back_after_broker_gone_timeout_joins_again_where_it_left(modul
         assert planned(r, end, back) + planned(r, back, after) == later  # the first four are not read again
     finally:
         r.stop()
+
+
+# --- 5. a query's cursor is never a consumer's channel (the broker refuses; the query says why) --------
+
+
+def test_a_channel_option_naming_a_consumers_channel_fails_the_query_with_what_to_do(module_broker):
+    """The broker refuses /log/commit to a channel SUB or /channel/create made (CHANNEL_NOT_A_CURSOR):
+    the query fails at its start, naming the channel and the way out, instead of reading on with a
+    cursor that never moves."""
+    import httpx
+
+    topic = "plan-consumers"
+    by_position(module_broker, topic)
+    httpx.post(f"http://{module_broker.http_address}/channel/create?topic={topic}&channel=billing",
+               timeout=30).raise_for_status()
+    r = reader(topic, module_broker.http_address, channel="billing")
+    try:
+        with pytest.raises(RuntimeError, match=r"billing.*not a cursor.*adopt=true"):
+            r.initialOffset()
+    finally:
+        r.stop()

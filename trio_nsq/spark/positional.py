@@ -73,6 +73,10 @@ TIMESTAMP_AT, ID_AT, BODY_AT = 4, 14, 30
 Cursor = tuple[str, int]  # (log_id, position)
 
 
+# what the broker answers a commit to a channel that is not a query's cursor (broker/http/log_api.py)
+NOT_A_CURSOR = ("CHANNEL_HAS_CONSUMERS", "CHANNEL_NOT_A_CURSOR")
+
+
 def offsets_dict(topic: str, cursors: dict[str, Cursor], waiting: Iterable[str] = ()) -> dict:
     """The offset Spark keeps: {topic: {broker: {"log_id", "position"}}}, every key in sorted order
     (json.dumps keeps the order, and Spark compares offsets as strings). A broker is known by its log id;
@@ -579,6 +583,13 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             except LogUnavailableError as exc:
                 self.planner.not_answering(broker, exc)
             except LogAPIError as exc:
+                if exc.code in NOT_A_CURSOR:
+                    # a consumer's channel: the broker will never move it (a seek would drop its messages)
+                    raise RuntimeError(
+                        f"nsq: channel {s.channel!r} of topic {s.topic!r} on {broker} is not a cursor "
+                        f"({exc.code}: a consumer's channel, made by SUB or /channel/create): give the query "
+                        f"another `channel`; a cursor an older trio-nsq made is adopted once by POST "
+                        f"/log/commit?topic={s.topic}&channel={s.channel}&position={position}&adopt=true") from None
                 # the log changed or lost records: the next latestOffset says so (failOnDataLoss)
                 _log().warning("nsq: cursor %r on %s not moved to %d: %s %s", s.channel, broker, position,
                                exc.status, exc.code)
