@@ -85,9 +85,10 @@ def walk(buf: bytes, at: int, limit: int, max_records: int, min_size: int, max_s
     end = min(limit, len(buf))
     last = -1
     while count < max_records and pos + 4 <= end:
-        size = int32_at(buf, pos)
+        # read here, not by int32_at (a call per record), and unsigned: a negative size is above max_size too
+        size = (buf[pos] << 24) | (buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3]
         if size < min_size or size > max_size:
-            raise ValueError(f"invalid message read size ({size})")
+            raise ValueError(f"invalid message read size ({int32_at(buf, pos)})")
         if pos + 4 + size > end:
             break
         if prev != NO_MARKS:
@@ -147,7 +148,7 @@ class Block:
 
     __slots__ = ("data", "size", "starts", "position", "index", "next", "next_index")
 
-    def __init__(self, data: bytes, size: int, starts: array[int], position: int, index: int, next_: Place) -> None:
+    def __init__(self, data: bytes, size: int, starts: list[int], position: int, index: int, next_: Place) -> None:
         self.data = data
         self.size = size
         self.starts = starts
@@ -421,7 +422,7 @@ class LogIndex:
         segments = self.segments
         stop = min(stop, end.position)
         if start.position >= stop:
-            return Block(b"", 0, array("i", [0]), start.position, start.index, start)
+            return Block(b"", 0, [0], start.position, start.index, start)
         num = segments.file_of(start.position)
         fd = self._open(num)
         try:
@@ -429,7 +430,7 @@ class LogIndex:
             seg_end = min(stop, self._segment_end(num, fd))
             if start.position >= seg_end:
                 nxt = self._next_segment(num, end)
-                return Block(b"", 0, array("i", [0]), start.position, start.index, nxt if nxt.position <= stop else start)
+                return Block(b"", 0, [0], start.position, start.index, nxt if nxt.position <= stop else start)
             size = min(seg_end - start.position, max(max_bytes, 4))  # (a size prefix at least)
             buf = os.pread(fd, size, start.position - base)
             if len(buf) >= 4:
@@ -440,15 +441,15 @@ class LogIndex:
             close_quietly(fd)
         marks = self._of(num)
         extend = marks.scanned == start.position
+        starts: list[int] = []
         result = Walk()
-        result.starts = []
+        result.starts = starts
         walk(buf, 0, len(buf), ALL_RECORDS, segments.min_msg_size, segments.max_msg_size, result,
              start.position - base, marks.last if extend else NO_MARKS)
         if result.count == 0:
             raise ValueError(f"a record past the end of segment {num} at {start.position - base}")
         if extend:
             marks.walked(start.position, result)
-        starts = array("i", result.starts)
         starts.append(result.stop)
         after = Place(start.position + result.stop, start.index + result.count)
         if after.position >= seg_end and seg_end < stop:
