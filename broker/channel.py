@@ -370,25 +370,15 @@ class Channel:
         decode = Message.decode
         states = batch.states
         bad: list[int] = []
-        if not states:
-            for data, pos in zip(batch.records, batch.positions):
-                try:
-                    msg = decode(data)
-                except ValueError as exc:
-                    log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
-                    bad.append(pos)
-                    continue
-                msg.pos = pos
-                out.append(msg)
-        else:
-            for i, (data, pos) in enumerate(zip(batch.records, batch.positions)):
-                try:
-                    msg = decode(data)
-                except ValueError as exc:
-                    log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
-                    bad.append(pos)
-                    continue
-                msg.pos = pos
+        for i, (data, pos) in enumerate(zip(batch.records, batch.positions)):
+            try:
+                msg = decode(data)
+            except ValueError as exc:
+                log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
+                bad.append(pos)
+                continue
+            msg.pos = pos
+            if states:  # (most batches have none: no lookup per record then)
                 state = states.get(i)
                 if state is not None:
                     attempts, left = state
@@ -396,7 +386,7 @@ class Channel:
                         msg.attempts = attempts
                     if left > 0:
                         msg.deferred = left
-                out.append(msg)
+            out.append(msg)
         if bad:
             self.backend.finish(bad)
 

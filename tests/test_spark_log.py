@@ -492,6 +492,64 @@ def test_a_broker_that_does_not_answer_keeps_its_offset_and_is_no_loss_of_data(m
         reader.stop()
 
 
+def test_the_reader_and_the_writer_keep_their_connection_alike_and_reopen_one_the_server_closed():
+    """Without Spark: LogClient (the reader's) and MPubClient (the writer's) keep one HTTP/1.1 connection
+    through the same class; a kept connection the server closed after its answer (no `Connection: close`
+    said) is opened again at no cost: no retry, no backoff, every request answered once."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from trio_nsq.spark.publisher import KeptConnection, MPubClient
+
+    seen: list[tuple[str, str]] = []
+
+    class ClosesAfterEachAnswer(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, payload) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True  # closed without saying so: the client finds out on its next request
+
+        def do_GET(self):
+            seen.append(("GET", self.path))
+            self._answer(5_000_000 if self.path.startswith("/config/") else {"log_id": "a", "position": 0,
+                                                                               "index": 0})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("POST", self.path))
+            self._answer("OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosesAfterEachAnswer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    sleeps: list[float] = []
+    try:
+        with LogClient(address, max_retries=0, sleep=sleeps.append) as reader:
+            assert isinstance(reader, KeptConnection)
+            for _ in range(3):
+                assert reader.position_after("t", 0).position == 0
+        with MPubClient([address], max_retries=0, sleep=sleeps.append) as writer:
+            assert isinstance(writer, KeptConnection)
+            for _ in range(3):
+                writer.publish("t", [b"x"])
+            assert (writer.requests, writer.retries, writer.messages) == (3, 0, 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sleeps == []
+    assert seen[:3] == [("GET", "/log/position?topic=t&from=0")] * 3
+    assert [path for method, path in seen if method == "POST"] == ["/mpub?topic=t&binary=true"] * 3
+
+
 def test_mode_auto_falls_back_to_the_channel_source_on_a_broker_without_the_log_api():
     """Without Spark: a broker answering as Go nsqd does (404 NOT_FOUND for /log/*, its TCP port in /info)."""
     import threading

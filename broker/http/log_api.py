@@ -19,6 +19,7 @@ Who calls it: the broker's HTTP server (serve.py routes), with the Api of endpoi
 from __future__ import annotations
 
 import logging
+import struct
 from array import array
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -177,7 +178,8 @@ class LogApi:
         except (OSError, ValueError) as exc:
             log.error("TOPIC(%s): cannot read its log at %d - %s", log_.name, start.position, exc)
             raise HTTPError(500, "INTERNAL_ERROR") from None
-        trailer = block.starts.tobytes()
+        # (struct, not array("i", starts): array converts each item through PyArg_Parse, half again slower)
+        trailer = struct.pack(f"<{len(block.starts)}i", *block.starts)
         if deadlines:
             pairs = array("q")
             for pos, deadline in deadlines:
