@@ -54,15 +54,8 @@ import attrs
 import trio
 
 from trio_nsq.client.backoff import ExponentialBackoff, backoff_delay, requeue_delay_ms
-from trio_nsq.client.connection import (
-    ConnectOptions,
-    Connection,
-    NSQConnectionError,
-    NSQError,
-    OwnedNursery,
-    connect_refusal,
-    fresh_error,
-)
+from trio_nsq.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.client.connection import connect_refusal, fresh_error
 from trio_nsq.client.lookupd import lookup_producers
 from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import DecodedMessage, encode_sub
