@@ -32,6 +32,7 @@ from trio_nsq.broker.storage.channel_backend import OWN, ChannelBackend
 from trio_nsq.broker.storage.log_reader import Batch
 from trio_nsq.broker.storage.sync_group import SyncGroup
 from trio_nsq.shared.names import is_ephemeral
+from trio_nsq.shared.options import format_duration
 
 if TYPE_CHECKING:
     from trio_nsq.broker.topic import Topic
@@ -96,6 +97,12 @@ class Channel:
         self.clients: dict[int, Consumer] = {}
         self.paused = False
         self.exiting = False
+        # not in nsqd: made by POST /log/commit, a positional reader's durable cursor, never a consumer's
+        # (no SUB; a commit seeks it, which would drop a consumer's messages). In nsqd.dat as "cursor".
+        self.cursor = False
+        self.pins = True  # its position keeps the topic's log (not once idle past --cursor-idle-timeout)
+        self.last_commit = 0.0  # (trio's clock) its last commit, or when it was made, adopted or loaded
+        self.last_commit_ms: int | None = None  # (unix ms, for /stats) None: not committed since the start
 
         self.message_count = 0
         self.requeue_count = 0
@@ -363,25 +370,15 @@ class Channel:
         decode = Message.decode
         states = batch.states
         bad: list[int] = []
-        if not states:
-            for data, pos in zip(batch.records, batch.positions):
-                try:
-                    msg = decode(data)
-                except ValueError as exc:
-                    log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
-                    bad.append(pos)
-                    continue
-                msg.pos = pos
-                out.append(msg)
-        else:
-            for i, (data, pos) in enumerate(zip(batch.records, batch.positions)):
-                try:
-                    msg = decode(data)
-                except ValueError as exc:
-                    log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
-                    bad.append(pos)
-                    continue
-                msg.pos = pos
+        for i, (data, pos) in enumerate(zip(batch.records, batch.positions)):
+            try:
+                msg = decode(data)
+            except ValueError as exc:
+                log.error("CHANNEL(%s): failed to decode message - %s", self.name, exc)
+                bad.append(pos)
+                continue
+            msg.pos = pos
+            if states:  # (most batches have none: no lookup per record then)
                 state = states.get(i)
                 if state is not None:
                     attempts, left = state
@@ -389,7 +386,7 @@ class Channel:
                         msg.attempts = attempts
                     if left > 0:
                         msg.deferred = left
-                out.append(msg)
+            out.append(msg)
         if bad:
             self.backend.finish(bad)
 
@@ -570,6 +567,8 @@ class Channel:
     def process_in_flight_queue(self, now: float) -> bool:
         if self.exiting:
             return False
+        if self.cursor:
+            self._check_idle(now)
         if self.ephemeral and self.backend.reader is not None:
             self._keep_up()
         expired = self.in_flight.pop_expired(now)
@@ -605,6 +604,8 @@ class Channel:
     def add_client(self, client: Consumer, max_channel_consumers: int) -> None:
         if self.exiting:
             raise ChannelError("exiting")
+        if self.cursor:
+            raise ChannelError(f"{self.topic_name}:{self.name} is a cursor of /log/commit, not a consumer's channel")
         if client.id in self.clients:
             return
         if max_channel_consumers and len(self.clients) >= max_channel_consumers:
@@ -658,6 +659,51 @@ class Channel:
         self.backend.seek(pos, index)
         if self.waiters:
             self._wake_waiters()
+
+    # --- a positional reader's cursor (POST /log/commit) ------------------------------------------
+
+    def make_cursor(self) -> None:
+        """Made by /log/commit, or adopted (`adopt=true`: an older trio-nsq's cursor has no flag). The
+        caller persists the metadata."""
+        self.cursor = True
+        self.last_commit = trio.current_time()
+
+    def commit(self, pos: int, index: int) -> None:
+        """A cursor's commit: everything before `pos` finished (seek), and it keeps the log again from
+        there if it was idle (the caller has checked that `pos` is still in the log)."""
+        self.seek(pos, index)
+        self.last_commit = trio.current_time()
+        self.last_commit_ms = int(self.clock() * 1000)
+        if not self.pins:
+            self.set_pins(True)
+            self.topic.nsqd.persist_metadata(self.topic_name, self.name)  # (nsqd.dat's "cursor_idle")
+            log.info("CHANNEL(%s:%s): cursor committed at %d: it keeps the topic's log from there again",
+                     self.topic_name, self.name, pos)
+
+    def _check_idle(self, now: float) -> None:
+        """The queue scan's look at a cursor: not committed for --cursor-idle-timeout, it stops keeping
+        the topic's log (an abandoned query's cursor would keep it for ever)."""
+        timeout = self.topic.nsqd.options.cursor_idle_timeout
+        if self.pins and timeout and now - self.last_commit >= timeout:
+            self.set_pins(False)
+            self.topic.nsqd.persist_metadata(self.topic_name, self.name)  # idle after a restart too
+            reader = self.backend.reader
+            log.warning("CHANNEL(%s:%s): cursor not committed for %s (--cursor-idle-timeout): it no longer keeps "
+                        "the topic's log (from %d) until its next commit",
+                        self.topic_name, self.name, format_duration(timeout),
+                        -1 if reader is None else reader.mark_delete())
+
+    def set_pins(self, pins: bool) -> None:
+        """Whether the cursor's position keeps the topic's log (the loader sets nsqd.dat's "cursor_idle")."""
+        self.pins = pins
+        log_ = self.topic.log
+        reader = self.backend.reader
+        if log_ is not None and reader is not None:
+            if pins:
+                log_.idle.discard(reader)
+            else:
+                log_.idle.add(reader)
+            log_.group.changed()  # a round drops the segments it no longer keeps
 
     def flush_for_shutdown(self) -> bool:
         """At a clean exit: what the channel holds in memory only (handed over in memory, in flight or

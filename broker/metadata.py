@@ -77,7 +77,14 @@ def topic_entry(topic: Topic) -> dict[str, Any]:
 
 
 def channel_entry(channel: Any) -> dict[str, Any]:
-    return with_settings({"name": channel.name, "paused": channel.paused}, channel.settings)
+    """A channel's entry; a positional reader's cursor (/log/commit) says so: "cursor", and "cursor_idle"
+    once it no longer keeps the log (keys Go's json.Unmarshal ignores; none on a consumer's channel)."""
+    entry: dict[str, Any] = {"name": channel.name, "paused": channel.paused}
+    if channel.cursor:
+        entry["cursor"] = True
+        if not channel.pins:
+            entry["cursor_idle"] = True
+    return with_settings(entry, channel.settings)
 
 
 def with_settings(entry: dict[str, Any], settings: QueueSettings) -> dict[str, Any]:

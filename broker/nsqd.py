@@ -380,6 +380,9 @@ class NSQD:
             for c in valid(t.get("channels") or (), is_valid_channel_name, "channel"):
                 channel = topic.get_channel(c["name"])
                 channel.paused = bool(c.get("paused"))
+                if c.get("cursor") is True:  # (not in Go's nsqd.dat: broker/metadata.py channel_entry)
+                    channel.make_cursor()
+                    channel.set_pins(c.get("cursor_idle") is not True)
                 if "config" in c:
                     channel.settings = QueueSettings.from_json(c["config"])
             configured = "config" in t or any("config" in c for c in t.get("channels") or ())

@@ -40,6 +40,9 @@ class Options:
     # a channel can seek back (/channel/seek); 0 and 0: a segment goes once every channel is past it
     retention_time: float = option(0.0, "keep a topic's finished messages this long for /channel/seek (0: not at all)", kind="duration")
     retention_bytes: int = option(0, "keep up to this many bytes of a topic's log for /channel/seek (0: no size limit of its own)")
+    # not in Go nsqd: a positional reader's cursor (POST /log/commit) keeps the log from its position; one
+    # not committed this long (an abandoned query) stops keeping it. 7 days: Kafka's offsets.retention.minutes
+    cursor_idle_timeout: float = option(7 * 86400.0, "a /log/commit cursor not committed this long stops keeping its topic's log (0: never)", kind="duration")
     # not in Go nsqd: the defaults of what POST /topic/config and /channel/config set per topic/channel
     max_depth: int = option(0, "most messages a channel (or a topic without channels) queues (0: no limit)")
     depth_policy: str = option("refuse", "what a publish past --max-depth gets: 'refuse' (E_PUB_FAILED, HTTP 503) or 'drop-oldest'")
@@ -145,6 +148,8 @@ class Options:
             raise ValueError("--retention-time must be >= 0")
         if self.retention_bytes < 0:
             raise ValueError("--retention-bytes must be >= 0")
+        if self.cursor_idle_timeout < 0:
+            raise ValueError("--cursor-idle-timeout must be >= 0")
         if self.max_depth < 0:
             raise ValueError("--max-depth must be >= 0")
         if self.depth_policy not in ("refuse", "drop-oldest"):

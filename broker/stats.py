@@ -117,6 +117,12 @@ class ClientStats:
 
 
 @attrs.define
+class CursorStats:
+    last_commit: int | None  # unix ms; None: not committed since the broker started
+    pins_retention: bool  # its position keeps the topic's log (not once idle past --cursor-idle-timeout)
+
+
+@attrs.define
 class ChannelStats:
     channel_name: str
     depth: int
@@ -141,6 +147,8 @@ class ChannelStats:
     expired_count: int = 0
     refused_count: int = 0
     dropped_count: int = 0
+    # not in nsqd: a positional reader's cursor (POST /log/commit); None for a consumer's channel
+    cursor: CursorStats | None = None
 
 
 @attrs.define
@@ -285,6 +293,7 @@ def channel_stats(channel: Channel, include_clients: bool, topic_filter: str, no
         expired_count=channel.expired_count,
         refused_count=channel.refused_count,
         dropped_count=channel.dropped_count,
+        cursor=CursorStats(channel.last_commit_ms, channel.pins) if channel.cursor else None,
     )
 
 

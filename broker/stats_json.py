@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from trio_nsq.broker.stats import NO_FINS, ChannelStats, ClientStats, E2eLatency, NsqdStats, TopicStats
+from trio_nsq.broker.stats import NO_FINS, ChannelStats, ClientStats, CursorStats, E2eLatency, NsqdStats, TopicStats
 from trio_nsq.shared.http_api import go_json, go_number
 
 # go_number returns 1 for 1.0; typed float, its answer would be made a float again where mypyc compiles
@@ -67,7 +67,15 @@ def _channel(c: ChannelStats) -> str:
             f'"lag_messages":{c.lag_messages},"oldest_unfinished_age_ms":{c.oldest_unfinished_age_ms},'
             f'"delivery_to_fin_latency":{_latency(c.delivery_to_fin_latency)},'
             f'"dead_lettered_count":{c.dead_lettered_count},"expired_count":{c.expired_count},'
-            f'"refused_count":{c.refused_count},"dropped_count":{c.dropped_count}}}')
+            f'"refused_count":{c.refused_count},"dropped_count":{c.dropped_count}{_cursor(c.cursor)}}}')
+
+
+def _cursor(cursor: CursorStats | None) -> str:
+    """A positional reader's cursor's key; none on a consumer's channel (as Go's omitempty)."""
+    if cursor is None:
+        return ""
+    last = "null" if cursor.last_commit is None else cursor.last_commit
+    return f',"cursor":{{"last_commit":{last},"pins_retention":{_bool(cursor.pins_retention)}}}'
 
 
 def _latency(latency: E2eLatency) -> str:

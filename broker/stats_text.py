@@ -27,8 +27,8 @@ def _e2e_text(latency: E2eLatency) -> str:
 
 def _ours_text(c: ChannelStats) -> str:
     """Not in nsqd, after its line: the delivery-to-FIN percentiles (p50, p90, p99, p99.9) once there are
-    FINs, the age of the oldest unfinished message while there is one, and what the channel's settings
-    did (dead-lettered, expired, refused, dropped) where they did something."""
+    FINs, the age of the oldest unfinished message while there is one, what the channel's settings
+    did (dead-lettered, expired, refused, dropped) where they did something, and a cursor's state."""
     out = ""
     if c.delivery_to_fin_latency.count:
         out += f" fin%: {_e2e_text(c.delivery_to_fin_latency)}"
@@ -38,6 +38,8 @@ def _ours_text(c: ChannelStats) -> str:
                          ("refused", c.refused_count), ("dropped", c.dropped_count)):
         if value:
             out += f" {label}: {value}"
+    if c.cursor is not None:  # a positional reader's cursor (/log/commit): does it keep the log
+        out += " cursor: " + ("keeps the log" if c.cursor.pins_retention else "idle")
     return out
 
 

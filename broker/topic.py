@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 class TopicOwner(Protocol):
     """What a Topic needs from the broker that holds it (NSQD): its options and data path, the wall clock
     deadlines kept across a restart are read from, its health, a task spawned in the broker's nursery, and
-    to be told about channel changes and deletes."""
+    to be told about channel changes and deletes, and a cursor's idle state to persist."""
 
     options: Options
     data_path: str
@@ -55,6 +55,9 @@ class TopicOwner(Protocol):
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
 
     def notify_channel(self, channel: Channel, created: bool) -> None: ...
+
+    def persist_metadata(self, topic: str, channel: str = "") -> None:
+        """A cursor's state changed (Channel.set_pins): nsqd.dat's line for it is written again."""
 
     def delete_topic(self, name: str) -> None: ...
 

@@ -2,10 +2,12 @@
 
     NSQD_TCP=127.0.0.1:4150 python examples/backoff_max_attempts.py
 
-A handler that raises has its message REQ'd (delay requeue_delay_ms x attempts) and puts the consumer
-in backoff: RDY 0 everywhere for backoff_base x 2**n seconds (at most max_backoff), then one message
-to test the water. A message that fails on its max_attempts-th delivery goes to on_give_up and is
-FIN'd: here "poison" fails every time, the others only on their first delivery.
+A handler that raises (or returns False) has its message REQ'd (delay requeue_delay_ms x attempts:
+90 s x attempts by default, go-nsq's; 100 ms here) and raises the consumer's backoff level: RDY 0
+everywhere for backoff_base x 2**(level-1) seconds (at most max_backoff), then one message to test the
+water; each success lowers the level by one, and full RDY returns at level 0. A message that fails on
+its max_attempts-th delivery is logged (WARNING), goes to on_give_up and is FIN'd: here "poison" fails
+every time, the others only on their first delivery.
 """
 
 import os

@@ -37,9 +37,9 @@ async def main() -> None:
     try:
         async with Producer(NSQD_TCP, reconnect_timeout=3, **options) as producer:
             await producer.mpub(TOPIC, [b"over", b"tls"])
-    except NSQError as exc:  # nsqd refused the publish: E_UNAUTHORIZED when the secret may not publish to TOPIC
-        raise SystemExit(f"refused: {exc}") from None
-    except NSQConnectionError as exc:  # no connection within reconnect_timeout: AUTH failed, TLS refused...
+    except NSQError as exc:  # nsqd refused, at once: AUTH (E_UNAUTHORIZED: a secret it does not know), the
+        raise SystemExit(f"refused: {exc}") from None  # publish, or TLS (E_TLS_NOT_OFFERED: nsqd has none)
+    except NSQConnectionError as exc:  # a TLS handshake failed (at once), or no broker within reconnect_timeout
         raise SystemExit(f"cannot connect: {exc}") from None
 
     received = []

@@ -88,6 +88,20 @@ _real_readlink = os.readlink
 Key = tuple[int, int]  # (st_dev, st_ino)
 
 
+O_APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+
+
+def write(path: Any, data: bytes, flags: int = O_APPEND, *, fsync: bool = True) -> None:
+    """One write of `data` to a file (appended by default), fsynced if asked: the tests' workload step."""
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.write(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Event(NamedTuple):
     """One recorded call: the wrapper's name, the path it concerned (a descriptor's current name, or
     `src -> dst`), and a size (bytes written, a truncate's length) where there is one."""

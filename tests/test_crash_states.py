@@ -14,6 +14,7 @@ from trio_nsq.broker import metadata
 from trio_nsq.broker.nsqd import NSQD
 from trio_nsq.broker.storage import files
 from tests.crash_states import Mark, Recorder, Workload, check_workload, crash_states, read_log
+from tests.power_loss import write
 
 STRICT = {"mem_queue_size": 0, "sync_every": 1}
 
@@ -26,16 +27,6 @@ def states_at_end(disk: Recorder) -> set[frozenset[tuple[str, bytes]]]:
     disk.mark("end")
     last = len([c for c in disk.calls if isinstance(c, Mark)])
     return {state for state, by_marks in crash_states(disk).states.items() if last in by_marks}
-
-
-def append(path: Path, data: bytes, *, fsync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, data)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def test_each_subset_of_new_names_is_a_state(tmp_path: Path) -> None:
@@ -66,8 +57,8 @@ def test_a_rename_is_durable_only_with_what_it_renames(tmp_path: Path) -> None:
 def test_unsynced_appends_are_kept_cut_torn_or_zeroed(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"head:")
     with Recorder(tmp_path) as disk:
-        append(tmp_path / "f", b"one-", fsync=False)
-        append(tmp_path / "f", b"two-", fsync=False)
+        write(tmp_path / "f", b"one-", fsync=False)
+        write(tmp_path / "f", b"two-", fsync=False)
     found = {dict(state)["f"] for state in states_at_end(disk)}
     assert found == {b"head:", b"head:one-two-", b"head:one-", b"head:on", b"head:" + bytes(8)}
 
@@ -76,12 +67,12 @@ def test_a_failed_fsync_may_have_dropped_its_pages_and_the_next_one_succeeds(tmp
     """Linux: after fsync returns EIO the dirty pages may be gone; the next fsync succeeds without them."""
     (tmp_path / "f").write_bytes(b"AAAA")
     with Recorder(tmp_path) as disk:
-        append(tmp_path / "f", b"BBBB", fsync=False)
+        write(tmp_path / "f", b"BBBB", fsync=False)
         disk.fail_fsync(lambda path: path.endswith("/f"))
         with pytest.raises(OSError):
-            append(tmp_path / "f", b"", fsync=True)
+            write(tmp_path / "f", b"", fsync=True)
         disk.fail_fsync(None)
-        append(tmp_path / "f", b"CCCC", fsync=True)
+        write(tmp_path / "f", b"CCCC", fsync=True)
     found = {dict(state)["f"] for state in states_at_end(disk)}
     assert found == {b"AAAABBBBCCCC", b"AAAA" + bytes(4) + b"CCCC"}
 

@@ -22,7 +22,7 @@ from trio_nsq.broker.storage.data_dir import DataDir, channel_of
 from trio_nsq.broker.topic import Topic
 from trio_nsq.shared.http_api import HTTPError
 from trio_nsq.shared.http_server import Request
-from tests.power_loss import power_loss  # noqa: F401 (the fixture)
+from tests.power_loss import PowerLoss, power_loss  # noqa: F401 (the fixture)
 from tests.topic_owner import kill
 
 
@@ -37,6 +37,7 @@ class Broker:
         opts.mem_queue_size = 0
         for key, value in options.items():
             setattr(opts, key, value)
+        self.data, self.options = data, options
         self.nsqd = NSQD(opts)
         self.api = Api(self.nsqd)
         self.log_api = LogApi(self.api)
@@ -69,6 +70,12 @@ class Broker:
         assert self._scope is not None
         self._scope.cancel()
         await self._done.wait()
+
+    async def restarted_after(self, power_loss: PowerLoss, nursery: trio.Nursery) -> Broker:
+        """Killed, the power lost, and a new broker started on the same directory with the same options."""
+        await self.kill()
+        power_loss.crash("strict")
+        return await Broker(self.data, **self.options).start(nursery)
 
     async def call(self, method: str, path: str, query: str, body: bytes = b"") -> Any:
         """An HTTP endpoint's handler, as the server calls it; its Reply, or the HTTPError it raised."""
@@ -110,6 +117,15 @@ def journal_lines(data: Path) -> list[bytes]:
 # --- finding 1: a deleted topic stays deleted --------------------------------------------------------
 
 
+async def _deleted_among_creates_then_power_loss(b: Broker, power_loss: PowerLoss, path: str, query: str) -> None:
+    """A delete between two creations (journal lines before and after it), then a power loss."""
+    ok(await b.call("POST", "/topic/create", "topic=x"))
+    ok(await b.call("POST", path, query))
+    ok(await b.call("POST", "/topic/create", "topic=other"))
+    await b.kill()
+    power_loss.crash("strict")
+
+
 async def test_a_deleted_topic_made_again_after_a_power_loss_has_a_new_log_and_no_old_keys(power_loss):
     """Issue 48's recipe: `t` with channel `c`, 5 messages and a key; `x` made (a journal exists), `t`
     deleted, `other` made; a power loss: `t` made again is another log, empty, without the old key."""
@@ -122,11 +138,7 @@ async def test_a_deleted_topic_made_again_after_a_power_loss_has_a_new_log_and_n
         for i in range(5):
             await b.api._publish(t, [b"m%d" % i], "pub", None if i else "K1")
         await t.group.sync_round()
-        ok(await b.call("POST", "/topic/create", "topic=x"))
-        ok(await b.call("POST", "/topic/delete", "topic=t"))
-        ok(await b.call("POST", "/topic/create", "topic=other"))
-        await b.kill()
-        power_loss.crash("strict")
+        await _deleted_among_creates_then_power_loss(b, power_loss, "/topic/delete", "topic=t")
 
         b = await Broker(data, sync_every=1).start(nursery)
         assert b.nsqd.get_existing_topic("t") is None
@@ -152,11 +164,7 @@ async def test_a_deleted_channel_made_again_after_a_power_loss_starts_at_the_end
         for i in range(5):
             await b.api._publish(t, [b"m%d" % i], "pub", None)
         await t.group.sync_round()
-        ok(await b.call("POST", "/topic/create", "topic=x"))
-        ok(await b.call("POST", "/channel/delete", "topic=t&channel=c"))
-        ok(await b.call("POST", "/topic/create", "topic=other"))
-        await b.kill()
-        power_loss.crash("strict")
+        await _deleted_among_creates_then_power_loss(b, power_loss, "/channel/delete", "topic=t&channel=c")
 
         b = await Broker(data, sync_every=1).start(nursery)
         t = b.topic("t")
@@ -222,9 +230,7 @@ async def test_a_journal_whose_directory_fsync_failed_is_fsynced_into_it_by_the_
         power_loss.fail_fsync(None)
         ok(await b.call("POST", "/topic/create", "topic=b"))
         assert power_loss.durable(data / JOURNAL_FILE) is not None
-        await b.kill()
-        power_loss.crash("strict")
-        b = await Broker(data).start(nursery)
+        b = await b.restarted_after(power_loss, nursery)
         assert b.nsqd.get_existing_topic("b") is not None
         await b.kill()
 
@@ -239,9 +245,7 @@ async def test_an_empty_journal_a_kill_left_is_fsynced_into_its_directory(power_
         b = await Broker(data).start(nursery)
         ok(await b.call("POST", "/topic/create", "topic=b"))
         assert power_loss.durable(data / JOURNAL_FILE) is not None or power_loss.durable(data / METADATA_FILE)
-        await b.kill()
-        power_loss.crash("strict")
-        b = await Broker(data).start(nursery)
+        b = await b.restarted_after(power_loss, nursery)
         assert b.nsqd.get_existing_topic("b") is not None
         await b.kill()
 
@@ -272,15 +276,11 @@ async def test_a_pause_answered_survives_a_power_loss_at_once(power_loss, what):
         b = await Broker(data).start(nursery)
         await b.channel("t", "c")
         ok(await b.call("POST", f"/{what}/pause", query))
-        await b.kill()
-        power_loss.crash("strict")
-        b = await Broker(data).start(nursery)
+        b = await b.restarted_after(power_loss, nursery)
         target = b.topic("t") if what == "topic" else b.topic("t").channels["c"]
         assert target.paused
         ok(await b.call("POST", f"/{what}/unpause", query))
-        await b.kill()
-        power_loss.crash("strict")
-        b = await Broker(data).start(nursery)
+        b = await b.restarted_after(power_loss, nursery)
         target = b.topic("t") if what == "topic" else b.topic("t").channels["c"]
         assert not target.paused
         await b.kill()
@@ -294,9 +294,7 @@ async def test_a_delete_answered_survives_a_power_loss_at_once(power_loss):
         await b.channel("u", "c")
         ok(await b.call("POST", "/channel/delete", "topic=u&channel=c"))
         ok(await b.call("POST", "/topic/delete", "topic=t"))
-        await b.kill()
-        power_loss.crash("strict")
-        b = await Broker(data).start(nursery)
+        b = await b.restarted_after(power_loss, nursery)
         assert b.nsqd.get_existing_topic("t") is None
         assert b.topic("u").channels == {}
         await b.kill()
@@ -309,9 +307,7 @@ async def test_a_topic_made_by_a_publish_is_named_on_disk_before_the_answer(powe
         b = await Broker(data).start(nursery)
         ok(await b.call("POST", "/topic/create", "topic=x"))  # a journal exists
         ok(await b.call("POST", path, "topic=made", b"m"))
-        await b.kill()
-        power_loss.crash("strict")
-        b = await Broker(data).start(nursery)
+        b = await b.restarted_after(power_loss, nursery)
         assert b.nsqd.get_existing_topic("made") is not None
         await b.kill()
 

@@ -28,6 +28,17 @@ def _topic(broker: BrokerProcess, topic: str) -> dict:
     return next(t for t in doc["topics"] or [] if t["topic_name"] == topic)
 
 
+def _publish_two_keys_kill_and_retry(broker: BrokerProcess) -> None:
+    """An MPUB and a PUB with keys, a kill -9, then the same two again (as a Spark task retried would)."""
+    def publish() -> None:
+        assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
+        assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    publish()
+    broker.kill()
+    broker.start()
+    publish()
+
+
 def _wait(predicate, what: str, timeout: float = 30):
     deadline = time.monotonic() + timeout
     while True:
@@ -99,12 +110,7 @@ def test_concurrent_same_key_publishes_once(broker_factory):
 
 def test_key_survives_kill_9(broker_factory):
     broker = broker_factory(mem_queue_size=0, sync_every=1)
-    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
-    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
-    broker.kill()
-    broker.start()
-    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
-    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    _publish_two_keys_kill_and_retry(broker)
     t = _topic(broker, "t")
     assert (t["depth"], t["idempotency_keys"]) == (3, 2)
     assert _pub(broker, "t", b"d", "spark-0-2").status_code == 200
@@ -139,12 +145,7 @@ def test_a_topic_read_by_position_keeps_its_keys_across_kill_9_at_default_flags(
     broker = broker_factory()
     assert httpx.post(_url(broker, "/topic/create?topic=t"), timeout=30).status_code == 200
     assert httpx.get(_url(broker, "/log/positions?topic=t"), timeout=30).status_code == 200  # read by position
-    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
-    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
-    broker.kill()
-    broker.start()
-    assert _pub(broker, "t", b"a\nb", "spark-0-0", multi=True).status_code == 200
-    assert _pub(broker, "t", b"c", "spark-0-1").status_code == 200
+    _publish_two_keys_kill_and_retry(broker)
     assert _topic(broker, "t")["message_count"] == 0  # none published again (counted since the restart)
     info = httpx.get(_url(broker, "/log/positions?topic=t"), timeout=30).json()
     assert info["end_index"] - info["first_index"] == 3

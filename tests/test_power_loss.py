@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,23 +21,10 @@ from trio_nsq import compiled
 from trio_nsq.broker.storage import files, segment_log, sync_group
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Topic
-from tests.power_loss import Event, PowerLoss, power_loss  # noqa: F401 (the fixture)
+from tests.power_loss import Event, PowerLoss, power_loss, write  # noqa: F401 (the fixture)
 from tests.topic_owner import Owner, kill
 
 CLIENT = 1
-O_APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-
-
-def write(path: Path, data: bytes, flags: int = O_APPEND, *, fsync: bool = True) -> None:
-    fd = os.open(path, flags, 0o600)
-    try:
-        os.write(fd, data)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def names(d: Path) -> list[str]:
     return sorted(os.listdir(d))
 
@@ -508,6 +496,23 @@ def _dead_letter_topics(data: str, clock: trio.testing.MockClock) -> tuple[Topic
     return topic, owner.topics["t-c-dlq"]
 
 
+@contextlib.contextmanager
+def _dead_letter_topics_reopened(data: str, clock: trio.testing.MockClock) -> Iterator[tuple[Topic, Topic]]:
+    """The two topics opened again after the crash, killed (as a crash would) when the check is done."""
+    topic, dead = _dead_letter_topics(data, clock)
+    try:
+        yield topic, dead
+    finally:
+        kill(topic)
+        kill(dead)
+
+
+def _killed_then_power_loss(power_loss: PowerLoss, *topics: Topic) -> None:
+    for topic in topics:
+        kill(topic)
+    power_loss.crash("strict")
+
+
 async def _published_and_moved(data: str, clock: trio.testing.MockClock) -> tuple[Topic, Topic]:
     """The two topics, one message published to t (durable) and moved to the dead letters (not yet)."""
     topic, dead = _dead_letter_topics(data, clock)
@@ -551,23 +556,16 @@ def test_a_dead_letter_move_whose_copy_is_not_durable_is_not_finished(power_loss
         assert channel.dead_letters_pending == 0
         assert len(channel.deferred) == (1 if dead_round == "fails" else 0)
         return topic, dead
-    topic, dead = trio.run(move, clock=clock)
-    kill(topic)
-    kill(dead)
-    power_loss.crash("strict")
+    _killed_then_power_loss(power_loss, *trio.run(move, clock=clock))
 
     async def found() -> tuple[list[bytes], list[bytes]]:
-        topic, dead = _dead_letter_topics(data, clock)
-        try:
+        with _dead_letter_topics_reopened(data, clock) as (topic, dead):
             channel = topic.get_channel("c")
             source = channel.take(10)  # a message held for its retry is deferred until then
             clock.jump(2)
             channel.process_deferred_queue(trio.current_time())
             source += channel.take(10)
             return [m.body for m in source], [m.body for m in dead.get_channel(DEAD_LETTERS_CHANNEL).take(10)]
-        finally:
-            kill(topic)
-            kill(dead)
     source, dead_letters = trio.run(found, clock=clock)
     if dead_round == "fails":
         assert source == [b"m0"] and dead_letters == []
@@ -590,18 +588,11 @@ def test_a_redrive_is_finished_in_the_dead_letter_channel_after_its_copy_is_dura
         assert topic.get_channel("c").redrive_from(dead_channel, 10) == 1
         await dead.group.sync_round()  # the source's round has not run: nothing finished there yet
         return topic, dead
-    topic, dead = trio.run(redrive, clock=clock)
-    kill(topic)
-    kill(dead)
-    power_loss.crash("strict")
+    _killed_then_power_loss(power_loss, *trio.run(redrive, clock=clock))
 
     async def found() -> tuple[list[bytes], list[bytes]]:
-        topic, dead = _dead_letter_topics(data, clock)
-        try:
+        with _dead_letter_topics_reopened(data, clock) as (topic, dead):
             return ([m.body for m in topic.get_channel("c").take(10)],
                     [m.body for m in dead.get_channel(DEAD_LETTERS_CHANNEL).take(10)])
-        finally:
-            kill(topic)
-            kill(dead)
     source, dead_letters = trio.run(found, clock=clock)
     assert source == [] and dead_letters == [b"m0"]  # not lost: still a dead letter

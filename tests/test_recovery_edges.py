@@ -239,6 +239,16 @@ def test_the_durable_tail_does_not_go_back_after_a_kill(power_loss):
     assert trio.run(after, clock=clock) == bodies("a", 3) + bodies("b", 3) + bodies("c", 2)
 
 
+async def _synced_then_rolled(data: str, clock: trio.testing.MockClock, options: dict[str, int], rolled: int) -> Topic:
+    """Topic t with 3 records fsynced by a round, then `rolled` more that fill segment 0 (400 bytes) and
+    roll to segment 1, with no round since."""
+    topic = open_topic(data, clock, **options)
+    topic.publish(bodies("a", 3))
+    await topic.group.sync_round()
+    topic.publish(bodies("b", rolled))
+    return topic
+
+
 def test_a_cut_made_at_open_survives_another_power_loss(power_loss, caplog):
     """Minor: a torn tail cut at open in a file that recovered no records must stay cut: a second power
     loss must not bring it back past a sealed segment's end (a read into it then fails)."""
@@ -246,13 +256,7 @@ def test_a_cut_made_at_open_survives_another_power_loss(power_loss, caplog):
     data = power_loss.data_dir
     options = dict(mem_queue_size=0, max_bytes_per_file=400)
 
-    async def first() -> Topic:
-        topic = open_topic(data, clock, **options)
-        topic.publish(bodies("a", 3))
-        await topic.group.sync_round()
-        topic.publish(bodies("b", 16))  # segment 0 filled, rolled to 1: none of it fsynced
-        return topic
-    topic = trio.run(first, clock=clock)
+    topic = trio.run(_synced_then_rolled, data, clock, options, 16, clock=clock)  # b not fsynced
     files.fsync_dir(data)
     kill(topic)
     power_loss.crash("zeros")  # the unsynced bytes of both segments read as zeros
@@ -325,13 +329,7 @@ def test_a_position_served_after_a_kill_holds_its_record_through_a_later_power_l
     data = power_loss.data_dir
     options = dict(mem_queue_size=0, max_bytes_per_file=400)
 
-    async def before() -> Topic:
-        topic = open_topic(data, clock, **options)
-        topic.publish(bodies("a", 3))
-        await topic.group.sync_round()
-        topic.publish(bodies("b", 12))  # fills segment 0, rolls to 1: no round since
-        return topic
-    kill(trio.run(before, clock=clock))
+    kill(trio.run(_synced_then_rolled, data, clock, options, 12, clock=clock))  # no round since b
 
     async def reopen() -> tuple[Topic, dict[int, bytes]]:
         topic = open_topic(data, clock, **options)

@@ -199,18 +199,8 @@ def test_the_metadata_never_names_a_segment_a_power_loss_lost(tmp_path):
     """A round after a roll fsyncs the directory before it renames the log's metadata into place: in no
     crash state does the metadata name a segment holding records whose name is gone (on main the rename
     could be durable while segment 0's creation was not: its readers then met a missing file)."""
-    from tests.crash_states import crash_states, record
-
-    async def scenario(w: Any) -> None:
-        await w.create_topic("k")
-        await w.create_channel("k", "audit")
-        await w.publish("k", PLAIN)
-        await w.publish("k", A_MSGS, key="KA")
-        await w.publish("k", B_MSGS, key="KB")  # rolls to segment 1
-        await w.nsqd.topics["k"].group.sync_round()
-    disk = record(str(tmp_path / "record"), scenario, dict(OPTIONS))
     checked = 0
-    for state in crash_states(disk).states:
+    for state in _crash_states_of_k(tmp_path, (PLAIN, None), (A_MSGS, "KA"), (B_MSGS, "KB")):  # B rolls to 1
         found = dict(state)
         meta = found.get("k.diskqueue.meta.dat")
         if not meta:
@@ -232,19 +222,25 @@ def test_the_metadata_never_says_a_channels_messages_were_handed_to_it_without_i
     shared one directory fsync: a power loss could keep the metadata and not the cursor's name, and the
     channel, found without a cursor, started where everything was handed already (part E's "audit
     delivers none of k-B-5..15")."""
-    from tests.crash_states import crash_states, record
-
-    async def scenario(w: Any) -> None:
-        await w.create_topic("k")
-        await w.create_channel("k", "audit")
-        await w.publish("k", PLAIN)
-        await w.nsqd.topics["k"].group.sync_round()
-    disk = record(str(tmp_path / "record"), scenario, dict(OPTIONS))
     checked = 0
-    for state in crash_states(disk).states:
+    for state in _crash_states_of_k(tmp_path, (PLAIN, None)):
         found = dict(state)
         meta = found.get("k.diskqueue.meta.dat")
         if meta and b"\ndispatched all\n" in meta and meta.startswith(b"3\n"):  # 3 records, all handed
             assert "k:audit.cursor.dat" in found, sorted(found)
             checked += 1
     assert checked > 0
+
+
+def _crash_states_of_k(tmp_path: Path, *publishes: tuple[list[bytes], str | None]) -> Any:
+    """Every crash state (tests/crash_states.py) of: topic k and its channel audit made, `publishes`
+    (bodies, key) in turn, then k's sync round."""
+    from tests.crash_states import crash_states, record
+
+    async def scenario(w: Any) -> None:
+        await w.create_topic("k")
+        await w.create_channel("k", "audit")
+        for messages, key in publishes:
+            await w.publish("k", messages, key=key)
+        await w.nsqd.topics["k"].group.sync_round()
+    return crash_states(record(str(tmp_path / "record"), scenario, dict(OPTIONS))).states

@@ -50,22 +50,22 @@ def test_a_limit_is_shared_over_the_brokers_by_their_backlog():
     # in proportion, by largest remainder: exactly the limit, never above a backlog
     assert share(100, {"a": 300, "b": 100}) == {"a": 75, "b": 25}
     assert share(10, {"a": 1, "b": 1, "c": 1}) == {"a": 1, "b": 1, "c": 1}  # all of it fits
-    assert share(2, {"a": 1, "b": 1, "c": 1}) == {"a": 1, "b": 1, "c": 0}  # ties: sorted order
+    assert share(3, {"a": 5, "b": 5, "c": 5}) == {"a": 1, "b": 1, "c": 1}
+    assert share(4, {"a": 5, "b": 5, "c": 5}) == {"a": 2, "b": 1, "c": 1}  # ties: sorted order
     shares = share(10, {f"b{i:02d}": 1 for i in range(11)})
-    assert sum(shares.values()) == 10 and set(shares.values()) == {0, 1}  # small backlogs are not rounded up
+    assert set(shares.values()) == {1}  # a share below 1 is rounded up, as Kafka's (none starves)
     assert share(7, {"a": 0, "b": 1000}) == {"a": 0, "b": 7}
     for limit in (1, 3, 999, 1000, 5000):
         backlogs = {"x": 17, "y": 900, "z": 83}
         shares = share(limit, backlogs)
-        assert sum(shares.values()) == min(limit, 1000)
-        assert all(0 <= shares[b] <= backlogs[b] for b in backlogs)
+        assert min(limit, 1000) <= sum(shares.values()) <= min(limit, 1000) + len(backlogs)
+        assert all(1 <= shares[b] <= backlogs[b] for b in backlogs)
         assert shares == share(limit, dict(reversed(list(backlogs.items()))))  # the same whatever the order
 
 
 def test_options_are_checked_with_messages_that_say_what_to_change():
     base = {"topic": "t", "nsqd_http_address": "127.0.0.1:4151"}
-    with pytest.raises(ValueError, match=r"needs \.option\('channel', 'name'\).*same name on every restart"):
-        log_settings(base, batch=False)
+    assert log_settings(base, batch=False).channel is None  # (a stream needs no cursor, as with Kafka)
     with pytest.raises(ValueError, match="takes no channel"):
         log_settings({**base, "channel": "c"}, batch=True)
     with pytest.raises(ValueError, match="did you mean 'maxOffsetsPerTrigger'"):
@@ -431,12 +431,6 @@ def test_mode_auto_reads_by_position_when_the_options_and_the_broker_say_so(spar
     assert "position" not in columns(channel="c", nsqd_tcp_address=module_broker.tcp_address)
     assert "attempts" in columns(channel="c", nsqd_http_address=module_broker.http_address, mode="channel")
 
-    # a stream by position without a channel: the query fails at its start, saying what to set
-    query = stream(spark, module_broker, "log-auto").writeStream.format("noop") \
-        .option("checkpointLocation", str(tmp_path / "no-channel")).start()
-    with pytest.raises(Exception, match=r"needs \.option\('channel', 'name'\)"):
-        query.awaitTermination(60)
-
 
 def test_the_reader_moves_its_cursor_back_to_the_checkpoint_when_a_query_restarts(module_broker):
     """Without Spark: a reader handed a start it did not make (a restart from a checkpoint) sets the cursor
@@ -484,7 +478,7 @@ def test_a_broker_that_does_not_answer_keeps_its_offset_and_is_no_loss_of_data(m
                                              batch=False))
     try:
         start = reader.initialOffset()
-        assert list(start[topic]) == [module_broker.http_address]  # (it joins from its earliest when it answers)
+        assert start[topic][down] == {"log_id": None, "position": None}  # (it joins at the start asked for)
         start = offsets_dict(topic, {**parse_offsets(topic, start), down: ("00000000000000aa", 4242)})
         for _ in range(2):
             end = reader.latestOffset(start, reader.getDefaultReadLimit())
@@ -496,6 +490,64 @@ def test_a_broker_that_does_not_answer_keeps_its_offset_and_is_no_loss_of_data(m
         assert [p.address for p in parts] == [module_broker.http_address]
     finally:
         reader.stop()
+
+
+def test_the_reader_and_the_writer_keep_their_connection_alike_and_reopen_one_the_server_closed():
+    """Without Spark: LogClient (the reader's) and MPubClient (the writer's) keep one HTTP/1.1 connection
+    through the same class; a kept connection the server closed after its answer (no `Connection: close`
+    said) is opened again at no cost: no retry, no backoff, every request answered once."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from trio_nsq.spark.publisher import KeptConnection, MPubClient
+
+    seen: list[tuple[str, str]] = []
+
+    class ClosesAfterEachAnswer(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, payload) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True  # closed without saying so: the client finds out on its next request
+
+        def do_GET(self):
+            seen.append(("GET", self.path))
+            self._answer(5_000_000 if self.path.startswith("/config/") else {"log_id": "a", "position": 0,
+                                                                               "index": 0})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("POST", self.path))
+            self._answer("OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosesAfterEachAnswer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    sleeps: list[float] = []
+    try:
+        with LogClient(address, max_retries=0, sleep=sleeps.append) as reader:
+            assert isinstance(reader, KeptConnection)
+            for _ in range(3):
+                assert reader.position_after("t", 0).position == 0
+        with MPubClient([address], max_retries=0, sleep=sleeps.append) as writer:
+            assert isinstance(writer, KeptConnection)
+            for _ in range(3):
+                writer.publish("t", [b"x"])
+            assert (writer.requests, writer.retries, writer.messages) == (3, 0, 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sleeps == []
+    assert seen[:3] == [("GET", "/log/position?topic=t&from=0")] * 3
+    assert [path for method, path in seen if method == "POST"] == ["/mpub?topic=t&binary=true"] * 3
 
 
 def test_mode_auto_falls_back_to_the_channel_source_on_a_broker_without_the_log_api():

@@ -362,11 +362,16 @@ class Api:
             raise HTTPError(500, "INTERNAL_ERROR") from None
 
     async def topic_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
+        return await self._deleted(self.nsqd.delete_topic, self._topic_name(req), "TOPIC_NOT_FOUND")
+
+    async def _deleted(self, delete: Callable[[str], object], name: str, not_found: str) -> Reply:
+        """A topic or channel delete, answered once the deletion is on disk (a power loss now does not
+        bring it back)."""
         try:
-            self.nsqd.delete_topic(self._topic_name(req))
+            delete(name)
         except KeyError:
-            raise HTTPError(404, "TOPIC_NOT_FOUND") from None
-        await self._metadata_persisted()  # (a power loss now does not bring it back)
+            raise HTTPError(404, not_found) from None
+        await self._metadata_persisted()
         return EMPTY
 
     async def topic_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
@@ -415,12 +420,7 @@ class Api:
 
     async def channel_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
-        try:
-            topic.delete_channel(name)
-        except KeyError:
-            raise HTTPError(404, "CHANNEL_NOT_FOUND") from None
-        await self._metadata_persisted()  # (a power loss now does not bring it back)
-        return EMPTY
+        return await self._deleted(topic.delete_channel, name, "CHANNEL_NOT_FOUND")
 
     async def channel_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
         channel = self._existing_channel(req)

@@ -19,6 +19,7 @@ Who calls it: the broker's HTTP server (serve.py routes), with the Api of endpoi
 from __future__ import annotations
 
 import logging
+import struct
 from array import array
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from trio_nsq.shared.http_server import Request
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
 
 if TYPE_CHECKING:
+    from trio_nsq.broker.channel import Channel
     from trio_nsq.broker.http.endpoints import Api
 
 log = logging.getLogger("nsqd")
@@ -176,7 +178,8 @@ class LogApi:
         except (OSError, ValueError) as exc:
             log.error("TOPIC(%s): cannot read its log at %d - %s", log_.name, start.position, exc)
             raise HTTPError(500, "INTERNAL_ERROR") from None
-        trailer = block.starts.tobytes()
+        # (struct, not array("i", starts): array converts each item through PyArg_Parse, half again slower)
+        trailer = struct.pack(f"<{len(block.starts)}i", *block.starts)
         if deadlines:
             pairs = array("q")
             for pos, deadline in deadlines:
@@ -199,21 +202,69 @@ class LogApi:
 
     async def commit(self, req: Request, params: Mapping[str, str]) -> Reply:
         """The durable cursor of a positional reader: the channel (made if need be) finishes everything
-        before the position and nothing after it, on disk before the answer."""
-        args, topic, log_ = await self._log(req, create=True)
+        before the position and nothing after it, on disk before the answer. Only a cursor: a channel
+        with consumers, or one SUB or /channel/create made, is refused (a seek would drop its messages);
+        `adopt=true` makes one without consumers a cursor (an older trio-nsq's cursor has no flag)."""
+        args = self.api._params(req)
         names = args.get("channel")
         if not names:
             raise HTTPError(400, "MISSING_ARG_CHANNEL")
-        if not is_valid_channel_name(names[0]) or is_ephemeral(names[0]):
+        name = names[0]
+        if not is_valid_channel_name(name) or is_ephemeral(name):
             raise HTTPError(400, "INVALID_ARG_CHANNEL")  # (an ephemeral channel's cursor would not survive a restart)
+        adopt = _flag(args, "adopt")
+        topic = self.nsqd.get_existing_topic(args["topic"][0]) if args.get("topic") else None
+        if topic is not None:
+            _check_cursor(topic, name, adopt)  # before the topic is marked as read by position
+        args, topic, log_ = await self._log(req, create=True)
         place = self._locate(log_, self._number(args, "position"))
-        created = topic.get_existing_channel(names[0]) is None
-        channel = topic.get_channel(names[0])
+        channel = _check_cursor(topic, name, adopt)  # (again: the wait above let others in)
+        created = channel is None
+        if channel is None:
+            channel = topic.get_channel(name)
+        adopted = not (created or channel.cursor)
+        was_idle = not channel.pins
+        if not channel.cursor:  # (made now, before nsqd.dat's line is written; or adopted)
+            channel.make_cursor()
+            if adopted:
+                log.warning("CHANNEL(%s:%s): adopted as a cursor (/log/commit adopt=true): a SUB to it is refused "
+                            "from now on", topic.name, name)
+                self.nsqd.persist_metadata(topic.name, name)
         log_.reload_deadlines(place.position)
-        channel.seek(place.position, place.index)
+        channel.commit(place.position, place.index)
         await self.api._persisted(topic, f"CHANNEL({topic.name}:{channel.name})")
-        if created:
-            await self.api._metadata_persisted()
+        if created or adopted or was_idle:
+            await self.api._metadata_persisted()  # (its name, that it is a cursor, that it pins: on disk first)
         else:
             await self.api._named(topic, channel.name)  # (made by a request not answered yet)
         return ok_json({"log_id": log_.log_id, "position": place.position, "depth": channel.depth()})
+
+
+def _flag(args: dict[str, list[str]], key: str) -> bool:
+    """A boolean query argument, as Go's strconv.ParseBool reads it (absent: false)."""
+    values = args.get(key)
+    if not values:
+        return False
+    value = values[0]
+    if value in ("1", "t", "T", "true", "TRUE", "True"):
+        return True
+    if value in ("0", "f", "F", "false", "FALSE", "False"):
+        return False
+    raise HTTPError(400, f"INVALID_ARG_{key.upper()}")
+
+
+def _check_cursor(topic: Topic, name: str, adopt: bool) -> Channel | None:
+    """The channel a commit may seek (None: not there yet, the commit makes it a cursor). Refused, with
+    one log line, when consumers are subscribed, or when it is not a cursor and not to be adopted."""
+    channel = topic.get_existing_channel(name)
+    if channel is None:
+        return None
+    if channel.clients:
+        log.warning("CHANNEL(%s:%s): /log/commit refused - CHANNEL_HAS_CONSUMERS (%d subscribed): a cursor needs "
+                    "a channel of its own", topic.name, name, len(channel.clients))
+        raise HTTPError(409, "CHANNEL_HAS_CONSUMERS")
+    if not (channel.cursor or adopt):
+        log.warning("CHANNEL(%s:%s): /log/commit refused - CHANNEL_NOT_A_CURSOR (made by SUB or /channel/create, "
+                    "or by a trio-nsq before cursors were flagged: adopt=true makes it one)", topic.name, name)
+        raise HTTPError(409, "CHANNEL_NOT_A_CURSOR")
+    return channel

@@ -132,6 +132,12 @@ def _schemas() -> dict:
         **_integers("channel"),
         "delivery_to_fin_latency": {"allOf": [{"$ref": "#/components/schemas/Latency"}], "description":
                                     "delivery to FIN over the last 5-10 minutes: p50, p90, p99, p99.9 (nanoseconds)"},
+        "cursor": {"type": "object", "description": "a positional reader's cursor (/log/commit); absent on "
+                   "a consumer's channel", "properties": {
+                       "last_commit": {**_INTEGER, "nullable": True,
+                                       "description": "unix ms (null: not committed since the broker started)"},
+                       "pins_retention": {**_BOOL, "description": "its position keeps the topic's log "
+                                          "(false once idle past --cursor-idle-timeout, until its next commit)"}}},
     }}
     topic = {"type": "object", "properties": {
         "topic_name": {"type": "string"},
@@ -394,10 +400,15 @@ def _log_paths(paths: dict, op: Any, bad_query: str) -> None:
         [topic, pos("position", "a record boundary"), pos("end", "stop before this position", False),
          pos("max_bytes", "bytes of records at most (default 4 MiB, at most 64 MiB)", False), log_id])}
     paths["/log/commit"] = {"post": op(
-        "Not in nsqd: a positional reader's durable cursor: the channel (made if need be) finishes every "
-        "record before `position` and none after it, on disk before the answer; it pins retention",
+        "Not in nsqd: a positional reader's durable cursor: the channel (made if need be, as a cursor: SUB "
+        "to it is refused) finishes every record before `position` and none after it, on disk before the "
+        "answer; it pins retention until idle past --cursor-idle-timeout. A channel with consumers, or one "
+        "not made as a cursor, is refused (409)",
         {"200": answer("where the cursor is, and the channel's depth (the reader's lag)", "position", "depth"),
-         "400": _err(*common, "MISSING_ARG_CHANNEL", "INVALID_ARG_CHANNEL", "MISSING_ARG_POSITION",
-                     "INVALID_ARG_POSITION", *position_errors),
-         "404": not_found, "409": _err("LOG_ID_MISMATCH"), "500": _err("INTERNAL_ERROR")},
-        [topic, _CHANNEL, pos("position", "a record boundary"), log_id])}
+         "400": _err(*common, "MISSING_ARG_CHANNEL", "INVALID_ARG_CHANNEL", "INVALID_ARG_ADOPT",
+                     "MISSING_ARG_POSITION", "INVALID_ARG_POSITION", *position_errors),
+         "404": not_found, "409": _err("LOG_ID_MISMATCH", "CHANNEL_HAS_CONSUMERS", "CHANNEL_NOT_A_CURSOR"),
+         "500": _err("INTERNAL_ERROR")},
+        [topic, _CHANNEL, pos("position", "a record boundary"), log_id,
+         _param("adopt", "true: make an existing channel without consumers a cursor (one an older trio-nsq "
+                "made has no flag)", schema=_BOOL)])}

@@ -23,17 +23,22 @@ import os
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from trio_nsq.broker.storage.files import close_quietly
 from trio_nsq.broker.storage.segment_log import Place, SegmentLog
 from trio_nsq.shared.protocol import int32_at
 
+# (Final: compiled, a constant; a plain module name is a dict lookup at every use, in walk's loop too)
 # bytes of log between two marks: checking a position walks at most this much (and one record)
-INTERVAL = 64 * 1024
+INTERVAL: Final = 64 * 1024
 # the block a scan reads
-_BLOCK = 1024 * 1024
+_BLOCK: Final = 1024 * 1024
 # a record: [size int32][timestamp int64][attempts uint16][id 16][body]
-_TS_AT = 4
+_TS_AT: Final = 4
+# walk's max_records when any number will do: compiled, an int above this is boxed and every compare
+# with it in walk's loop takes the slow path (1 << 62 did)
+ALL_RECORDS: Final = (1 << 62) - 1
 
 
 class PositionError(ValueError):
@@ -60,7 +65,7 @@ class Walk:
         self.marks: list[tuple[int, int, int]] = []  # (offset in the block, records before it, timestamp)
 
 
-NO_MARKS = -2  # walk's `prev` when no marks are wanted
+NO_MARKS: Final = -2  # walk's `prev` when no marks are wanted
 
 
 def walk(buf: bytes, at: int, limit: int, max_records: int, min_size: int, max_size: int, result: Walk,
@@ -80,9 +85,10 @@ def walk(buf: bytes, at: int, limit: int, max_records: int, min_size: int, max_s
     end = min(limit, len(buf))
     last = -1
     while count < max_records and pos + 4 <= end:
-        size = int32_at(buf, pos)
+        # read here, not by int32_at (a call per record), and unsigned: a negative size is above max_size too
+        size = (buf[pos] << 24) | (buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3]
         if size < min_size or size > max_size:
-            raise ValueError(f"invalid message read size ({size})")
+            raise ValueError(f"invalid message read size ({int32_at(buf, pos)})")
         if pos + 4 + size > end:
             break
         if prev != NO_MARKS:
@@ -142,7 +148,7 @@ class Block:
 
     __slots__ = ("data", "size", "starts", "position", "index", "next", "next_index")
 
-    def __init__(self, data: bytes, size: int, starts: array[int], position: int, index: int, next_: Place) -> None:
+    def __init__(self, data: bytes, size: int, starts: list[int], position: int, index: int, next_: Place) -> None:
         self.data = data
         self.size = size
         self.starts = starts
@@ -225,7 +231,7 @@ class LogIndex:
                 at = marks.scanned
                 buf = os.pread(fd, min(stop - at, max(_BLOCK, segments.max_msg_size + 4)), at - base)
                 result.marks = []
-                walk(buf, 0, stop - at, 1 << 62, segments.min_msg_size, segments.max_msg_size, result,
+                walk(buf, 0, stop - at, ALL_RECORDS, segments.min_msg_size, segments.max_msg_size, result,
                      at - base, marks.last)
                 if result.count == 0:
                     raise ValueError(f"a record past the end of segment {num} at {at - base}")
@@ -256,7 +262,7 @@ class LogIndex:
             return Place(pos, marks.indices[at])
         start = Place(marks.positions[at], marks.indices[at]) if at >= 0 else \
             Place(segments.start_of(num), segments.index_of_file(num))
-        found = self._walk_from(num, start, pos - start.position, 1 << 62, pos)
+        found = self._walk_from(num, start, pos - start.position, ALL_RECORDS, pos)
         if found.position != pos:
             raise PositionError("POSITION_NOT_A_RECORD", f"no record starts at {pos}")
         return found
@@ -363,7 +369,7 @@ class LogIndex:
             while pos < end:
                 buf = os.pread(fd, max(_BLOCK, segments.max_msg_size + 4), pos - base)
                 result.starts = []
-                walk(buf, 0, end - pos, 1 << 62, segments.min_msg_size, segments.max_msg_size, result)
+                walk(buf, 0, end - pos, ALL_RECORDS, segments.min_msg_size, segments.max_msg_size, result)
                 if result.count == 0:
                     return None
                 for i, offset in enumerate(result.starts):
@@ -416,7 +422,7 @@ class LogIndex:
         segments = self.segments
         stop = min(stop, end.position)
         if start.position >= stop:
-            return Block(b"", 0, array("i", [0]), start.position, start.index, start)
+            return Block(b"", 0, [0], start.position, start.index, start)
         num = segments.file_of(start.position)
         fd = self._open(num)
         try:
@@ -424,7 +430,7 @@ class LogIndex:
             seg_end = min(stop, self._segment_end(num, fd))
             if start.position >= seg_end:
                 nxt = self._next_segment(num, end)
-                return Block(b"", 0, array("i", [0]), start.position, start.index, nxt if nxt.position <= stop else start)
+                return Block(b"", 0, [0], start.position, start.index, nxt if nxt.position <= stop else start)
             size = min(seg_end - start.position, max(max_bytes, 4))  # (a size prefix at least)
             buf = os.pread(fd, size, start.position - base)
             if len(buf) >= 4:
@@ -435,15 +441,15 @@ class LogIndex:
             close_quietly(fd)
         marks = self._of(num)
         extend = marks.scanned == start.position
+        starts: list[int] = []
         result = Walk()
-        result.starts = []
-        walk(buf, 0, len(buf), 1 << 62, segments.min_msg_size, segments.max_msg_size, result,
+        result.starts = starts
+        walk(buf, 0, len(buf), ALL_RECORDS, segments.min_msg_size, segments.max_msg_size, result,
              start.position - base, marks.last if extend else NO_MARKS)
         if result.count == 0:
             raise ValueError(f"a record past the end of segment {num} at {start.position - base}")
         if extend:
             marks.walked(start.position, result)
-        starts = array("i", result.starts)
         starts.append(result.stop)
         after = Place(start.position + result.stop, start.index + result.count)
         if after.position >= seg_end and seg_end < stop:

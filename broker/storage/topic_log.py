@@ -13,7 +13,8 @@ What it holds, in the data directory:
   gets only what its topic still holds. While the topic has channels and is not paused, everything
   appended is handed at once.
 
-Segments go once every channel has finished them (and, with --retention-time or --retention-bytes, once
+Segments go once every channel has finished them (a positional reader's cursor idle past
+--cursor-idle-timeout does not count: `idle`) (and, with --retention-time or --retention-bytes, once
 they are also older or beyond the limit: a segment is older than the time when the next one's first
 message was published before it, by the records' own timestamps, not the files' times, which a restored
 backup resets), after the metadata and cursors that no longer need them are persisted: it all happens in
@@ -89,6 +90,9 @@ class TopicLog:
         segments = self.segments
         self.readers: list[LogReader] = []  # every channel's reader of this log (ephemeral ones too)
         self.durable: list[LogReader] = []  # those with a cursor file
+        # positional readers' cursors not committed for --cursor-idle-timeout (Channel.stop_pinning): their
+        # position keeps no segment, and Go's read position is not theirs
+        self.idle: set[LogReader] = set()
         # how far the log is handed to the channels
         self.dispatched = self._load_dispatched()
         self.publish_deadlines = PublishDeadlines()
@@ -372,6 +376,7 @@ class TopicLog:
             self.readers.remove(reader)
         if reader in self.durable:
             self.durable.remove(reader)
+        self.idle.discard(reader)
         self.group.changed()
 
     def seek_position(self, to: str | int) -> Place:
@@ -530,6 +535,8 @@ class TopicLog:
         """The oldest position any channel, or a channel created now, may still read."""
         pos = self.dispatched.position
         for reader in self.readers:
+            if reader in self.idle:
+                continue
             mark = reader.mark_delete()
             if mark < pos:
                 pos = mark
@@ -557,7 +564,8 @@ class TopicLog:
         plan.removes.extend(self._removing)
         if len(self.publish_deadlines):
             # entries every reader has read (a restart reads them from the files again)
-            oldest = min((reader.cursor.read_pos for reader in self.readers), default=self.dispatched.position)
+            oldest = min((reader.cursor.read_pos for reader in self.readers if reader not in self.idle),
+                         default=self.dispatched.position)
             self.publish_deadlines.prune_before(min(oldest, self.dispatched.position))
         files_changed = segments.take_files_changed()
         plan.new_names = plan.new_names or files_changed or bool(self._deadline_created)
@@ -572,6 +580,8 @@ class TopicLog:
         # Go's read position: the oldest record a durable channel has not finished
         go_pos, go_index = self.dispatched.position, self.dispatched.index
         for reader in self.durable:
+            if reader in self.idle:
+                continue
             mark = reader.mark_delete()
             if mark < go_pos:
                 go_pos, go_index = mark, reader.cursor.mark_index()

@@ -56,18 +56,23 @@ def _dpub(broker: Broker, topic: str, delay_ms: int, count: int) -> float:
         sock.sendall(MAGIC_V2)
         started = time.perf_counter()
         for _ in range(count // PIPELINE):
-            sock.sendall(command_bytes)
-            answered = 0
-            while answered < PIPELINE:
-                data = sock.recv(1 << 16)
-                if not data:
-                    raise RuntimeError("the broker closed the connection")
-                parser.feed(data)
-                while (frame := parser.next_frame()) is not None:
-                    if frame[0] != 0:
-                        raise RuntimeError(f"DPUB refused: {frame!r}")
-                    answered += 1
+            send_answered(sock, parser, command_bytes, PIPELINE)
         return time.perf_counter() - started
+
+
+def send_answered(sock: socket.socket, parser: FrameParser, commands: bytes, count: int) -> None:
+    """Send `count` pipelined publishing commands and read their `count` answers (each must be OK)."""
+    sock.sendall(commands)
+    answered = 0
+    while answered < count:
+        data = sock.recv(1 << 16)
+        if not data:
+            raise RuntimeError("the broker closed the connection")
+        parser.feed(data)
+        while (frame := parser.next_frame()) is not None:
+            if frame[0] != 0:
+                raise RuntimeError(f"DPUB refused: {frame!r}")
+            answered += 1
 
 
 def _subscribe(broker: Broker, topic: str, rdy: int) -> tuple[socket.socket, FrameParser]:

@@ -31,7 +31,7 @@ import time
 import urllib.request
 
 from tests.bench.broker import Broker
-from tests.bench.dpub import _post, _subscribe
+from tests.bench.dpub import _post, _subscribe, send_answered
 from tests.bench.machine import describe, machine, merge_report
 from trio_nsq.shared.protocol import MAGIC_V2, FrameParser, encode_dpub
 
@@ -130,18 +130,8 @@ def _dpub_random(broker: Broker, count: int, seed: int) -> tuple[list[float], li
         sock.sendall(MAGIC_V2)
         last = time.perf_counter()
         for sent in range(0, count, PIPELINE):
-            sock.sendall(b"".join(encode_dpub("t", rng.randint(HOUR_MS, 24 * HOUR_MS), BODY)
-                                  for _ in range(PIPELINE)))
-            answered = 0
-            while answered < PIPELINE:
-                data = sock.recv(1 << 16)
-                if not data:
-                    raise RuntimeError("the broker closed the connection")
-                parser.feed(data)
-                while (frame := parser.next_frame()) is not None:
-                    if frame[0] != 0:
-                        raise RuntimeError(f"DPUB refused: {frame!r}")
-                    answered += 1
+            send_answered(sock, parser, b"".join(encode_dpub("t", rng.randint(HOUR_MS, 24 * HOUR_MS), BODY)
+                                                 for _ in range(PIPELINE)), PIPELINE)
             if (sent + PIPELINE) % SLICE == 0 or sent + PIPELINE >= count:
                 now = time.perf_counter()
                 slices.append(now - last)

@@ -33,6 +33,11 @@ otherwise finish and so free. The channel source consumes a fresh topic each run
    stay flat), and 1 broker against 4 (the same --messages, a quarter on each of 4 broker processes on
    this machine, nsqd_http_address naming the four; broker CPU is the four's sum).
 
+6. /log/read alone (`--only serve`, no Spark: run first, on a broker of its own): --messages records read
+   from the log's start to its end by one LogClient, as a task reads its range (4 MiB a read, the reader's
+   read_max_bytes and the broker's default), --runs times after one warm-up read; the broker's CPU-seconds
+   per million records served, user and system (the part of 4 that is serving the records).
+
 --quick: 100,000 messages, 1 run. --output merges the figures into a JSON file (results.spark_log).
 """
 
@@ -52,6 +57,7 @@ import urllib.request
 from tests.bench.broker import Broker
 from tests.bench.machine import describe, machine, merge_report
 from tests.bench.spark import PHASES, ROLES, channel_stats, process_cpu, stream_read
+from trio_nsq.spark.log_client import LogClient
 from trio_nsq.spark.publisher import MPubClient
 
 MSG_SIZE = 200
@@ -108,6 +114,50 @@ def delete(broker: Broker, topic: str, channel: str | None = None) -> None:
         http_json("POST", f"{broker.http_url}/{what}")
     except OSError:
         pass
+
+
+def read_whole_log(broker: Broker, topic: str, positions: dict) -> int:
+    """The log from `positions`' first record to its end through /log/read, as a task reads its range;
+    the records read."""
+    records = 0
+    with LogClient(broker.http_address) as client:
+        position = positions["first"]
+        while position < positions["end"]:
+            result = client.read(topic, position, positions["end"], log_id=positions["log_id"])
+            records += result.records
+            position = result.next_position
+    return records
+
+
+def serve_figures(n: int, runs: int) -> dict[str, list[float]]:
+    """6. The broker's CPU-seconds (user, system) per million records served by /log/read, per run."""
+    print(f"6. /log/read alone: {n:,} records read from start to end by one LogClient, no Spark", flush=True)
+    broker = Broker()
+    out: dict[str, list[float]] = {"serve broker CPU-s per 1M records": [], "serve broker user CPU-s per 1M records":
+                                   [], "serve broker system CPU-s per 1M records": []}
+    try:
+        positions = log_topic(broker, "serve", n)
+        read_whole_log(broker, "serve", positions)  # warm-up: the index's marks, the page cache
+        for _ in range(runs):
+            before = process_times(broker.proc.pid)
+            records = read_whole_log(broker, "serve", positions)
+            user, system = (after - b for after, b in zip(process_times(broker.proc.pid), before))
+            assert records == n, f"{records} records read of {n}"
+            for key, cpu in zip(out, (user + system, user, system)):
+                out[key].append(per_million(cpu, n))
+            print(f"  broker CPU-s per 1M records served: {per_million(user + system, n):.3f} (user "
+                  f"{per_million(user, n):.3f}, system {per_million(system, n):.3f})", flush=True)
+    finally:
+        broker.close()
+    return out
+
+
+def process_times(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU-seconds so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def cpu_by_role(brokers: list[Broker]) -> dict[int, tuple[str, float]]:
@@ -418,7 +468,7 @@ def per_million(cpu: float, count: int) -> float:
     return cpu / count * 1_000_000
 
 
-SECTIONS = ("stream", "batch", "cold", "growth")
+SECTIONS = ("stream", "batch", "cold", "growth", "serve")
 
 
 def stream_line(label: str, count: int, elapsed: float, rate: float, phases: dict[str, float]) -> None:
@@ -452,6 +502,10 @@ def main() -> None:
     print(f"machine: {describe(info)}")
     print(f"{n:,} messages of {MSG_SIZE} B, median of {runs} run(s) after a warm-up; positional options: "
           f"{', '.join(f'{k}={v}' for k, v in extra.items()) or 'defaults'}", flush=True)
+    samples: dict[str, list[float]] = serve_figures(n, runs) if "serve" in only else {}
+    if only == {"serve"}:
+        finish(args, info, samples, extra)
+        return
 
     from pyspark.sql import SparkSession
 
@@ -465,7 +519,6 @@ def main() -> None:
     broker = Broker()
     others: list[Broker] = []
     spark = None
-    samples: dict[str, list[float]] = {}
 
     def keep(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
@@ -616,7 +669,13 @@ def main() -> None:
             b.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
-    figures = report(samples, n, small, runs, args.brokers)
+    finish(args, info, samples, extra)
+
+
+def finish(args: argparse.Namespace, info: dict, samples: dict[str, list[float]], extra: dict[str, str]) -> None:
+    """The table, and the figures merged into --output."""
+    n, runs = args.messages, args.runs
+    figures = report(samples, n, max(1, n // 10), runs, args.brokers)
     if args.output:
         merge_report(args.output, {"title": "PySpark positional reader vs channel source vs ceiling, local[2] "
                                             "(messages/s, seconds, CPU-seconds)",
@@ -676,6 +735,13 @@ def report(samples: dict[str, list[float]], n: int, small: int, runs: int, broke
             return "-"
         return f"{f[key]:.2f}" + ("" if key not in targets else " ok" if f[key] >= targets[key] else " LOW")
 
+    if "serve broker CPU-s per 1M records" in f:
+        print()
+        row(f"/log/read alone, median of {runs}: broker CPU-s per 1M records", "")
+        row("  user + system, user, system", num("serve broker CPU-s per 1M records", 3),
+            num("serve broker user CPU-s per 1M records", 3), num("serve broker system CPU-s per 1M records", 3))
+    if all(name.startswith("serve ") for name in f):
+        return f
     print()
     print(f"positional reader / channel source / ceiling, local[2], {n:,} messages of {MSG_SIZE} B, median of {runs}")
     row("", "positional", "channel", "ceiling", "pos/channel", "pos/ceiling")

@@ -73,6 +73,10 @@ def parse_command_line(cls: type, app: str, argv: list[str] | None) -> Any:
                     parse_config_opts([opt], consumer=name == "consumer_opt")
                 except ConfigError as exc:
                     raise flags.FlagError(f"invalid value {flags._go_quote(opt)} for flag -{name.replace('_', '-')}: {exc}")
+            try:  # and together (snappy with deflate)
+                parse_config_opts(values.get(name, []), consumer=name == "consumer_opt")
+            except ConfigError as exc:
+                raise flags.FlagError(f"invalid flags -{name.replace('_', '-')}: {exc}")
     except flags.HelpRequested:
         sys.stderr.write(text)
         raise SystemExit(0) from None
@@ -262,6 +266,8 @@ def parse_config_opts(opts: list[str], *, consumer: bool) -> dict[str, Any]:
             kwargs["max_requeue_delay_ms"] = int(parsed * 1000)
         else:  # max_in_flight, max_attempts, lookupd_poll_interval, rdy_redistribute_interval
             kwargs[key] = parsed
+    if kwargs.get("snappy") and kwargs.get("deflate"):
+        raise ConfigError("snappy and deflate cannot both be on")
     if identify:
         kwargs["identify"] = identify
     if tls.get("tls_v1") or any(k != "tls_v1" for k in tls):

@@ -62,7 +62,8 @@ RECV_SIZE = 65536
 
 
 class NSQError(Exception):
-    """An error nsqd answered: `code` is nsqd's (E_BAD_TOPIC, ...), `description` the rest of its text.
+    """An error nsqd answered: `code` is nsqd's (E_BAD_TOPIC, ...), `description` the rest of its text; or
+    the client's refusal of nsqd's answer (E_TLS_NOT_OFFERED: TLS asked for, nsqd has none).
 
     Every error nsqd sends except E_FIN_FAILED / E_REQ_FAILED / E_TOUCH_FAILED is fatal: nsqd closes the
     connection right after it (`fatal` says so). HTTP errors carry nsqd's JSON message as the code
@@ -97,6 +98,28 @@ class NSQConnectionError(ConnectionError):
         super().__init__(message)
         self.maybe_processed = maybe_processed
 
+
+def fresh_error(error: Exception) -> Exception:
+    """A copy of an NSQError or NSQConnectionError, for one caller of several to raise (one exception
+    object raised in several tasks would collect all their tracebacks)."""
+    if isinstance(error, NSQError):
+        return NSQError(error.code, error.description, status=error.status)
+    if isinstance(error, NSQConnectionError):
+        return NSQConnectionError(str(error), maybe_processed=error.maybe_processed)
+    return error
+
+
+
+def connect_refusal(address: str, error: BaseException) -> Exception | None:
+    """The error of a failed connection attempt that trying again will not fix, for the Producer's
+    publishes and the Consumer's wait_connected to raise at once: nsqd's refusal (IDENTIFY, AUTH) or ours
+    (E_TLS_NOT_OFFERED), or a failed TLS handshake (a certificate refused by either side, which trio
+    wraps in BrokenResourceError). None otherwise."""
+    if isinstance(error, NSQError):
+        return error if error.fatal else None
+    if isinstance(error, trio.BrokenResourceError) and isinstance(error.__cause__, ssl.SSLError):
+        return NSQConnectionError(f"{address}: TLS handshake failed - {error.__cause__}", maybe_processed=False)
+    return None
 
 class OwnedNursery:
     """The nursery of an object used as an async context manager: opened in __aenter__, cancelled and
@@ -162,21 +185,70 @@ def _identify_fields(fields: dict[str, Any] | None) -> dict[str, Any]:
     return dict(fields or {})
 
 
+def _check_compression(snappy: bool, deflate: bool) -> None:
+    if snappy and deflate:
+        raise ValueError("snappy and deflate cannot both be on: a connection is compressed one way or the other")
+
+
+def _at_least(minimum: float, *, off: float | None = None, optional: bool = False) -> Any:
+    """An attrs validator: the value is `minimum` or more (nsqd's lower bound), or `off`, or None."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if (value is None and optional) or (off is not None and value == off):
+            return
+        if value is None or value < minimum:
+            allowed = f"{off:g} (off) or " if off is not None else ""
+            raise ValueError(f"{attribute.name} must be {allowed}at least {minimum:g} (nsqd refuses less), not {value!r}")
+    return check
+
+
+def _ms(seconds: float) -> int:
+    """A duration of ours (seconds) in IDENTIFY's unit (ms); -1, nsqd's "off", stays -1."""
+    return -1 if seconds == -1 else round(seconds * 1000)
+
+
 @attrs.define(kw_only=True, eq=False)
 class ConnectOptions:
     """How a Producer or a Consumer opens each of its connections: IDENTIFY fields, AUTH secret, TLS,
     compression, connect timeout. Both classes extend it, so these keywords are declared once;
-    `connect(address)` makes a Connection with them."""
+    `connect(address)` makes a Connection with them.
+
+    IDENTIFY's settings, as go-nsq's Config and pynsq's Conn name them (durations in seconds here; nsqd
+    gets ms): `heartbeat_interval` (30 s as both; -1 turns heartbeats off; the client drops a connection
+    silent for twice that), `output_buffer_size` (bytes nsqd buffers before writing to this client, -1:
+    none) and `output_buffer_timeout` (how long at most, -1: no timeout), `sample_rate` (the percentage of
+    a channel's messages this consumer gets, 0: all) and `msg_timeout` (nsqd's --msg-timeout for this
+    client's messages). None leaves nsqd's own default. `identify={...}` sends any field as given, over
+    these. A value nsqd would refuse raises ValueError here, as go-nsq's config validation does."""
 
     identify: dict[str, Any] = attrs.field(factory=dict, converter=_identify_fields)
     auth_secret: bytes | str | None = attrs.field(default=None, repr=False)
     tls: ssl.SSLContext | None = None
     snappy: bool = False
-    deflate: bool = False
+    deflate: bool = attrs.field(default=False)
     connect_timeout: float = 5.0
+    heartbeat_interval: float = attrs.field(default=30.0, validator=_at_least(1.0, off=-1))
+    output_buffer_size: int | None = attrs.field(default=None, validator=_at_least(64, off=-1, optional=True))
+    output_buffer_timeout: float | None = attrs.field(default=None, validator=_at_least(0.0, off=-1, optional=True))
+    sample_rate: int = attrs.field(default=0, validator=[attrs.validators.ge(0), attrs.validators.le(99)])
+    msg_timeout: float | None = attrs.field(default=None, validator=_at_least(1.0, optional=True))
+
+    @deflate.validator
+    def _one_compression(self, attribute: Any, value: bool) -> None:
+        _check_compression(self.snappy, value)
+
+    def identify_fields(self) -> dict[str, Any]:
+        """The IDENTIFY fields these options send (before `identify`'s, which win)."""
+        fields: dict[str, Any] = {"heartbeat_interval": _ms(self.heartbeat_interval), "sample_rate": self.sample_rate}
+        if self.output_buffer_size is not None:
+            fields["output_buffer_size"] = self.output_buffer_size
+        if self.output_buffer_timeout is not None:
+            fields["output_buffer_timeout"] = _ms(self.output_buffer_timeout)
+        if self.msg_timeout is not None:
+            fields["msg_timeout"] = _ms(self.msg_timeout)
+        return {**fields, **self.identify}
 
     def connect(self, address: str, **extra: Any) -> Connection:
-        return Connection(address, identify=self.identify, auth_secret=self.auth_secret, tls=self.tls,
+        return Connection(address, identify=self.identify_fields(), auth_secret=self.auth_secret, tls=self.tls,
                           snappy=self.snappy, deflate=self.deflate, connect_timeout=self.connect_timeout, **extra)
 
 
@@ -207,6 +279,7 @@ class Connection:
         deflate: bool = False,
         deflate_level: int = 6,
     ) -> None:
+        _check_compression(snappy, deflate)
         self.address = address
         self.tls_context = tls
         self.identify_data: dict[str, Any] = {
@@ -214,6 +287,9 @@ class Connection:
             "hostname": socket.gethostname(),
             "feature_negotiation": True,
             "user_agent": USER_AGENT,
+            # sent, as go-nsq and pynsq do: nsqd's own default is --client-timeout/2, which this client
+            # cannot know, and it reads with a timeout of twice the interval
+            "heartbeat_interval": 30_000,
             "tls_v1": tls is not None,
             "snappy": snappy,
             "deflate": deflate,
@@ -231,8 +307,8 @@ class Connection:
         self.max_rdy_count = 2500
         self.msg_timeout = 60_000  # ms
         self.max_msg_timeout = 15 * 60_000
-        # nsqd does not answer with the interval: it is the one asked for (-1: none), else nsqd's 30 s
-        self.heartbeat_interval = int(self.identify_data.get("heartbeat_interval") or 30_000)
+        # nsqd does not answer with the interval: it is the one asked for (ms; -1: none)
+        self.heartbeat_interval = int(self.identify_data["heartbeat_interval"])
         self.auth: dict[str, Any] | None = None
 
         # consumer bookkeeping (used by Consumer; harmless for producers)
@@ -264,6 +340,12 @@ class Connection:
     @property
     def is_closed(self) -> bool:
         return self.closed.is_set()
+
+    @property
+    def read_timeout(self) -> float | None:
+        """Seconds of silence after which the connection is dropped: two heartbeat intervals (nsqd's own
+        read timeout for a client); None when heartbeats are off."""
+        return 2 * self.heartbeat_interval / 1000 if self.heartbeat_interval > 0 else None
 
     @property
     def stream(self) -> trio.abc.Stream:
@@ -305,6 +387,9 @@ class Connection:
             raise NSQError.from_frame(data)
         if data != b"OK":
             self._apply_features(json.loads(data))
+        if self.tls_context is not None and not self.features.get("tls_v1"):
+            raise NSQError("E_TLS_NOT_OFFERED", f"{self.address} does not offer TLS (nsqd without --tls-cert): "
+                                                "not going on in plaintext")
         # as nsqd does it: TLS on the same stream, then compression on top; each answers OK
         if self.features.get("tls_v1"):
             host = split_host_port(self.address, default_host="127.0.0.1")[0]
@@ -358,7 +443,7 @@ class Connection:
 
     async def _reader(self) -> None:
         """Read frames until the connection ends; a silence of two heartbeat intervals ends it too."""
-        timeout = 2 * self.heartbeat_interval / 1000 if self.heartbeat_interval > 0 else float("inf")
+        timeout = self.read_timeout or float("inf")
         reason: BaseException | None = None
         try:
             while True:

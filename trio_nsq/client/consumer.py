@@ -1,31 +1,41 @@
 """Consumer: subscribe to a topic/channel on brokers given directly or found through nsqlookupd.
 
     async def handler(message):
-        ...                       # returns: FIN; raises: REQ (with a growing delay) and backoff
+        ...                       # returns: FIN; returns False or raises: REQ (with a growing delay), backoff
 
     async with Consumer("topic", "channel", handler, lookupd_http_addresses=["127.0.0.1:4161"],
                         max_in_flight=100) as consumer:
         await trio.sleep_forever()
 
-RDY follows NSQ's "Building Client Libraries" guide:
+A plain function works too (pynsq's style): it runs in a worker thread, and answers by returning
+(True or None: FIN; False: REQ) or raising (REQ).
+
+RDY follows NSQ's "Building Client Libraries" guide and go-nsq:
 
 - max_in_flight is split over the connections, at least 1 each; the remainder goes to the first ones,
   so the sum is exactly max_in_flight. With more connections than max_in_flight, RDY 1 goes to
-  max_in_flight of them and rotates every `rdy_redistribute_interval` seconds, so none starves.
+  max_in_flight of them; every `rdy_redistribute_interval` a connection that received nothing in the
+  last interval gives its RDY to the connection that has waited longest (so it finds the brokers that
+  have messages), and one that has kept it for `low_rdy_timeout` gives it up to let the others have
+  a turn (go-nsq's LowRdyIdleTimeout and LowRdyTimeout). max_in_flight 0 pauses (RDY 0 everywhere);
+  `change_max_in_flight(n)` changes it at run time.
 - RDY is sent again when the messages received since the last RDY leave less than 25 % of it (or 1).
-- Backoff: a handler that fails (or requeue(backoff=True)) sets RDY 0 on every connection for an
-  interval growing exponentially with the backoff counter (capped by max_backoff); results that
-  arrive during that interval are ignored. Then one connection gets RDY 1 to test the water: a success
-  resumes the normal RDY (and decrements the counter, so a run of successes forgets old failures); a
-  failure backs off again, longer.
+- Backoff (go-nsq's): a handler that fails (or requeue(backoff=True)) raises the backoff level by one
+  (not past the level whose interval would exceed max_backoff) and sets RDY 0 on every connection for
+  backoff_strategy(level) seconds; results that arrive during that interval are ignored. Then one
+  connection gets RDY 1 to test the water: a failure raises the level and backs off again; a success
+  lowers it by one, and backs off again (shorter) until the level is 0, when the full RDY returns.
 
-A message whose handler fails is REQ'd with a delay of requeue_delay_ms × attempts (capped). The
-handler runs at most max_attempts times for one message: when it fails on the last attempt, or a
-message arrives with more attempts than that, `on_give_up(message)` is called and the message FIN'd.
+A message whose handler fails is REQ'd with a delay of requeue_delay_ms × attempts (90 s × attempts,
+at most 15 min: go-nsq's). The handler runs at most max_attempts times (5) for one message: when it
+fails on the last attempt, or a message arrives with more attempts than that, a WARNING names it,
+`on_give_up(message)` is called and the message FIN'd.
 
 Handlers run in `concurrency` worker tasks (default: max_in_flight) in the consumer's nursery, which
 take the messages in the order they arrived; with concurrency=1 messages are handled one at a time in
-order, as go-nsq's AddHandler does. Leaving the `async
+order, as go-nsq's AddHandler does. A message that waited for a worker longer than the connection's
+msg_timeout is dropped unhandled (nsqd has already given it to someone else), so a handler slower
+than msg_timeout cannot grow the waiting line. Leaving the `async
 with` normally (or `await consumer.close()`) closes cleanly: CLS on every connection, every message
 already received is handled and FIN'd, nsqd reads it all and closes. Leaving with an exception cancels
 the handlers: their messages go back to the queue after nsqd's msg_timeout.
@@ -33,9 +43,9 @@ the handlers: their messages go back to the queue after nsqd's msg_timeout.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
-import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,9 +53,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from trio_nsq.client.backoff import backoff_delay, requeue_delay_ms
+from trio_nsq.client.backoff import ExponentialBackoff, backoff_delay, requeue_delay_ms
 from trio_nsq.client.connection import ConnectOptions, Connection, NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.client.connection import connect_refusal, fresh_error
 from trio_nsq.client.lookupd import lookup_producers
+from trio_nsq.shared.names import is_valid_channel_name, is_valid_topic_name
 from trio_nsq.shared.protocol import DecodedMessage, encode_sub
 
 if TYPE_CHECKING:
@@ -58,11 +70,13 @@ class Message:
     """A message given to a handler: `.id .body .attempts .timestamp` (ns) and `.conn` it came on.
 
     The handler may answer it itself with finish(), requeue() or touch(); if it does not, the consumer
-    FINs it when the handler returns and REQs it when the handler raises. Answering a message whose
-    connection has gone is a no-op: nsqd gives the message to someone else after its msg_timeout.
+    FINs it when the handler returns and REQs it when the handler raises or returns False. After
+    disable_auto_response() the consumer does neither: the message waits, in flight, for the
+    handler's code to answer it later. Answering a message whose connection has gone is a no-op: nsqd
+    gives the message to someone else after its msg_timeout.
     """
 
-    __slots__ = ("_consumer", "conn", "id", "body", "attempts", "timestamp", "_responded")
+    __slots__ = ("_consumer", "conn", "id", "body", "attempts", "timestamp", "_responded", "auto_response")
 
     def __init__(self, consumer: Consumer, conn: Connection, decoded: DecodedMessage) -> None:
         self._consumer = consumer
@@ -72,6 +86,7 @@ class Message:
         self.attempts = decoded.attempts
         self.timestamp = decoded.timestamp
         self._responded = False
+        self.auto_response = True
 
     def __repr__(self) -> str:
         return f"Message({self.id.decode()}, attempts={self.attempts}, {len(self.body)} bytes)"
@@ -79,6 +94,11 @@ class Message:
     @property
     def has_responded(self) -> bool:
         return self._responded
+
+    def disable_auto_response(self) -> None:
+        """Answer this message later, outside the handler (go-nsq's DisableAutoResponse, pynsq's
+        enable_async): the consumer will not FIN or REQ it when the handler returns or raises."""
+        self.auto_response = False
 
     async def finish(self) -> None:
         """FIN: the message is done; nsqd forgets it. Once per message (later answers do nothing); never
@@ -107,7 +127,7 @@ class Message:
             await self.conn.drain()
 
 
-Handler = Callable[[Message], Awaitable[None]]
+Handler = Callable[[Message], "Awaitable[bool | None] | bool | None"]
 GiveUpHook = Callable[[Message], "Awaitable[None] | None"]
 
 
@@ -115,58 +135,90 @@ def _addresses(addresses: Sequence[str]) -> list[str]:
     return list(addresses)
 
 
+def _is_async(handler: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
+
+
 @attrs.define(eq=False, slots=False, repr=False)
 class Consumer(ConnectOptions):
     """Subscribes `handler` to topic/channel (see the module's docstring); the connection keywords
     (identify, auth_secret, tls, snappy, deflate, connect_timeout) are ConnectOptions'.
 
-    Raises ValueError when made without nsqd_tcp_addresses or lookupd_http_addresses, or with
-    max_in_flight < 1. Entering does not wait for a broker: an unreachable one, or one refusing
-    (E_AUTH..., a TLS failure), is logged and retried with backoff; `await consumer.wait_connected()`
-    waits for the first subscription. A handler's exception never leaves the consumer: it REQs."""
+    Raises ValueError when made without nsqd_tcp_addresses or lookupd_http_addresses, with an invalid
+    topic or channel name, or with max_in_flight < 0; TypeError when handler is not callable. Entering
+    does not wait for a broker: an unreachable one, or one refusing (E_AUTH..., a TLS failure), is
+    logged and retried with backoff; `await consumer.wait_connected()` waits for the first
+    subscription, and raises the broker's error when every broker known has refused it (E_AUTH_FAILED,
+    E_UNAUTHORIZED...). A handler's exception never leaves the consumer: it is logged and REQs."""
 
     topic: str
     channel: str
     handler: Handler
     nsqd_tcp_addresses: list[str] = attrs.field(factory=list, converter=_addresses, kw_only=True)
     lookupd_http_addresses: list[str] = attrs.field(factory=list, converter=_addresses, kw_only=True)
-    max_in_flight: int = attrs.field(default=1, kw_only=True)
-    concurrency: int = attrs.field(default=0, kw_only=True)  # 0: max_in_flight
-    max_attempts: int = attrs.field(default=5, kw_only=True)
+    max_in_flight: int = attrs.field(default=1, kw_only=True)  # go-nsq's default
+    concurrency: int = attrs.field(default=0, kw_only=True)  # 0: max_in_flight (and follows it)
+    max_attempts: int = attrs.field(default=5, kw_only=True)  # go-nsq's; 0: no limit
     on_give_up: GiveUpHook | None = attrs.field(default=None, kw_only=True)
-    # REQ delay of a failed message: requeue_delay_ms × attempts, at most max_requeue_delay_ms
-    requeue_delay_ms: int = attrs.field(default=1000, kw_only=True)
-    max_requeue_delay_ms: int = attrs.field(default=60_000, kw_only=True)
-    # backoff after a failure: backoff_base × 2**counter seconds, at most max_backoff
-    backoff_base: float = attrs.field(default=0.5, kw_only=True)
-    max_backoff: float = attrs.field(default=30.0, kw_only=True)
-    lookupd_poll_interval: float = attrs.field(default=60.0, kw_only=True)
-    rdy_redistribute_interval: float = attrs.field(default=5.0, kw_only=True)
+    # REQ delay of a failed message: requeue_delay_ms × attempts, at most max_requeue_delay_ms (go-nsq's
+    # DefaultRequeueDelay 90 s and MaxRequeueDelay 15 min: a downstream outage of minutes drops nothing)
+    requeue_delay_ms: int = attrs.field(default=90_000, kw_only=True)
+    max_requeue_delay_ms: int = attrs.field(default=900_000, kw_only=True)
+    # backoff after a failure: backoff_strategy(level) seconds (default backoff_base × 2**(level-1)),
+    # the level capped where the interval would pass max_backoff (go-nsq's 2 s first, 2 min at most)
+    backoff_base: float = attrs.field(default=2.0, kw_only=True)
+    max_backoff: float = attrs.field(default=120.0, kw_only=True)
+    backoff_strategy: Callable[[int], float] | None = attrs.field(default=None, kw_only=True)
+    lookupd_poll_interval: float = attrs.field(default=60.0, kw_only=True)  # go-nsq's
+    # with more connections than max_in_flight: how often an idle RDY moves on, and how long a busy
+    # connection may keep it while others wait (go-nsq: 5 s loop, 10 s idle, 30 s)
+    rdy_redistribute_interval: float = attrs.field(default=1.0, kw_only=True)
+    low_rdy_timeout: float = attrs.field(default=30.0, kw_only=True)
     max_reconnect_delay: float = attrs.field(default=15.0, kw_only=True)
     close_timeout: float = attrs.field(default=30.0, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if not self.nsqd_tcp_addresses and not self.lookupd_http_addresses:
             raise ValueError("give nsqd_tcp_addresses or lookupd_http_addresses")
-        if self.max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
-        self.concurrency = self.concurrency or self.max_in_flight
+        if not is_valid_topic_name(self.topic):
+            raise ValueError(f"invalid topic name {self.topic!r}")
+        if not is_valid_channel_name(self.channel):
+            raise ValueError(f"invalid channel name {self.channel!r}")
+        if not callable(self.handler):
+            raise TypeError(f"handler must be callable, not {type(self.handler).__name__}")
+        if self.max_in_flight < 0:
+            raise ValueError("max_in_flight must be 0 or more")
+        self._handler_is_async = _is_async(self.handler)
+        self._concurrency_follows = not self.concurrency
+        self.concurrency = self.concurrency or max(1, self.max_in_flight)
+        if self.backoff_strategy is None:
+            self.backoff_strategy = ExponentialBackoff(self.backoff_base)
 
         self.connections: dict[str, Connection] = {}  # subscribed connections by address
-        self.backoff_counter = 0
+        self.backoff_counter = 0  # the backoff level
         self.in_backoff = False  # RDY 0 everywhere until the backoff interval ends
         self.testing = False  # RDY 1 on one connection until a result arrives
         self.closing = False
-        self.stats = {"received": 0, "finished": 0, "requeued": 0, "failed": 0, "given_up": 0, "backoffs": 0}
+        self.stats = {"received": 0, "finished": 0, "requeued": 0, "failed": 0, "given_up": 0, "backoffs": 0,
+                      "expired": 0}
 
         self._addresses: dict[str, trio.CancelScope] = {}  # every address with a task keeping it connected
-        # Received messages wait here for a worker. Unbounded as a channel, bounded in fact: nsqd sends
-        # no more unanswered messages than RDY, and the RDY we hand out adds up to max_in_flight.
-        self._inbox_send, self._inbox = trio.open_memory_channel[Message](math.inf)
+        self._refused: dict[str, Exception] = {}  # addresses whose last attempt a broker refused (fatal error)
+        # Received messages wait here for a worker, with the time they arrived. Those that waited longer
+        # than their connection's msg_timeout are dropped (nsqd has requeued them), so what is left is
+        # at most what nsqd counts in flight for us: the RDY we gave, max_in_flight in all.
+        self._waiting: collections.deque[tuple[float, Message]] = collections.deque()
+        self._waiting_lot = trio.lowlevel.ParkingLot()
         self._unfinished = 0  # messages received and not yet through their handler
         self._unfinished_lot = trio.lowlevel.ParkingLot()
         self._connected_lot = trio.lowlevel.ParkingLot()
-        self._rotation = 0
+        self._rotation = 0  # which connection tests the water after a backoff
+        # more connections than max_in_flight: those holding RDY 1, when each got it, when each last
+        # held it (the longest without goes first), and its messages_received at the last round
+        self._holders: list[Connection] = []
+        self._granted_at: dict[Connection, float] = {}
+        self._last_held: dict[Connection, float] = {}
+        self._received_at_round: dict[Connection, int] = {}
         self._tasks = OwnedNursery()
         self._nursery: trio.Nursery | None = None  # handlers
         self._bg: trio.Nursery | None = None  # connections, discovery, RDY rotation, backoff timer
@@ -183,6 +235,16 @@ class Consumer(ConnectOptions):
         if self._bg is None:
             raise RuntimeError(f"{self} is not running")
         return self._bg
+
+    @property
+    def waiting(self) -> int:
+        """Messages received and waiting for a worker."""
+        return len(self._waiting)
+
+    def is_starved(self) -> bool:
+        """True when some connection has 85 % or more of its RDY in flight (go-nsq's IsStarved): a
+        handler that batches messages should process its batch now, as no more may come."""
+        return any(conn.in_flight > 0 and conn.in_flight >= int(conn.rdy * 0.85) for conn in self._live())
 
     # --- life ---------------------------------------------------------------------------------
 
@@ -224,6 +286,7 @@ class Consumer(ConnectOptions):
             return
         self._close_started = True
         self.closing = True
+        self._connected_lot.unpark_all()
         with trio.move_on_after(self.close_timeout) as scope:
             async with trio.open_nursery() as nursery:
                 for conn in list(self.connections.values()):
@@ -241,10 +304,33 @@ class Consumer(ConnectOptions):
         await trio.lowlevel.checkpoint()
 
     async def wait_connected(self, count: int = 1) -> None:
-        """Wait until at least `count` connections are subscribed."""
+        """Wait until at least `count` connections are subscribed.
+
+        Raises the broker's NSQError when every broker known refused the last attempt with a fatal
+        error (the consumer goes on retrying), and trio.ClosedResourceError once closing."""
         while len(self.connections) < count:
+            if self.closing:
+                raise trio.ClosedResourceError(f"{self} is closed")
+            if self._refused and not self.connections and self._refused.keys() >= self._addresses.keys():
+                raise fresh_error(next(reversed(self._refused.values())))
             await self._connected_lot.park()
         await trio.lowlevel.checkpoint()
+
+    def change_max_in_flight(self, max_in_flight: int) -> None:
+        """Change max_in_flight now (go-nsq's ChangeMaxInFlight, pynsq's set_max_in_flight): the RDY of
+        every connection follows at once. 0 pauses (RDY 0 everywhere); above 0 again resumes. With
+        the default concurrency, workers are added to match a higher max_in_flight."""
+        if max_in_flight < 0:
+            raise ValueError("max_in_flight must be 0 or more")
+        self.max_in_flight = max_in_flight
+        if self._concurrency_follows and max_in_flight > self.concurrency:
+            if self._nursery is not None:
+                for _ in range(max_in_flight - self.concurrency):
+                    self._nursery.start_soon(self._worker)
+            self.concurrency = max_in_flight
+        del self._holders[max_in_flight:]
+        log.info("%s: max_in_flight %d", self, max_in_flight)
+        self._apply_rdy()
 
     # --- connections --------------------------------------------------------------------------
 
@@ -260,6 +346,7 @@ class Consumer(ConnectOptions):
         finally:
             if self._addresses.get(address) is scope:
                 del self._addresses[address]
+            self._refused.pop(address, None)
 
     async def _keep_connected(self, address: str) -> None:
         failures = 0
@@ -278,8 +365,15 @@ class Consumer(ConnectOptions):
                         self._detach(address, conn)
                     if not self.closing:
                         log.warning("%s: lost %s - %s", self, address, conn.close_reason)
-            except (OSError, NSQConnectionError, NSQError, trio.TooSlowError, ValueError) as exc:
-                log.warning("%s: cannot connect to %s - %s", self, address, exc)
+            except (OSError, NSQConnectionError, NSQError, trio.BrokenResourceError, trio.TooSlowError,
+                    ValueError) as exc:
+                refusal = connect_refusal(address, exc)
+                log.warning("%s: cannot connect to %s - %s", self, address, refusal or exc)
+                if refusal is not None:
+                    self._refused[address] = refusal  # wait_connected raises it once every broker refused
+                    self._connected_lot.unpark_all()
+                else:
+                    self._refused.pop(address, None)
             if self.closing:
                 return
             failures += 1
@@ -287,6 +381,7 @@ class Consumer(ConnectOptions):
 
     def _attach(self, address: str, conn: Connection) -> None:
         self.connections[address] = conn
+        self._refused.pop(address, None)
         log.info("%s: subscribed on %s (max_rdy_count %d, msg_timeout %d ms)", self, address,
                  conn.max_rdy_count, conn.msg_timeout)
         self._connected_lot.unpark_all()
@@ -295,6 +390,10 @@ class Consumer(ConnectOptions):
     def _detach(self, address: str, conn: Connection) -> None:
         if self.connections.get(address) is conn:
             del self.connections[address]
+        if conn in self._holders:
+            self._holders.remove(conn)
+        for state in (self._granted_at, self._last_held, self._received_at_round):
+            state.pop(conn, None)
         self._apply_rdy()
 
     async def _poll_lookupd(self) -> None:
@@ -310,7 +409,7 @@ class Consumer(ConnectOptions):
         found: set[str] = set()
         everyone_answered = True
         for lookupd in self.lookupd_http_addresses:
-            producers = await lookup_producers(client, lookupd, self.topic)
+            producers = await lookup_producers(client, lookupd, self.topic, auth_secret=self.auth_secret)
             if producers is None:
                 everyone_answered = False
             else:
@@ -337,7 +436,7 @@ class Consumer(ConnectOptions):
         live = self._live()
         if not live:
             return {}
-        if self.in_backoff:
+        if self.in_backoff or self.max_in_flight == 0:
             return {conn: 0 for conn in live}
         if self.testing:
             chosen = live[self._rotation % len(live)]
@@ -346,8 +445,20 @@ class Consumer(ConnectOptions):
         if n <= self.max_in_flight:
             share, extra = divmod(self.max_in_flight, n)
             return {conn: min(conn.max_rdy_count, share + (1 if i < extra else 0)) for i, conn in enumerate(live)}
-        chosen_idx = {(self._rotation + i) % n for i in range(self.max_in_flight)}
-        return {conn: 1 if i in chosen_idx else 0 for i, conn in enumerate(live)}
+        self._fill_holders(live)
+        return {conn: 1 if conn in self._holders else 0 for conn in live}
+
+    def _fill_holders(self, live: list[Connection]) -> None:
+        """Up to max_in_flight connections hold RDY 1: a free place goes to the connection that has
+        waited longest since it last held RDY (one that never did first)."""
+        self._holders = [conn for conn in self._holders if conn in live][: self.max_in_flight]
+        waiting = sorted((conn for conn in live if conn not in self._holders),
+                         key=lambda conn: self._last_held.get(conn, -1.0))
+        now = trio.current_time()
+        for conn in waiting[: self.max_in_flight - len(self._holders)]:
+            self._holders.append(conn)
+            self._granted_at[conn] = self._last_held[conn] = now
+            self._received_at_round[conn] = conn.messages_received
 
     def _apply_rdy(self) -> None:
         if self.closing:
@@ -373,8 +484,8 @@ class Consumer(ConnectOptions):
             self._send_rdy(conn, self.rdy_plan().get(conn, conn.rdy))
 
     async def _rdy_loop(self) -> None:
-        """Rotate RDY among connections when there are more of them than max_in_flight, and move the
-        test RDY 1 of backoff to another connection when the tested one has nothing to deliver."""
+        """Move RDY to where the messages are when there are more connections than max_in_flight, and
+        move the test RDY 1 of backoff to another connection when the tested one has nothing to deliver."""
         while True:
             await trio.sleep(self.rdy_redistribute_interval)
             live = self._live()
@@ -385,11 +496,31 @@ class Consumer(ConnectOptions):
                 if any(count and conn.in_flight == 0 for conn, count in tested.items()):
                     self._rotation += 1
                     self._apply_rdy()
-            elif len(live) > self.max_in_flight:
-                self._rotation += self.max_in_flight
-                self._apply_rdy()
+            elif len(live) > self.max_in_flight > 0:
+                self._redistribute(live)
+
+    def _redistribute(self, live: list[Connection]) -> None:
+        """A holder that received nothing since the last round gives its RDY up (its broker has
+        nothing for us now), and so does one that has held it for low_rdy_timeout while others wait;
+        the RDY goes to those that have waited longest (go-nsq's redistributeRDY, without its coin)."""
+        now = trio.current_time()
+        for conn in list(self._holders):
+            held_for = now - self._granted_at.get(conn, now)
+            # idle: nothing arrived in the last round, and it held RDY for most of that round
+            idle = conn.messages_received == self._received_at_round.get(conn) \
+                and held_for >= self.rdy_redistribute_interval / 2
+            if idle or held_for >= self.low_rdy_timeout:
+                log.debug("%s: %s gives up RDY (%s)", self, conn, "idle" if idle else "low_rdy_timeout")
+                self._holders.remove(conn)
+                self._last_held[conn] = now
+            self._received_at_round[conn] = conn.messages_received
+        self._apply_rdy()
 
     # --- backoff ------------------------------------------------------------------------------
+
+    def _backoff_interval(self, level: int) -> float:
+        assert self.backoff_strategy is not None
+        return self.backoff_strategy(level)
 
     def _backoff_signal(self, success: bool) -> None:
         if self.in_backoff or self.closing or self.max_backoff <= 0 or self._bg_scope.cancel_called:
@@ -397,18 +528,24 @@ class Consumer(ConnectOptions):
         if success:
             if self.backoff_counter == 0:
                 return
+            # one success steps the level down by one (go-nsq, pynsq): a long outage is not forgotten
+            # on one good message
             self.backoff_counter -= 1
-            if self.testing:
+            if self.backoff_counter == 0:
                 self.testing = False
-                log.info("%s: backoff test passed, resuming (counter %d)", self, self.backoff_counter)
+                log.warning("%s: exiting backoff, returning all to RDY", self)
                 self._apply_rdy()
-            return
-        self.backoff_counter += 1
-        self.stats["backoffs"] += 1
+                return
+        else:
+            # the level stops where the next interval would pass max_backoff
+            if self._backoff_interval(self.backoff_counter + 1) <= self.max_backoff:
+                self.backoff_counter += 1
+            self.stats["backoffs"] += 1
         self.in_backoff = True
         self.testing = False
-        delay = backoff_delay(self.backoff_counter, base=self.backoff_base, cap=self.max_backoff)
-        log.warning("%s: backing off for %.3fs (counter %d)", self, delay, self.backoff_counter)
+        delay = min(self._backoff_interval(self.backoff_counter), self.max_backoff)
+        log.warning("%s: backing off for %.3fs (backoff level %d), setting all to RDY 0", self, delay,
+                    self.backoff_counter)
         self._apply_rdy()
         self.bg.start_soon(self._end_backoff_after, delay)
 
@@ -425,37 +562,83 @@ class Consumer(ConnectOptions):
         """Called by a connection's reader for every message frame: hand it to the workers."""
         self.stats["received"] += 1
         self._unfinished += 1
-        self._inbox_send.send_nowait(Message(self, conn, decoded))
+        now = trio.current_time()
+        self._drop_expired(now)
+        self._waiting.append((now, Message(self, conn, decoded)))
+        self._waiting_lot.unpark()
         self._maybe_update_rdy(conn)
 
+    def _expired(self, received_at: float, msg: Message, now: float) -> bool:
+        return now - received_at >= msg.conn.msg_timeout / 1000
+
+    def _drop_expired(self, now: float) -> None:
+        while self._waiting and self._expired(*self._waiting[0], now):
+            self._drop(self._waiting.popleft()[1])
+
+    def _drop(self, msg: Message) -> None:
+        """A message that waited for a worker longer than msg_timeout: nsqd has already requeued it
+        (a FIN or REQ now would fail), so it is dropped without running the handler."""
+        msg._responded = True
+        msg.conn._responded()  # no longer in flight on our side: a clean close does not wait for it
+        self.stats["expired"] += 1
+        log.warning("%s: %s waited longer than msg_timeout (%d ms) for a handler; nsqd has requeued it, "
+                    "dropped (a handler slower than msg_timeout: lower max_in_flight or call touch())",
+                    self, msg, msg.conn.msg_timeout)
+        self._one_unfinished_less()
+
+    def _one_unfinished_less(self) -> None:
+        self._unfinished -= 1
+        if not self._unfinished:
+            self._unfinished_lot.unpark_all()
+
     async def _worker(self) -> None:
-        async for msg in self._inbox:
+        while True:
+            while not self._waiting:
+                await self._waiting_lot.park()
+            received_at, msg = self._waiting.popleft()
+            if self._expired(received_at, msg, trio.current_time()):
+                self._drop(msg)
+                continue
             try:
                 await self._process(msg)
             finally:
-                self._unfinished -= 1
-                if not self._unfinished:
-                    self._unfinished_lot.unpark_all()
+                self._one_unfinished_less()
+
+    async def _call_handler(self, msg: Message) -> Any:
+        if self._handler_is_async:
+            return await self.handler(msg)  # type: ignore[misc]
+        # a plain function (pynsq's style) runs in a thread, one per worker at most
+        result = await trio.to_thread.run_sync(self.handler, msg)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
 
     async def _process(self, msg: Message) -> None:
         if self.max_attempts and msg.attempts > self.max_attempts:
             await self._give_up(msg)
             return
         try:
-            await self.handler(msg)
+            result = await self._call_handler(msg)
         except Exception as exc:
             self.stats["failed"] += 1
-            log.warning("%s: handler failed for %s - %r", self, msg, exc)
-            if msg.has_responded:
-                return
-            if self.max_attempts and msg.attempts >= self.max_attempts:
-                self._backoff_signal(False)
-                await self._give_up(msg)
-            else:
-                await msg.requeue()
+            log.warning("%s: handler failed for %s - %r", self, msg, exc, exc_info=True)
+            await self._failed(msg)
             return
-        if not msg.has_responded:
+        if result is False:  # pynsq's "requeue"
+            self.stats["failed"] += 1
+            log.info("%s: handler returned False for %s; requeued", self, msg)
+            await self._failed(msg)
+        elif not msg.has_responded and msg.auto_response:
             await msg.finish()
+
+    async def _failed(self, msg: Message) -> None:
+        if msg.has_responded or not msg.auto_response:
+            return
+        if self.max_attempts and msg.attempts >= self.max_attempts:
+            self._backoff_signal(False)
+            await self._give_up(msg)
+        else:
+            await msg.requeue()
 
     async def _give_up(self, msg: Message) -> None:
         log.warning("%s: giving up on %s after %d attempts", self, msg, msg.attempts)

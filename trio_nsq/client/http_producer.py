@@ -9,7 +9,7 @@ import attrs
 import trio
 
 from trio_nsq.client.backoff import backoff_delay
-from trio_nsq.client.connection import NSQConnectionError, NSQError, OwnedNursery
+from trio_nsq.client.connection import NSQConnectionError, NSQError, OwnedNursery, fresh_error
 from trio_nsq.shared.protocol import encode_mpub_body
 
 if TYPE_CHECKING:
@@ -22,6 +22,39 @@ def _base_url(url: str) -> str:
     return (url if "://" in url else f"http://{url}").rstrip("/")
 
 
+class Queued:
+    """A message HTTPProducer.pub() queued: `await queued.wait()` returns once nsqd stored it and raises
+    its own error (NSQError for nsqd's refusal of this body, e.g. MSG_TOO_BIG; NSQConnectionError when it
+    could not be delivered). `error` holds that error once answered, `answered` says whether it is."""
+
+    __slots__ = ("topic", "body", "error", "answered", "_event")
+
+    def __init__(self, topic: str, body: bytes) -> None:
+        self.topic = topic
+        self.body = body
+        self.error: Exception | None = None
+        self.answered = False
+        self._event: trio.Event | None = None  # made only for a caller that waits
+
+    def __repr__(self) -> str:
+        state = "queued" if not self.answered else "failed" if self.error else "published"
+        return f"Queued({self.topic}, {len(self.body)} bytes, {state})"
+
+    def _answer(self, error: Exception | None) -> None:
+        self.error, self.answered = error, True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if not self.answered:
+            self._event = self._event or trio.Event()
+            await self._event.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        if self.error is not None:
+            raise fresh_error(self.error)
+
+
 @attrs.define(eq=False, slots=False)
 class HTTPProducer:
     """`async with HTTPProducer("http://127.0.0.1:4151") as hp: await hp.pub("t", b"x"); await hp.flush()`.
@@ -32,10 +65,15 @@ class HTTPProducer:
     /mpub?binary=true (so bodies may contain newlines). The queue is bounded by `max_queued` messages:
     pub() waits for room. dpub() posts at once to /pub?defer=.
 
-    A batch nsqd refuses (NSQError with nsqd's message as code, e.g. MSG_TOO_BIG, and the HTTP status)
-    or that cannot be delivered (NSQConnectionError) is counted in `failed` and the first such error is
-    raised by the next pub() or flush(), and by leaving the `async with` normally. A connection refused
-    is retried `retries` times with backoff (nothing was sent, so nothing can be duplicated).
+    pub() returns the message's `Queued`, whose `wait()` raises that message's own error. nsqd refuses
+    a whole /mpub for one bad body (413 BAD_MESSAGE: too big or empty) or for its size (413
+    BODY_TOO_BIG), storing none of it: the batch is then posted again in halves, down to the bodies
+    nsqd refuses, so the others are published and only the bad ones fail (log2(batch) more requests per
+    bad body). A message nsqd refuses (NSQError with nsqd's message as code, e.g. MSG_TOO_BIG, and the
+    HTTP status) or that cannot be delivered (NSQConnectionError) is counted in `failed`; flush(), and
+    leaving the `async with` normally, raise the first such error since the last flush. pub() never
+    raises another message's error. A connection refused is retried `retries` times with backoff
+    (nothing was sent, so nothing can be duplicated).
     """
 
     url: str = attrs.field(converter=_base_url)
@@ -51,7 +89,7 @@ class HTTPProducer:
         self.failed = 0  # messages in refused or undeliverable batches
         self.posts = 0  # HTTP requests made
 
-        self._queues: dict[str, list[bytes]] = {}  # waiting for the sender
+        self._queues: dict[str, list[Queued]] = {}  # waiting for the sender
         self._unsent = 0
         self._unsent_bytes = 0
         self._queued = 0  # queued and not yet answered by nsqd (includes the batch being posted)
@@ -82,25 +120,25 @@ class HTTPProducer:
             try:
                 suppressed = await self._tasks.close(exc_info)
             finally:
+                for queued in self._queues.values():  # left with an exception: never sent
+                    for message in queued:
+                        message._answer(NSQConnectionError(f"{self.url}: the producer closed",
+                                                           maybe_processed=False))
                 if self._client is not None:
                     with trio.CancelScope(shield=True):
                         await self._client.aclose()
         return suppressed
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    async def pub(self, topic: str, body: bytes) -> None:
-        """Queue one message (waits while `max_queued` are queued)."""
+    async def pub(self, topic: str, body: bytes) -> Queued:
+        """Queue one message (waits while `max_queued` are queued); `await (await pub(...)).wait()` waits
+        for nsqd's answer to this one."""
         if not self._open:
             raise RuntimeError("HTTPProducer is not open")
-        self._raise_error()
         while self._queued >= self.max_queued:
             await self._room_lot.park()
+        queued = Queued(topic, body)
         queue = self._queues.setdefault(topic, [])
-        queue.append(body)
+        queue.append(queued)
         self._queued += 1
         self._unsent += 1
         self._unsent_bytes += len(body)
@@ -108,10 +146,10 @@ class HTTPProducer:
         if len(queue) >= self.batch_size or self._unsent_bytes >= self.batch_bytes:
             self._batch_ready.set()
         await trio.lowlevel.checkpoint()
+        return queued
 
-    async def mpub(self, topic: str, bodies: list[bytes]) -> None:
-        for body in bodies:
-            await self.pub(topic, body)
+    async def mpub(self, topic: str, bodies: list[bytes]) -> list[Queued]:
+        return [await self.pub(topic, body) for body in bodies]
 
     async def dpub(self, topic: str, delay_ms: int, body: bytes) -> None:
         """Publish one deferred message now (/pub?defer=delay_ms); raises its error."""
@@ -124,7 +162,9 @@ class HTTPProducer:
         while self._queued:
             await self._idle_lot.park()
         await trio.lowlevel.checkpoint()
-        self._raise_error()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise fresh_error(error)
 
     async def _sender(self) -> None:
         while True:
@@ -143,32 +183,48 @@ class HTTPProducer:
             if not self._queued:
                 self._idle_lot.unpark_all()
 
-    def _batches(self, bodies: list[bytes]) -> list[list[bytes]]:
-        batches: list[list[bytes]] = []
-        batch: list[bytes] = []
+    def _batches(self, queued: list[Queued]) -> list[list[Queued]]:
+        batches: list[list[Queued]] = []
+        batch: list[Queued] = []
         size = 0
-        for body in bodies:
-            if batch and (len(batch) >= self.batch_size or size + len(body) > self.batch_bytes):
+        for message in queued:
+            if batch and (len(batch) >= self.batch_size or size + len(message.body) > self.batch_bytes):
                 batches.append(batch)
                 batch, size = [], 0
-            batch.append(body)
-            size += len(body)
+            batch.append(message)
+            size += len(message.body)
         if batch:
             batches.append(batch)
         return batches
 
-    async def _post_batch(self, topic: str, batch: list[bytes]) -> None:
+    async def _post_batch(self, topic: str, batch: list[Queued]) -> None:
         try:
             if len(batch) == 1:
-                await self._post_retrying("/pub", {"topic": topic}, batch[0])
+                await self._post_retrying("/pub", {"topic": topic}, batch[0].body)
             else:
-                await self._post_retrying("/mpub", {"topic": topic, "binary": "true"}, encode_mpub_body(batch))
-        except (NSQError, NSQConnectionError) as exc:
-            log.error("HTTP PRODUCER: %d messages for %s failed - %s", len(batch), topic, exc)
-            self.failed += len(batch)
-            self._error = self._error or exc
+                body = encode_mpub_body([message.body for message in batch])
+                await self._post_retrying("/mpub", {"topic": topic, "binary": "true"}, body)
+        except NSQError as exc:
+            if len(batch) > 1 and exc.status == 413:
+                # nsqd stored none of it: halves, down to the bodies it refuses, publish the others
+                half = len(batch) // 2
+                await self._post_batch(topic, batch[:half])
+                await self._post_batch(topic, batch[half:])
+            else:
+                self._failed(topic, batch, exc)
+        except NSQConnectionError as exc:
+            self._failed(topic, batch, exc)
         else:
             self.published += len(batch)
+            for message in batch:
+                message._answer(None)
+
+    def _failed(self, topic: str, batch: list[Queued], error: Exception) -> None:
+        log.error("HTTP PRODUCER: %d message(s) for %s failed - %s", len(batch), topic, error)
+        self.failed += len(batch)
+        self._error = self._error or error
+        for message in batch:
+            message._answer(error)
 
     async def _post_retrying(self, path: str, params: dict[str, str], content: bytes) -> None:
         import httpx

@@ -23,14 +23,13 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import random
 import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 from trio_nsq.shared.addresses import join_host_port
-from trio_nsq.spark.publisher import _broker_message, host_port
+from trio_nsq.spark.publisher import KeptConnection, _broker_message, host_port
 
 log = logging.getLogger("trio_nsq.spark")
 
@@ -106,7 +105,7 @@ def normal_address(address: str, default_port: int = 4151) -> str:
     return join_host_port(host, port)
 
 
-class LogClient:
+class LogClient(KeptConnection):
     """One broker's /log API over one kept-alive HTTP/1.1 connection. A request that fails to get an
     answer (connection refused or reset, timeout, 5xx) is tried again `max_retries` times after
     `retry_backoff * 2**attempt` seconds (at most `retry_backoff_max`, with jitter); every /log request is
@@ -115,54 +114,15 @@ class LogClient:
 
     def __init__(self, address: str, *, timeout: float = 30.0, max_retries: int = 8, retry_backoff: float = 0.5,
                  retry_backoff_max: float = 5.0, sleep=time.sleep) -> None:
+        super().__init__(timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff,
+                         retry_backoff_max=retry_backoff_max, sleep=sleep)
         self.address = normal_address(address)
         self._host, self._port = host_port(address, 4151)
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.retry_backoff = retry_backoff
-        self.retry_backoff_max = retry_backoff_max
-        self._sleep = sleep
-        self._conn: http.client.HTTPConnection | None = None
-        self._fresh = False
 
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def __enter__(self) -> LogClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _address(self) -> tuple[str, int]:
+        return self._host, self._port
 
     # --- HTTP ------------------------------------------------------------------------------------
-
-    def _once(self, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
-        """One request on the kept connection; a kept connection the server closed meanwhile is reopened
-        once at no cost (that is not a failure of the broker)."""
-        for _ in range(2):
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
-                self._fresh = True
-            reused = not self._fresh
-            self._fresh = False
-            try:
-                self._conn.request(method, path, headers={"Accept": "application/json"})
-                response = self._conn.getresponse()
-                data = response.read()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                self.close()
-                if reused:
-                    continue
-                raise
-            except BaseException:
-                self.close()
-                raise
-            if response.will_close:
-                self.close()
-            return response.status, {k.lower(): v for k, v in response.getheaders()}, data
-        raise AssertionError("unreachable")
 
     def request(self, method: str, endpoint: str, **params: Any) -> tuple[dict[str, str], bytes]:
         """`method endpoint?params` -> (headers, body) of a 200; LogAPIError for a 4xx answer,
@@ -172,15 +132,15 @@ class LogClient:
         error = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
-                delay = min(self.retry_backoff_max, self.retry_backoff * 2 ** (attempt - 1))
-                self._sleep(delay * random.uniform(0.8, 1.2))
+                self._sleep(self._backoff(attempt))
             try:
-                status, headers, data = self._once(method, path)
+                response, data = self._send(method, path, None, {"Accept": "application/json"})
             except (OSError, http.client.HTTPException) as exc:
                 error = repr(exc)
                 continue
+            status = response.status
             if status == 200:
-                return headers, data
+                return {k.lower(): v for k, v in response.getheaders()}, data
             if status < 500:
                 raise LogAPIError(self.address, f"{method} {path}", status, _broker_message(data))
             error = f"{status} {_broker_message(data)}"

@@ -272,9 +272,10 @@ def read_settings(options: dict[str, str], batch: bool = False):
 # option name -> (default, meaning); the README's table says the same. Spark hands them lower-cased.
 LOG_OPTIONS: dict[str, tuple[str | None, str]] = {
     "topic": (None, "the topic to read"),
-    "channel": (None, "streams only, required: the name of the query's durable cursor on each broker (a channel "
-                      "whose depth is the query's lag); the same on every restart from one checkpoint, another "
-                      "for each query"),
+    "channel": (None, "streams only, optional: the name of a durable cursor the query keeps on each broker (a "
+                      "channel whose depth is the query's lag, pinning retention from the query's place); the same "
+                      "on every restart from one checkpoint, another for each query. Without it nothing is kept "
+                      "on the brokers: the query's place is in its checkpoint alone, as with Kafka"),
     "nsqd_http_address": (None, "trio-nsqd HTTP address(es), comma-separated: host:4151[,host2:4151]"),
     "lookupd_http_address": (None, "nsqlookupd HTTP address(es), comma-separated: the topic's brokers are found "
                                    "there (again for every micro-batch)"),
@@ -287,7 +288,11 @@ LOG_OPTIONS: dict[str, tuple[str | None, str]] = {
     "endingTimestamp": (None, "spark.read only, unix ms: end before each broker's first record published at or "
                               "after it (wins over endingOffsets)"),
     "maxOffsetsPerTrigger": (None, "streams only: records per micro-batch, at most, shared over the brokers by "
-                                   "their backlog"),
+                                   "their backlog (a broker with a backlog gets at least one)"),
+    "minOffsetsPerTrigger": (None, "streams only: records a micro-batch waits for, at least, unless "
+                                   "maxTriggerDelay has passed since the last micro-batch"),
+    "maxTriggerDelay": ("15m", "streams only, with minOffsetsPerTrigger: the longest wait for a micro-batch, as "
+                               "a duration (500ms, 30s, 15m, 1h; a bare number is milliseconds)"),
     "maxBytesPerTrigger": (None, "streams only: bytes of records (as stored, headers included) per micro-batch; "
                                  "a broker given a share takes at least one record"),
     "minPartitions": (None, "tasks per read, at least: the largest ranges are cut at record boundaries"),
@@ -296,12 +301,26 @@ LOG_OPTIONS: dict[str, tuple[str | None, str]] = {
     "read_max_bytes": (str(4 << 20), "bytes per HTTP read of a task, at most (1 to 67108864)"),
     "max_bytes_per_partition": (str(64 << 20), "bytes of records per task, at most: a larger range of a broker "
                                                "is cut at record boundaries (a task each 64 MiB by default)"),
+    "broker_gone_timeout": ("1h", "streams only: a broker that has not answered for this long (a duration, as "
+                                  "maxTriggerDelay) leaves the query: records it still had to read are a data loss "
+                                  "(failOnDataLoss), and it is asked again once per such period"),
     "mode": ("auto", "log: read by position (trio-nsqd's log); channel: consume a channel (the channel source); "
                      "auto: log when the options are the positional reader's and the brokers have the /log API"),
 }
 MAX_READ_BYTES = 64 << 20  # the broker's cap for one /log/read
 _LOG_NAMES = {name.lower(): name for name in LOG_OPTIONS}  # as Spark hands them -> as documented
-STREAM_ONLY = ("maxOffsetsPerTrigger", "maxBytesPerTrigger")
+STREAM_ONLY = ("maxOffsetsPerTrigger", "maxBytesPerTrigger", "minOffsetsPerTrigger", "maxTriggerDelay",
+               "broker_gone_timeout")
+# Kafka source options with no meaning here (lower-cased, as Spark hands them): named as such, not "did you
+# mean" a supported option that often means the opposite (a hint where there is an equivalent)
+KAFKA_UNSUPPORTED = {
+    "kafka.bootstrap.servers": "nsqd_http_address or lookupd_http_address", "subscribe": "topic",
+    "subscribepattern": "topic", "assign": "startingOffsets (JSON)", "groupidprefix": "channel",
+    "kafka.group.id": "channel", "includeheaders": "", "startingoffsetsbytimestamp": "startingTimestamp",
+    "endingoffsetsbytimestamp": "endingTimestamp", "startingoffsetsbytimestampstrategy": "",
+    "kafkaconsumer.polltimeoutms": "", "fetchoffset.numretries": "", "fetchoffset.retryintervalms": "",
+    "maxrecordsperpartition": "max_bytes_per_partition",
+}
 BATCH_ONLY = ("endingOffsets", "endingTimestamp")
 # the channel source's own options (READ_OPTIONS and BATCH_READ_OPTIONS, less those both sources take)
 CHANNEL_ONLY = tuple(name for name in {**READ_OPTIONS, **BATCH_READ_OPTIONS}
@@ -325,6 +344,9 @@ class LogSettings:
     ending_timestamp: int | None = None
     max_records: int | None = None
     max_bytes: int | None = None
+    min_records: int | None = None  # minOffsetsPerTrigger
+    max_trigger_delay_ms: int = 15 * 60 * 1000
+    broker_gone_ms: int = 3600 * 1000
     min_partitions: int | None = None
     fail_on_data_loss: bool = True
     read_max_bytes: int = 4 << 20
@@ -359,6 +381,20 @@ def _log_integer(options: dict[str, str], name: str, minimum: int, maximum: int 
         bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
         raise ValueError(f"nsq: option {name}={text!r} must be an integer {bound}; {LOG_OPTIONS[name][1]}")
     return value
+
+
+DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _duration_ms(options: dict[str, str], name: str) -> int:
+    """A duration option (as Spark's: 500ms, 30s, 15m, 1h, 1d; a bare number is milliseconds) in ms."""
+    text = (options.get(name.lower()) or LOG_OPTIONS[name][0] or "").strip().lower()
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+    unit = text[len(number):].strip() or "ms"
+    if not number.isdigit() or unit not in DURATION_UNITS_MS:
+        raise ValueError(f"nsq: option {name}={text!r} must be a duration such as 500ms, 30s, 15m or 1h; "
+                         f"{LOG_OPTIONS[name][1]}")
+    return int(number) * DURATION_UNITS_MS[unit]
 
 
 def parse_offsets_option(name: str, text: str, topic: str) -> dict[str, tuple[str | None, int]]:
@@ -402,6 +438,11 @@ def _unknown_log_options(options: dict[str, str], batch: bool) -> None:
         if name in CHANNEL_ONLY:
             hints.append(f"{name!r} (the channel source's: set mode=channel to consume a channel)")
             continue
+        if name in KAFKA_UNSUPPORTED:
+            instead = KAFKA_UNSUPPORTED[name]
+            hints.append(f"{name!r} (a Kafka option trio-nsq does not support" + (f"; see {instead}" if instead
+                                                                                   else "") + ")")
+            continue
         close = difflib.get_close_matches(name, list(_LOG_NAMES), n=1)
         hints.append(f"{name!r}" + (f" (did you mean {_LOG_NAMES[close[0]]!r}?)" if close else ""))
     kind = "spark.read" if batch else "spark.readStream"
@@ -431,13 +472,7 @@ def log_settings(options: dict[str, str], batch: bool) -> LogSettings:
     if batch and channel is not None:
         raise ValueError("nsq: spark.read by position takes no channel (it commits nothing): drop "
                          ".option('channel', ...), or set mode=channel to consume the channel's messages")
-    if not batch:
-        if channel is None:
-            raise ValueError(
-                "nsq: reading a stream by position needs .option('channel', 'name'): the name of this query's "
-                "durable cursor on each broker (it keeps the log from the query's place on, and shows its "
-                "lag). Use the same name on every restart from the same checkpoint, and another name for each "
-                "query (PySpark gives a source no checkpoint location to derive one from)")
+    if not batch and channel is not None:
         from trio_nsq.shared.names import is_valid_channel_name
 
         if not is_valid_channel_name(channel) or channel.endswith("#ephemeral"):
@@ -485,6 +520,9 @@ def log_settings(options: dict[str, str], batch: bool) -> LogSettings:
         ending_timestamp=_log_integer(options, "endingTimestamp", 0) if batch else None,
         max_records=None if batch else _log_integer(options, "maxOffsetsPerTrigger", 1),
         max_bytes=None if batch else _log_integer(options, "maxBytesPerTrigger", 1),
+        min_records=None if batch else _log_integer(options, "minOffsetsPerTrigger", 1),
+        max_trigger_delay_ms=_duration_ms(options, "maxTriggerDelay"),
+        broker_gone_ms=_duration_ms(options, "broker_gone_timeout"),
         min_partitions=_log_integer(options, "minPartitions", 1),
         fail_on_data_loss=fail == "true", read_max_bytes=read_max_bytes,
         max_bytes_per_partition=_log_integer(options, "max_bytes_per_partition", 1) or 64 << 20)
@@ -503,7 +541,8 @@ def explicit_mode(options: dict[str, str]) -> str:
 def choose_source(options: dict[str, str]) -> tuple[str, str]:
     """("log" or "channel", why), by the `mode` option. With mode=auto (the default): the channel source when
     the options are the channel source's (a query written for it reads as it did: the same `channel`
-    option means a channel consumed there, a cursor here), else the positional reader when every broker
+    option means a channel consumed there, a cursor here; without a `channel` it cannot run), else the
+    positional reader when every broker
     that answers has the /log API (GET /log/positions; 404 TOPIC_NOT_FOUND is a trio-nsqd whose topic does
     not exist yet). A broker that does not answer does not count: one down for a restart must not switch a
     query to the other source, whose offsets have another form."""
@@ -518,10 +557,11 @@ def choose_source(options: dict[str, str]) -> tuple[str, str]:
         return "channel", f"option {channel_only[0]} is the channel source's"
     positional = [name for name in _LOG_NAMES if name in options and name not in
                   ("topic", "channel", "lookupd_http_address", "mode")]
-    if not positional:
+    if not positional and "channel" in options:
         return "channel", ("no option is the positional reader's alone (nsqd_http_address, startingOffsets, ...): "
                            "these options consume a channel, as before the positional reader existed; set "
                            "mode=log to read by position")
+    # (without a channel the channel source cannot run; the positional reader needs none, as Kafka's)
     topic = options.get("topic") or options.get("path") or ""
     if topic.endswith("#ephemeral"):
         return "channel", f"topic {topic!r} is #ephemeral: it keeps no log"

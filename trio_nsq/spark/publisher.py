@@ -19,6 +19,7 @@ import random
 import time
 import urllib.parse
 from collections.abc import Iterator
+from typing import Self
 
 from trio_nsq.shared.protocol import encode_mpub_body
 
@@ -168,7 +169,75 @@ def at_least_once_once(reason: str) -> None:
         log.warning("nsq: %s: delivery is at least once (a retried task or request may publish twice)", reason)
 
 
-class MPubClient:
+class KeptConnection:
+    """One HTTP/1.1 connection kept open from request to request, and the retry settings, of the package's
+    two clients of a broker's HTTP API: MPubClient (the writer's /mpub) and log_client.LogClient (the
+    reader's /log). A subclass says where a new connection goes (`_address`) and what it forgets when one
+    is opened (`_opened`). Not thread-safe: one client per thread."""
+
+    def __init__(self, *, timeout: float, max_retries: int, retry_backoff: float, retry_backoff_max: float,
+                 sleep=time.sleep) -> None:
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.retry_backoff_max = retry_backoff_max
+        self._sleep = sleep
+        self._conn: http.client.HTTPConnection | None = None
+        self._fresh = False
+
+    def _address(self) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def _opened(self) -> None:
+        """A new connection was opened (maybe to another broker)."""
+
+    def _backoff(self, attempt: int) -> float:
+        """The pause before retry `attempt` (1, 2, ...): doubling from retry_backoff up to retry_backoff_max,
+        with jitter."""
+        return min(self.retry_backoff_max, self.retry_backoff * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, method: str, path: str, body: bytes | None,
+              headers: dict[str, str]) -> tuple[http.client.HTTPResponse, bytes]:
+        """One request on the kept connection: (the response, its body read); a kept connection the server
+        closed meanwhile is reopened once at no cost (that is not a failure of the broker)."""
+        for _ in range(2):
+            if self._conn is None:
+                host, port = self._address()
+                self._conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+                self._fresh = True
+                self._opened()
+            reused = not self._fresh
+            self._fresh = False
+            try:
+                self._conn.request(method, path, body=body, headers=headers)
+                response = self._conn.getresponse()
+                data = response.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if reused:
+                    continue
+                raise
+            except BaseException:
+                self.close()
+                raise
+            if response.will_close:
+                self.close()
+            return response, data
+        raise AssertionError("unreachable")
+
+
+class MPubClient(KeptConnection):
     """Publishes batches through `POST /mpub?binary=true`, keeping one HTTP/1.1 connection open.
 
     `publish(topic, bodies, key)` with a key sends it as the `Idempotency-Key` header, to a broker whose
@@ -191,16 +260,11 @@ class MPubClient:
                  timeout: float = 30.0, sleep=time.sleep) -> None:
         if not addresses:
             raise ValueError("no nsqd HTTP address")
+        super().__init__(timeout=timeout, max_retries=max_retries, retry_backoff=retry_backoff,
+                         retry_backoff_max=retry_backoff_max, sleep=sleep)
         self.addresses = [host_port(a, 4151) for a in addresses]
         self.max_body_size = max_body_size
-        self.max_retries = max_retries
-        self.retry_backoff = retry_backoff
-        self.retry_backoff_max = retry_backoff_max
-        self.timeout = timeout
-        self._sleep = sleep
         self._index = 0
-        self._conn: http.client.HTTPConnection | None = None
-        self._fresh = False
         self._limits: tuple[int, int, bool] | None = None  # the broker's max_body_size, max_msg_size
         self._idempotent: bool | None = None  # the broker's /info idempotent_publish, read with the limits
         # figures for the commit message
@@ -214,51 +278,22 @@ class MPubClient:
         host, port = self.addresses[self._index % len(self.addresses)]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def _address(self) -> tuple[str, int]:
+        return self.addresses[self._index % len(self.addresses)]
 
-    def __enter__(self) -> MPubClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _opened(self) -> None:
+        self._limits = None  # (read again from the broker this connection goes to)
+        self._idempotent = None
 
     # --- HTTP ------------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, body: bytes | None = None,
                  key: str | None = None) -> tuple[int, bytes]:
-        """One request on the kept connection; a kept connection that the server closed meanwhile is
-        reopened once at no cost (that is not a failure of the broker)."""
-        for _ in range(2):
-            if self._conn is None:
-                host, port = self.addresses[self._index % len(self.addresses)]
-                self._conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
-                self._fresh = True
-                self._limits = None
-                self._idempotent = None
-            reused = not self._fresh
-            self._fresh = False
-            try:
-                headers = {"Content-Type": "application/octet-stream"}
-                if key is not None:
-                    headers["Idempotency-Key"] = key
-                self._conn.request(method, path, body=body, headers=headers)
-                response = self._conn.getresponse()
-                data = response.read()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                self.close()
-                if reused:
-                    continue
-                raise
-            except BaseException:
-                self.close()
-                raise
-            if response.will_close:
-                self.close()
-            return response.status, data
-        raise AssertionError("unreachable")
+        headers = {"Content-Type": "application/octet-stream"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        response, data = self._send(method, path, body, headers)
+        return response.status, data
 
     def _broker_limits(self) -> tuple[int, int, bool]:
         """(max_body_size, max_msg_size, known): the broker's, or nsqd's defaults when it does not say."""
@@ -305,8 +340,7 @@ class MPubClient:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.retries += 1
-                delay = min(self.retry_backoff_max, self.retry_backoff * 2 ** (attempt - 1))
-                delay *= random.uniform(0.8, 1.2)
+                delay = self._backoff(attempt)
                 log.warning("nsq: publishing %d messages to %r failed (%s); retry %d/%d in %.2fs", len(bodies),
                             topic, last_error, attempt, self.max_retries, delay)
                 self._sleep(delay)
