@@ -12,8 +12,12 @@ from tests.docs_snippets import CLUSTER_PORTS, ROOT, Session, pages, programs, s
 
 # The blocks kept out, by page and first line, with why: each is run another way or cannot run here.
 NOT_RUN = {
-    ("README.md", "make run    # creates .venv, installs, starts nsqlookupd (4160/4161) + nsqd (4150/4151, data in ./data)"):
-        "started as a daemon on the getting-started page, which runs the same command",
+    ("README.md", "make run    # creates .venv, installs, starts nsqlookupd (4160/4161), nsqd (4150/4151, data in ./data)"):
+        "the getting-started page runs the same `make run` as a daemon, and `make test` is the suite itself",
+    ("docs/getting-started.md", "make test        # creates .venv if needed, installs, runs the whole suite but the spark_log tests"):
+        "the suite these tests are part of: .ci/run runs it, and `make docs`",
+    ("docs/spark/index.md", "pip install '.[spark]'      # from a clone: pyspark and pyarrow; Java 17 on PATH"):
+        "it would install into the venv the tests run in; `make test` installs the same extra",
 }
 
 
@@ -64,3 +68,14 @@ def _with_spark_blocks(page: Path) -> bool:
 def test_the_pages_spark_blocks_run_as_written(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("PYSPARK_PYTHON", raising=False)  # as a user's shell has it: not set
     assert _run_page(page, tmp_path, spark=True) > 0
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "trio_nsq" / "spark" / "README.md"], ids=_name)
+def test_the_readmes_links_name_files_that_exist(page: Path):
+    """The READMEs are read on a code host, outside the site (whose links `make docs` checks)."""
+    import re
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8"))
+    local = [t for t in targets if "://" not in t]
+    assert local, "no link into the docs"
+    missing = [t for t in local if not (page.parent / t).exists()]
+    assert missing == []
