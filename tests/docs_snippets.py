@@ -156,6 +156,14 @@ class Session:
         self.env = dict(os.environ)
         self.env["PATH"] = f"{venv / 'bin'}{os.pathsep}{self.env.get('PATH', '')}"
         self.env["PYTHONUNBUFFERED"] = "1"
+        # what Spark and the JVM would leave in /tmp goes to the session's folder (removed with it)
+        scratch = {name: workdir / "scratch" / name for name in ("spark-local", "java-tmp", "python-tmp")}
+        for folder in scratch.values():
+            folder.mkdir(parents=True)
+        self.env.update(SPARK_LOCAL_IP="127.0.0.1", SPARK_LOCAL_DIRS=str(scratch["spark-local"]),
+                        TMPDIR=str(scratch["python-tmp"]), JAVA_TOOL_OPTIONS=f"-Djava.io.tmpdir={scratch['java-tmp']}")
+        for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV"):  # as a user's shell: not set
+            self.env.pop(name, None)
         # `make run` takes its ports and data directory from these (Makefile); other commands ignore them
         self.env.update({"NSQD_TCP_PORT": str(self.ports[4150]), "NSQD_HTTP_PORT": str(self.ports[4151]),
                          "LOOKUPD_TCP_PORT": str(self.ports[4160]), "LOOKUPD_HTTP_PORT": str(self.ports[4161]),

@@ -65,8 +65,7 @@ def _with_spark_blocks(page: Path) -> bool:
 
 @pytest.mark.spark_log
 @pytest.mark.parametrize("page", [p for p in pages() if _with_spark_blocks(p)], ids=_name)
-def test_the_pages_spark_blocks_run_as_written(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)  # as a user's shell has it: not set
+def test_the_pages_spark_blocks_run_as_written(page: Path, tmp_path: Path):
     assert _run_page(page, tmp_path, spark=True) > 0
 
 
