@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-
+import re
 import shutil
 import subprocess
 import sys
