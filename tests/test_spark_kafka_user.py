@@ -23,7 +23,7 @@ import httpx
 import pytest
 from processes import REPO_ROOT, BrokerProcess
 from test_spark_log import by_position, positions, publish_durably
-from test_spark_log_crash import kill_group, read_log
+from test_spark_log_crash import kill_group
 from test_spark_source import eventually
 
 from trio_nsq.spark import positional
