@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-spark bench clean
+.PHONY: run test test-spark bench docs clean
 
 # The modules mypyc compiles (trio_nsq/compiled.py lists them): an edit to one reinstalls, which rebuilds
 # them, so `make run`/`make test` never run stale compiled code. TRIO_NSQ_COMPILE=0 builds pure Python.
@@ -17,18 +17,27 @@ $(STAMP): pyproject.toml setup.py trio_nsq/compiled.py $(COMPILED_SOURCES)
 	touch $(STAMP)
 
 # lookupd on 4160/4161, a broker on 4150/4151 registered with it, trio-nsqadmin on 4171; Ctrl-C stops all.
+# The ports and the data directory can be changed: `make run NSQD_TCP_PORT=5150 DATA=/tmp/nsq` (the docs'
+# tests run it on free ports).
+NSQD_TCP_PORT ?= 4150
+NSQD_HTTP_PORT ?= 4151
+LOOKUPD_TCP_PORT ?= 4160
+LOOKUPD_HTTP_PORT ?= 4161
+ADMIN_HTTP_PORT ?= 4171
+DATA ?= ./data
 run: $(STAMP)
-	@mkdir -p data
-	@echo "trio-nsq: nsqlookupd on 127.0.0.1:4160/4161, nsqd on 127.0.0.1:4150/4151 (data in ./data)"
-	@echo "  publish: curl -d 'hello' 'http://127.0.0.1:4151/pub?topic=test'"
-	@echo "  consume: $(BIN)/nsq_tail --nsqd-tcp-address=127.0.0.1:4150 --topic=test"
-	@echo "  stats:   curl 'http://127.0.0.1:4151/stats?format=json'"
-	@echo "  lookup:  curl 'http://127.0.0.1:4161/lookup?topic=test'"
-	@echo "  admin:   http://127.0.0.1:4171/ (trio-nsqadmin)"
-	@$(BIN)/python -m trio_nsq.lookupd --tcp-address=0.0.0.0:4160 --http-address=0.0.0.0:4161 & LOOKUPD=$$!; \
-	$(BIN)/python -m trio_nsq.lookupd.admin --http-address=0.0.0.0:4171 --lookupd-http-address=127.0.0.1:4161 & ADMIN=$$!; \
+	@mkdir -p $(DATA)
+	@echo "trio-nsq: nsqlookupd on 127.0.0.1:$(LOOKUPD_TCP_PORT)/$(LOOKUPD_HTTP_PORT), nsqd on 127.0.0.1:$(NSQD_TCP_PORT)/$(NSQD_HTTP_PORT) (data in $(DATA))"
+	@echo "  publish: curl -d 'hello' 'http://127.0.0.1:$(NSQD_HTTP_PORT)/pub?topic=test'"
+	@echo "  consume: $(BIN)/nsq_tail --nsqd-tcp-address=127.0.0.1:$(NSQD_TCP_PORT) --topic=test"
+	@echo "  stats:   curl 'http://127.0.0.1:$(NSQD_HTTP_PORT)/stats?format=json'"
+	@echo "  lookup:  curl 'http://127.0.0.1:$(LOOKUPD_HTTP_PORT)/lookup?topic=test'"
+	@echo "  admin:   http://127.0.0.1:$(ADMIN_HTTP_PORT)/ (trio-nsqadmin)"
+	@$(BIN)/python -m trio_nsq.lookupd --tcp-address=0.0.0.0:$(LOOKUPD_TCP_PORT) --http-address=0.0.0.0:$(LOOKUPD_HTTP_PORT) & LOOKUPD=$$!; \
+	$(BIN)/python -m trio_nsq.lookupd.admin --http-address=0.0.0.0:$(ADMIN_HTTP_PORT) --lookupd-http-address=127.0.0.1:$(LOOKUPD_HTTP_PORT) & ADMIN=$$!; \
 	trap 'kill $$LOOKUPD $$ADMIN 2>/dev/null; wait $$LOOKUPD $$ADMIN' EXIT INT TERM; \
-	$(BIN)/python -m trio_nsq.broker --data-path=./data --lookupd-tcp-address=127.0.0.1:4160 --broadcast-address=127.0.0.1
+	$(BIN)/python -m trio_nsq.broker --tcp-address=0.0.0.0:$(NSQD_TCP_PORT) --http-address=0.0.0.0:$(NSQD_HTTP_PORT) \
+	    --data-path=$(DATA) --lookupd-tcp-address=127.0.0.1:$(LOOKUPD_TCP_PORT) --broadcast-address=127.0.0.1
 
 # the whole suite but the positional Spark source's tests through brokers and a real SparkSession (marker
 # spark_log, a few minutes of Spark queries): `make test-spark` runs those, and .ci/run runs both
@@ -38,6 +47,16 @@ test: $(STAMP)
 
 test-spark: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m spark_log
+
+# The documentation site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor fails the build.
+# The docs' code blocks are tests (tests/test_docs_snippets.py), run by `make test` and `make test-spark`.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side runs against Go nsqd
 # (and Go nsqd reading our data directory and we its: tests/bench/go_interop.py)
@@ -61,4 +80,4 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 
 clean:
-	rm -rf $(VENV) data .pytest_cache .hypothesis bench-results.json
+	rm -rf $(VENV) data site .pytest_cache .hypothesis bench-results.json

@@ -2,8 +2,8 @@
 started at `latest` while a publisher runs reads every message after its first offset; a query with
 Kafka's options only, in its own process, killed with SIGKILL and started again on its checkpoint,
 writes each message once; a task's read of a broker that restarts behind, or lost records, waits a
-bounded time and then reports data loss as failOnDataLoss says; the connector README's first example
-runs as written.
+bounded time and then reports data loss as failOnDataLoss says. (The connector's first example runs as
+written by tests/test_docs_snippets.py, with every other block of the docs.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import httpx
 import pytest
 from processes import REPO_ROOT, BrokerProcess
 from test_spark_log import by_position, positions, publish_durably
-from test_spark_log_crash import kill_group, read_log
+from test_spark_log_crash import kill_group
 from test_spark_source import eventually
 
 from trio_nsq.spark import positional
@@ -316,42 +316,3 @@ def test_a_topic_gone_while_a_task_goes_on_after_lost_records_is_data_loss_not_a
     with caplog.at_level(logging.WARNING, logger="trio_nsq.spark"):
         assert list(read_range(settings, part)) == []
     assert "the topic is gone (deleted)" in caplog.text
-
-
-# --- item 10: the README's first example, as written -----------------------------------------------
-
-SPARK_README = REPO_ROOT / "trio_nsq" / "spark" / "README.md"
-
-
-def first_example() -> str:
-    """The connector README's first Python example that is a whole program (it starts a session)."""
-    blocks = re.findall(r"```python\n(.*?)```", SPARK_README.read_text(), re.S)
-    return next(b for b in blocks if "SparkSession" in b)
-
-
-def test_the_readmes_first_example_runs_as_written_with_the_venvs_python(broker_factory, tmp_path):
-    """Run as a user runs it: `.venv/bin/python example.py`, the venv not activated (its bin/ not on
-    PATH) and PYSPARK_PYTHON unset, against a broker at the address the example names (here: the test's
-    broker, the one change made to it)."""
-    example = first_example()
-    assert "127.0.0.1:4151" in example
-    broker = broker_factory()
-    by_position(broker, "events")
-    publish_durably(broker, "events", [b"event %d" % n for n in range(5)])
-    script = tmp_path / "example.py"
-    script.write_text(example.replace("127.0.0.1:4151", broker.http_address))
-    venv_bin = str(Path(sys.executable).parent)
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("PYTHONPATH", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV")}
-    environ["PATH"] = os.pathsep.join(p for p in environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
-    scratch = {name: tmp_path / name for name in ("cwd", "spark-local", "java-tmp", "python-tmp")}
-    for folder in scratch.values():
-        folder.mkdir()
-    environ.update(SPARK_LOCAL_IP="127.0.0.1", SPARK_LOCAL_DIRS=str(scratch["spark-local"]),
-                   TMPDIR=str(scratch["python-tmp"]), JAVA_TOOL_OPTIONS=f"-Djava.io.tmpdir={scratch['java-tmp']}")
-    done = subprocess.run([sys.executable, str(script)], cwd=scratch["cwd"], env=environ, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for n in range(5):
-        assert f"event {n}" in done.stdout
-    assert read_log(broker, "events")  # (the topic still there: the example only read it)
