@@ -1,7 +1,7 @@
 """RDY where the messages are, beside go-nsq (issue 50 item 3): `python -m tests.bench.client_rdy`.
 
     python -m tests.bench.client_rdy [--go-nsq DIR] [--reference DIR] [--rounds N] [--seconds S]
-                                     [--backlog N] [--output FILE]
+                                     [--backlog N] [--rotations S ...] [--output FILE]
 
 Three brokers on free ports, --backlog messages on one of them (a different one each round), none on the
 other two; a consumer of the topic over the three TCP addresses, with max_in_flight 1 and then 2 (fewer
@@ -9,10 +9,11 @@ than the connections: the case where RDY has to find the broker with the message
 with a handler that does nothing (FIN), and the messages its handler was given are counted. The figure
 is messages per second over the read (connecting included), and the count.
 
-The sides, interleaved in each round on the same brokers: trio_nsq.client.Consumer with its defaults
-(rdy_redistribute_interval included) but max_in_flight, run as a process of its own (`python -m
-tests.bench.client_rdy consume ...`); and go-nsq's Consumer with its defaults but MaxInFlight
-(tests/bench/go/rdy_consumer), built here from go-nsq's source in --go-nsq DIR or $GO_NSQ (GOPATH mode,
+The sides, interleaved in each round on the same brokers: trio_nsq.client.Consumer with its defaults but
+max_in_flight, run as a process of its own (`python -m tests.bench.client_rdy consume ...`); and go-nsq's
+Consumer with its defaults but MaxInFlight (tests/bench/go/rdy_consumer). Each reads once with the
+clients' own rdy_redistribute_interval (both 5 s today: `default`) and once per --rotations value
+(0.5 s by default, issue 50's first figure), given to both. go-nsq is built here from go-nsq's source in --go-nsq DIR or $GO_NSQ (GOPATH mode,
 no module proxy: golang/snappy from $GOPATH or Debian's /usr/share/gocode, `apt-get install golang-go
 golang-github-golang-snappy-dev`). Without a go-nsq source, or without `go`, it says go-nsq was not
 measured and runs ours alone. Brokers are trio-nsqd, and with --reference DIR (Go's nsqd 1.3.0) also Go
@@ -46,8 +47,10 @@ CLIENTS = {"trio": "trio_nsq Consumer", "go-nsq": "go-nsq Consumer"}
 KINDS = {"go": "Go nsqd", "trio": "trio-nsqd"}
 
 
-def consume(addresses: list[str], topic: str, max_in_flight: int, seconds: float, expect: int) -> dict[str, Any]:
-    """Our side, in this process: a Consumer with its defaults but max_in_flight, a no-op handler."""
+def consume(addresses: list[str], topic: str, max_in_flight: int, rotation: float, seconds: float,
+            expect: int) -> dict[str, Any]:
+    """Our side, in this process: a Consumer with its defaults but max_in_flight (and
+    rdy_redistribute_interval when `rotation` is not 0), a no-op handler."""
     import trio
 
     from trio_nsq.client import Consumer
@@ -63,7 +66,9 @@ def consume(addresses: list[str], topic: str, max_in_flight: int, seconds: float
 
     async def run() -> dict[str, Any]:
         started = time.perf_counter()
-        async with Consumer(topic, CHANNEL, handler, nsqd_tcp_addresses=addresses, max_in_flight=max_in_flight):
+        options: dict[str, Any] = {"rdy_redistribute_interval": rotation} if rotation else {}
+        async with Consumer(topic, CHANNEL, handler, nsqd_tcp_addresses=addresses, max_in_flight=max_in_flight,
+                            **options):
             with trio.move_on_after(seconds):
                 await done.wait()
             elapsed = time.perf_counter() - started
@@ -94,9 +99,10 @@ def _post(url: str) -> None:
 
 
 def read_once(client: str, go_binary: Path | None, brokers: list[Broker], loaded: int, topic: str,
-              max_in_flight: int, seconds: float, backlog: int) -> dict[str, Any]:
+              max_in_flight: int, rotation: float, seconds: float, backlog: int) -> dict[str, Any]:
     """The backlog on brokers[loaded] (its channel made first, so the messages wait there), then one read
-    by `client`; the topic is deleted everywhere after."""
+    by `client` (`rotation`: its rdy_redistribute_interval, 0 for its default); the topic is deleted
+    everywhere after."""
     _post(f"{brokers[loaded].http_url}/topic/create?topic={topic}")
     _post(f"{brokers[loaded].http_url}/channel/create?topic={topic}&channel={CHANNEL}")
     publish(brokers[loaded].http_address, topic, backlog)
@@ -105,10 +111,11 @@ def read_once(client: str, go_binary: Path | None, brokers: list[Broker], loaded
         assert go_binary is not None
         argv = [str(go_binary), f"--nsqd-tcp-addresses={','.join(addresses)}", f"--topic={topic}",
                 f"--channel={CHANNEL}", f"--max-in-flight={max_in_flight}", f"--duration={seconds}s",
+                f"--rdy-redistribute-interval={rotation}s",
                 f"--expect={backlog}"]
     else:
         argv = [sys.executable, "-m", "tests.bench.client_rdy", "consume", ",".join(addresses), topic,
-                str(max_in_flight), str(seconds), str(backlog)]
+                str(max_in_flight), str(rotation), str(seconds), str(backlog)]
     # the consumer's CPU: the brokers are children too, but not reaped until they stop
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(argv, cwd=REPO_ROOT, env=repo_env(), capture_output=True, text=True, timeout=seconds + 120)
@@ -122,6 +129,17 @@ def read_once(client: str, go_binary: Path | None, brokers: list[Broker], loaded
     return figures
 
 
+def _rotation(seconds: float) -> str:
+    return f"{seconds:g}s" if seconds else "default"
+
+
+def _title(key: str) -> str:
+    """trio_mif1_rotation_0.5s -> `trio-nsqd x3, max_in_flight 1, rotation 0.5s`"""
+    kind, rest = key.split("_mif")
+    mif, rotation = rest.split("_rotation_")
+    return f"{KINDS[kind]} x3, max_in_flight {mif}, rotation {rotation}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--go-nsq", default=os.environ.get("GO_NSQ"), help="go-nsq's source (default: $GO_NSQ)")
@@ -130,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=8.0, help="how long each read lasts")
     parser.add_argument("--backlog", type=int, default=200_000, help="messages waiting on the loaded broker")
     parser.add_argument("--max-in-flight", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rotations", type=float, nargs="*", default=[0.5],
+                        help="rdy_redistribute_interval values given to both clients, beside their defaults")
     parser.add_argument("--output", default="bench-results.json", help="merged into this JSON file")
     args = parser.parse_args(argv)
     info = machine()
@@ -147,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         clients = ["trio", "go-nsq"] if go_binary else ["trio"]
         samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
         run_no = 0
+        rotations = [0.0, *args.rotations]
         for round_no in range(1, args.rounds + 1):
             loaded = (round_no - 1) % BROKERS
             for kind, command in kinds.items():
@@ -155,35 +176,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for _ in range(BROKERS):
                         brokers.append(Broker(command=command))
                     for mif in args.max_in_flight:
-                        for client in clients:  # interleaved: ours, go-nsq, ours, go-nsq...
-                            run_no += 1
-                            figures = read_once(client, go_binary, brokers, loaded, f"rdy{run_no}", mif,
-                                                args.seconds, args.backlog)
-                            samples.setdefault(f"{kind}_mif{mif}", {}).setdefault(client, []).append(figures)
-                            print(f"round {round_no} {KINDS[kind]} x3, backlog on #{loaded + 1}, max_in_flight {mif}, "
-                                  f"{CLIENTS[client]:<17} {figures['delivered']:>8,} in {figures['seconds']:.1f} s "
-                                  f"({figures['per_second']:,.0f}/s, consumer CPU {figures['cpu_s']:.2f} s)",
-                                  flush=True)
+                        for rotation in rotations:
+                            key = f"{kind}_mif{mif}_rotation_{_rotation(rotation)}"
+                            for client in clients:  # interleaved: ours, go-nsq, ours, go-nsq...
+                                run_no += 1
+                                figures = read_once(client, go_binary, brokers, loaded, f"rdy{run_no}", mif,
+                                                    rotation, args.seconds, args.backlog)
+                                samples.setdefault(key, {}).setdefault(client, []).append(figures)
+                                print(f"round {round_no} {_title(key)}, backlog on #{loaded + 1}, "
+                                      f"{CLIENTS[client]:<17} {figures['delivered']:>8,} in {figures['seconds']:.1f} s "
+                                      f"({figures['per_second']:,.0f}/s, consumer CPU {figures['cpu_s']:.2f} s)",
+                                      flush=True)
                 finally:
                     for broker in brokers:
                         broker.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results: dict[str, Any] = {}
-    print(f"\n{'brokers, max_in_flight':<32} " + " ".join(f"{CLIENTS[c] + ' msg/s':>24}" for c in clients)
+    print(f"\n{'brokers, max_in_flight, rotation':<50} " + " ".join(f"{CLIENTS[c] + ' msg/s':>24}" for c in clients)
           + (f" {'ratio':>7}" if len(clients) > 1 else "") + f"   (medians of {args.rounds})")
     for key, by_client in samples.items():
         medians = {c: statistics.median(s["per_second"] for s in by_client[c]) for c in clients}
         results[key] = {"medians_msg_s": medians, "samples": by_client}
-        kind, mif = key.split("_mif")
-        line = f"{KINDS[kind] + ' x3, max_in_flight ' + mif:<32} " + " ".join(
+        line = f"{_title(key):<50} " + " ".join(
             f"{medians[c]:>24,.0f}" for c in clients)
         if len(clients) > 1:
-            results[key]["trio_over_go_nsq"] = medians["trio"] / medians["go-nsq"] if medians["go-nsq"] else None
-            line += f" {medians['trio'] / max(medians['go-nsq'], 1e-9):>7.2f}"
+            ratio = medians["trio"] / medians["go-nsq"] if medians["go-nsq"] else None
+            results[key]["trio_over_go_nsq"] = ratio
+            line += f" {ratio:>7.2f}" if ratio is not None else f" {'-':>7}"
         print(line)
     merge_report(args.output, {"go_nsq": args.go_nsq if go_binary else None, "reference": args.reference,
                                "rounds": args.rounds, "seconds": args.seconds, "backlog": args.backlog,
+                               "rotations_s": args.rotations,
                                "machine": info, "results": results}, "client_rdy")
     print(f"written {args.output}")
     return results
@@ -191,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["consume"]:
-        addresses, topic, mif, seconds, expect = sys.argv[2:7]
-        print(json.dumps(consume(addresses.split(","), topic, int(mif), float(seconds), int(expect))))
+        addresses, topic, mif, rotation, seconds, expect = sys.argv[2:8]
+        print(json.dumps(consume(addresses.split(","), topic, int(mif), float(rotation), float(seconds), int(expect))))
     else:
         main()

@@ -1,6 +1,6 @@
-// rdy_consumer: a go-nsq Consumer with its default configuration but max_in_flight, a no-op handler
-// (every message FIN'd), reading topic/channel from every nsqd given for a fixed duration, or until
-// -expect messages have come. One JSON line on stdout: {"delivered": N, "seconds": S, "per_second": R}.
+// rdy_consumer: a go-nsq Consumer with its default configuration but max_in_flight (and
+// rdy_redistribute_interval when given), a no-op handler (every message FIN'd), reading topic/channel
+// from every nsqd given for a fixed duration, or until -expect messages have come. One JSON line on stdout: {"delivered": N, "seconds": S, "per_second": R}.
 // The RDY bench (tests/bench/client_rdy.py) builds and runs it beside trio_nsq.client.Consumer.
 package main
 
@@ -21,12 +21,16 @@ func main() {
 	topic := flag.String("topic", "", "topic")
 	channel := flag.String("channel", "", "channel")
 	maxInFlight := flag.Int("max-in-flight", 1, "max_in_flight")
+	redistribute := flag.Duration("rdy-redistribute-interval", 0, "RDYRedistributeInterval (0: go-nsq's default)")
 	duration := flag.Duration("duration", 8*time.Second, "how long to read")
 	expect := flag.Int64("expect", 0, "stop once this many messages have come (0: read for -duration)")
 	flag.Parse()
 
 	config := nsq.NewConfig()
 	config.MaxInFlight = *maxInFlight
+	if *redistribute > 0 {
+		config.RDYRedistributeInterval = *redistribute
+	}
 	consumer, err := nsq.NewConsumer(*topic, *channel, config)
 	if err != nil {
 		log.Fatal(err)
