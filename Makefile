@@ -59,7 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.deferred_index $(if $(QUICK),--counts 100000 200000 400000,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_interop --reference $(NSQ_REFERENCE),)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_side_files --reference $(NSQ_REFERENCE),)
-	$(BIN)/python -m tests.bench.client_rdy $(if $(GO_NSQ),--go-nsq $(GO_NSQ),) $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 4,)
+	$(BIN)/python -m tests.bench.client_rdy $(if $(GO_NSQ),--go-nsq $(GO_NSQ),) $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 12 --rotations,)
 	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 
 clean:

@@ -3,11 +3,14 @@
     python -m tests.bench.client_rdy [--go-nsq DIR] [--reference DIR] [--rounds N] [--seconds S]
                                      [--backlog N] [--rotations S ...] [--output FILE]
 
-Three brokers on free ports, --backlog messages on one of them (a different one each round), none on the
-other two; a consumer of the topic over the three TCP addresses, with max_in_flight 1 and then 2 (fewer
+Three brokers on free ports, --backlog messages on one of them (the last, then the one before, one a
+round), none on the other two; a consumer of the topic over the three TCP addresses, with max_in_flight 1 and then 2 (fewer
 than the connections: the case where RDY has to find the broker with the messages), reads for --seconds
 with a handler that does nothing (FIN), and the messages its handler was given are counted. The figure
-is messages per second over the read (connecting included), and the count.
+is messages per second over the read (connecting included), and the count. 20 s by default: go-nsq
+hands RDY 1 to the first max_in_flight connections it makes and takes it back from one only after
+low_rdy_idle_timeout (10 s) without a message, so a shorter read shows go-nsq at 0 whenever the backlog
+is not on one of those.
 
 The sides, interleaved in each round on the same brokers: trio_nsq.client.Consumer with its defaults but
 max_in_flight, run as a process of its own (`python -m tests.bench.client_rdy consume ...`); and go-nsq's
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--go-nsq", default=os.environ.get("GO_NSQ"), help="go-nsq's source (default: $GO_NSQ)")
     parser.add_argument("--reference", help="folder with Go's nsqd 1.3.0: Go nsqd brokers too")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=8.0, help="how long each read lasts")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long each read lasts")
     parser.add_argument("--backlog", type=int, default=200_000, help="messages waiting on the loaded broker")
     parser.add_argument("--max-in-flight", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rotations", type=float, nargs="*", default=[0.5],
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_no = 0
         rotations = [0.0, *args.rotations]
         for round_no in range(1, args.rounds + 1):
-            loaded = (round_no - 1) % BROKERS
+            loaded = BROKERS - 1 - (round_no - 1) % BROKERS
             for kind, command in kinds.items():
                 brokers: list[Broker] = []
                 try:
