@@ -4,23 +4,24 @@
                                      [--backlog N] [--rotations S ...] [--output FILE]
 
 Three brokers on free ports, --backlog messages on one of them (the last, then the one before, one a
-round), none on the other two; a consumer of the topic over the three TCP addresses, with max_in_flight 1 and then 2 (fewer
-than the connections: the case where RDY has to find the broker with the messages), reads for --seconds
-with a handler that does nothing (FIN), and the messages its handler was given are counted. The figure
-is messages per second over the read (connecting included), and the count. 20 s by default: go-nsq
-hands RDY 1 to the first max_in_flight connections it makes and takes it back from one only after
-low_rdy_idle_timeout (10 s) without a message, so a shorter read shows go-nsq at 0 whenever the backlog
-is not on one of those.
+round), none on the other two; a consumer of the topic over the three TCP addresses, with max_in_flight 1
+and then 2 (fewer than the connections: the case where RDY has to find the broker with the messages),
+reads for --seconds with a handler that does nothing (FIN), and the messages its handler was given are
+counted. The figure is messages per second over the read (connecting included), and the count. 20 s by
+default: go-nsq hands RDY 1 to the first max_in_flight connections it makes and takes it back from one
+only after low_rdy_idle_timeout (10 s) without a message, so a shorter read shows go-nsq at 0 whenever
+the backlog is not on one of those.
 
 The sides, interleaved in each round on the same brokers: trio_nsq.client.Consumer with its defaults but
 max_in_flight, run as a process of its own (`python -m tests.bench.client_rdy consume ...`); and go-nsq's
 Consumer with its defaults but MaxInFlight (tests/bench/go/rdy_consumer). Each reads once with the
 clients' own rdy_redistribute_interval (both 5 s today: `default`) and once per --rotations value
-(0.5 s by default, issue 50's first figure), given to both. go-nsq is built here from go-nsq's source in --go-nsq DIR or $GO_NSQ (GOPATH mode,
-no module proxy: golang/snappy from $GOPATH or Debian's /usr/share/gocode, `apt-get install golang-go
-golang-github-golang-snappy-dev`). Without a go-nsq source, or without `go`, it says go-nsq was not
-measured and runs ours alone. Brokers are trio-nsqd, and with --reference DIR (Go's nsqd 1.3.0) also Go
-nsqd, in the same rounds. A read stops early once the whole backlog has come (then seconds is shorter).
+(0.5 s by default, issue 50's first figure), given to both. go-nsq is built here from its source in
+--go-nsq DIR or $GO_NSQ (GOPATH mode, no module proxy: golang/snappy from $GOPATH or Debian's
+/usr/share/gocode, `apt-get install golang-go golang-github-golang-snappy-dev`). Without a go-nsq source,
+or without `go`, it says go-nsq was not measured and runs ours alone. Brokers are trio-nsqd, and with
+--reference DIR (Go's nsqd 1.3.0) also Go nsqd, in the same rounds. A read stops early once the whole
+backlog has come (then seconds is shorter).
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.go_nsq:
             print("go-nsq was not measured: give its source with --go-nsq DIR or GO_NSQ=DIR")
         elif not shutil.which("go"):
-            print("go-nsq was not measured: no `go` on PATH (apt-get install golang-go golang-github-golang-snappy-dev)")
+            print("go-nsq was not measured: no `go` on PATH "
+                  "(apt-get install golang-go golang-github-golang-snappy-dev)")
         else:
             go_binary = build_go_consumer(args.go_nsq, workdir)
         clients = ["trio", "go-nsq"] if go_binary else ["trio"]
