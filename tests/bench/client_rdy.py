@@ -15,7 +15,7 @@ the backlog is not on one of those.
 The sides, interleaved in each round on the same brokers: trio_nsq.client.Consumer with its defaults but
 max_in_flight, run as a process of its own (`python -m tests.bench.client_rdy consume ...`); and go-nsq's
 Consumer with its defaults but MaxInFlight (tests/bench/go/rdy_consumer). Each reads once with the
-clients' own rdy_redistribute_interval (both 5 s today: `default`) and once per --rotations value
+clients' own rdy_redistribute_interval (`default`: go-nsq's is 5 s) and once per --rotations value
 (0.5 s by default, issue 50's first figure), given to both. go-nsq is built here from its source in
 --go-nsq DIR or $GO_NSQ (GOPATH mode, no module proxy: golang/snappy from $GOPATH or Debian's
 /usr/share/gocode, `apt-get install golang-go golang-github-golang-snappy-dev`). Without a go-nsq source,
