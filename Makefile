@@ -61,6 +61,7 @@ docs: $(DOCS_STAMP)
 # NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side runs against Go nsqd
 # (and Go nsqd reading our data directory and we its: tests/bench/go_interop.py)
 # (the HTTP scenarios need wrk: apt-get install wrk; without it they are skipped with a line saying so)
+# GO_NSQ=<go-nsq source> adds go-nsq's Consumer beside ours in the RDY bench (tests/bench/client_rdy.py)
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run $(if $(QUICK),--quick,)
 	$(BIN)/python -m tests.bench.spark --output bench-results.json $(if $(QUICK),--runs 1,)
@@ -77,6 +78,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.deferred_index $(if $(QUICK),--counts 100000 200000 400000,)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_interop --reference $(NSQ_REFERENCE),)
 	$(if $(NSQ_REFERENCE),$(BIN)/python -m tests.bench.go_side_files --reference $(NSQ_REFERENCE),)
+	$(BIN)/python -m tests.bench.client_rdy $(if $(GO_NSQ),--go-nsq $(GO_NSQ),) $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 12 --rotations,)
 	$(BIN)/python -m tests.bench.http_versus $(if $(NSQ_REFERENCE),--reference $(NSQ_REFERENCE),) $(if $(QUICK),--rounds 1 --seconds 2,)
 
 clean:
