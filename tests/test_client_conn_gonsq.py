@@ -3,15 +3,15 @@ and the producer's extras): IDENTIFY's settings, heartbeat_interval first; looku
 HTTPProducer's batches with one bad body; configuration and AUTH errors at once; TLS never silently plain;
 Producer.ping() and an error at once after stop; lookupd's `Authorization: Bearer`.
 
-Against real trio-nsqd / trio-nsqlookupd processes. With NSQ_REFERENCE=<folder with Go nsqd 1.3.0> the
-heartbeat test also runs against Go nsqd (the param exists only then). The default heartbeat against a
+Against real trio-nsqd / trio-nsqlookupd processes. With NSQD_REFERENCE_BIN=<Go nsqd 1.3.0's binary> the
+broker processes are Go nsqd's, as in every process-level test (tests/processes.py); the heartbeat test
+then starts Go nsqd without --client-timeout, a flag Go's 1.3.0 does not have. The default heartbeat against a
 long --client-timeout takes minutes of idling: it runs in-process under trio's MockClock.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import httpx
@@ -19,31 +19,17 @@ import pytest
 import trio
 import trustme
 from auth_server import authd  # noqa: F401  (fixture)
-from processes import BrokerProcess, LookupdProcess
+from processes import REFERENCE_BIN, BrokerProcess, LookupdProcess
 
 from trio_nsq.client import Connection, Consumer, HTTPProducer, NSQConnectionError, NSQError, Producer, tls_context
 from trio_nsq.client.lookupd import lookup_producers
 from trio_nsq.testing.embed import run_nsqd
 
-REFERENCE = os.environ.get("NSQ_REFERENCE")  # the folder of Go's nsqd 1.3.0, for the "go" params
-
-
-class GoNsqd(BrokerProcess):
-    """Go nsqd 1.3.0 from NSQ_REFERENCE, with the same flags and ports as ours."""
-
-    def command(self) -> list[str]:
-        assert REFERENCE
-        return [os.path.join(REFERENCE, "nsqd")]
-
-
-BROKER_KINDS = ["trio-nsqd"] + (["go-nsqd"] if REFERENCE else [])
-
-
-@pytest.fixture(params=BROKER_KINDS)
-def slow_heartbeat_nsqd(request, tmp_path):
-    """An nsqd whose own heartbeat is every 15 s or more: trio-nsqd with --client-timeout=30s, and Go nsqd
-    1.3.0 (every 30 s: its ClientTimeout has no flag) when NSQ_REFERENCE is set."""
-    proc = GoNsqd(tmp_path) if request.param == "go-nsqd" else BrokerProcess(tmp_path, client_timeout="30s")
+@pytest.fixture
+def slow_heartbeat_nsqd(tmp_path):
+    """An nsqd whose own heartbeat is every 15 s or more: trio-nsqd with --client-timeout=30s, or Go nsqd
+    1.3.0 under NSQD_REFERENCE_BIN (every 30 s: its ClientTimeout has no flag)."""
+    proc = BrokerProcess(tmp_path) if REFERENCE_BIN else BrokerProcess(tmp_path, client_timeout="30s")
     yield proc.start()
     proc.stop()
 
