@@ -13,7 +13,7 @@ COMPILED_SOURCES := $(shell sed -n 's/^ *"trio_nsq\.\([a-z0-9_.]*\)",$$/\1/p' tr
 $(STAMP): pyproject.toml setup.py trio_nsq/compiled.py $(COMPILED_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,spark]'
+	$(BIN)/pip install --quiet -e '.[test,spark,docs]'
 	touch $(STAMP)
 
 # lookupd on 4160/4161, a broker on 4150/4151 registered with it, trio-nsqadmin on 4171; Ctrl-C stops all.
@@ -50,12 +50,7 @@ test-spark: $(STAMP)
 
 # The documentation site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor fails the build.
 # The docs' code blocks are tests (tests/test_docs_snippets.py), run by `make test` and `make test-spark`.
-DOCS_STAMP := $(VENV)/.docs-installed
-$(DOCS_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/pip install --quiet -e '.[docs]'
-	touch $(DOCS_STAMP)
-
-docs: $(DOCS_STAMP)
+docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # NSQ_REFERENCE=<folder with Go nsqd, bench_writer, bench_reader> adds the side-by-side runs against Go nsqd
