@@ -8,14 +8,17 @@ written by tests/test_docs_snippets.py, with every other block of the docs.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +38,52 @@ pytestmark = pytest.mark.spark_log
 
 
 # --- item 1: no gap at the start --------------------------------------------------------------------
+
+
+class CommitDelayingProxy:
+    """A TCP relay to a broker's HTTP port that holds each `POST /log/commit` for `delay` seconds before
+    passing it on. The positional reader commits its cursor inside initialOffset: with the relay the log's
+    end has moved (a publisher runs) by the time Spark asks latestOffset, so micro-batch 0 is planned with
+    records, whatever the machine's speed. Used as a context manager; `address` is where to reach it."""
+
+    def __init__(self, target: str, delay: float) -> None:
+        self.target, self.delay = target, delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = [self.listener]
+
+    def __enter__(self) -> CommitDelayingProxy:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            host, port = self.target.rsplit(":", 1)
+            server = socket.create_connection((host, int(port)))
+            self.sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, requests: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if requests and data.startswith(b"POST /log/commit"):
+                    time.sleep(self.delay)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
 
 class SteadyPublisher(threading.Thread):
@@ -71,10 +120,13 @@ def test_a_query_started_at_latest_while_a_publisher_runs_reads_every_message_af
     """startingOffsets latest (the default): Spark asks initialOffset when it plans micro-batch 0 and again
     when it runs it. Every message from the query's first offset on is read once, with no gap: micro-batch
     0 reads from where the query started, not from where the second call found the log's end."""
-    broker = broker_factory(sync_timeout="100ms")  # (the durable tail moves often: batch 0 has records)
+    # The durable tail moves with every message (--sync-every=1, ~300 a second), and Spark reaches the broker
+    # through a relay that holds the cursor's commits 0.5 s: the log's end moves between Spark's
+    # initialOffset and its first latestOffset, so micro-batch 0 is planned with records, [T1, E) with E > T1.
+    broker = broker_factory(sync_every=1)
     topic = "steady"
     by_position(broker, topic)
-    publisher = SteadyPublisher(broker, topic)  # 300 msg/s
+    publisher = SteadyPublisher(broker, topic, per_tick=1, tick=0.003)
     publisher.start()
     batches: list[tuple[int, list[tuple[int, int]]]] = []  # (batch id, [(position, number)])
 
@@ -84,10 +136,11 @@ def test_a_query_started_at_latest_while_a_publisher_runs_reads_every_message_af
 
     checkpoint = tmp_path / "checkpoint"
     query = None
+    relay = CommitDelayingProxy(broker.http_address, 0.5).__enter__()
     try:
         eventually(lambda: positions(broker, topic)["end_index"] >= 300, "the publisher under way")
         df = spark.readStream.format("nsq").option("topic", topic) \
-            .option("nsqd_http_address", broker.http_address).option("channel", "steady-query").load()
+            .option("nsqd_http_address", relay.address).option("channel", "steady-query").load()
         query = df.writeStream.foreachBatch(sink).option("checkpointLocation", str(checkpoint)).start()
         eventually(lambda: sum(bool(rows) for _, rows in batches) >= 3, "three micro-batches with rows", query=query)
         sent = publisher.stop()
@@ -98,6 +151,7 @@ def test_a_query_started_at_latest_while_a_publisher_runs_reads_every_message_af
         publisher.stop()
         if query is not None:
             query.stop()
+        relay.__exit__(None, None, None)
 
     assert [b for b, _ in batches] == list(range(len(batches)))
     numbers = [n for _, rows in batches for _, n in rows]
@@ -105,7 +159,7 @@ def test_a_query_started_at_latest_while_a_publisher_runs_reads_every_message_af
     # micro-batch 0 ran the range it was planned with: from the query's first offset to the end Spark wrote
     # in the checkpoint for it (planned [T1, E), it read nothing when run from a second initialOffset >= E)
     end_of_first = json.loads((checkpoint / "offsets" / "0").read_text().splitlines()[2])
-    end_of_first = end_of_first[topic][broker.http_address]["position"]
+    end_of_first = end_of_first[topic][relay.address]["position"]
     first_rows = batches[0][1]
     assert first_rows, f"micro-batch 0 read nothing: every message before {end_of_first} was skipped"
     later = [rows for _, rows in batches[1:] if rows]
