@@ -27,6 +27,7 @@ fence changes how it runs:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -133,6 +134,14 @@ def _ping(port: int) -> bool:
         return False
 
 
+def _lists_a_broker(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/nodes", timeout=1) as resp:
+            return bool(json.loads(resp.read()).get("producers"))
+    except (OSError, ValueError):
+        return False
+
+
 class Session:
     """One page's blocks, run in order in a directory of their own against processes on free ports.
     The test that owns it calls `close` (every process it started is stopped)."""
@@ -189,6 +198,15 @@ class Session:
                      f"--lookupd-http-address=127.0.0.1:{p[4161]}"], "nsqadmin")
         (self.workdir / "data").mkdir(exist_ok=True)
         self.wait_for(lambda: _ping(p[4161]) and _ping(p[4151]) and _answers(p[4171]), "the page's cluster")
+        self.wait_registered()
+
+    def wait_registered(self) -> None:
+        """When nsqlookupd and a broker both serve on the well-known ports: until the broker has connected
+        to lookupd (as it has by the time someone types into another terminal), so a block's /lookup
+        finds the topics it made."""
+        p = self.ports
+        if _ping(p[4161]) and _ping(p[4151]):
+            self.wait_for(lambda: _lists_a_broker(p[4161]), "the broker's registration with nsqlookupd")
 
     def _env_for(self, language: str) -> dict[str, str]:
         """A shell block runs with the venv's bin/ first on PATH (an activated venv: `trio-nsqd` is found);
@@ -260,6 +278,7 @@ class Session:
             ports = [free for port, free in self.ports.items() if str(free) in code]
             self.wait_for(lambda: all(_answers(port) for port in ports), f"{snippet.where}'s ports",
                           timeout=self.timeout)
+            self.wait_registered()
             return
         try:
             done = subprocess.run(argv, cwd=self.workdir, env=self._env_for(language), capture_output=True, timeout=self.timeout,
