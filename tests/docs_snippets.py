@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,9 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
+from processes import REPO_ROOT, AdminProcess, BrokerProcess, Daemon, LookupdProcess, accepts, free_port
+
+ROOT = REPO_ROOT
 RUN_LANGUAGES = {"python": "python", "py": "python", "sh": "shell", "bash": "shell", "shell": "shell"}
 KINDS = {"run", "daemon", "pytest", "spark", "continues", "not-run"}
 WELL_KNOWN_PORTS = (4150, 4151, 4160, 4161, 4171, 4250, 4251)
@@ -112,20 +113,6 @@ def snippets(path: Path) -> list[Snippet]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 def _ping(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1) as resp:
@@ -150,7 +137,8 @@ class Session:
         self.workdir = workdir
         self.timeout = timeout
         self.ports = {port: free_port() for port in WELL_KNOWN_PORTS}
-        self.processes: list[tuple[subprocess.Popen, str]] = []
+        self.processes: list[tuple[subprocess.Popen, str]] = []  # the daemon blocks'
+        self.daemons: list[Daemon] = []  # the page's cluster, when it needs one
         venv = Path(sys.prefix)
         # `.venv` holds links to this venv's folders and a stamp of its own, newer than every source, so
         # `make run` here uses the venv as it is (never installs into it from this folder)
@@ -186,18 +174,19 @@ class Session:
     # --- the processes a page needs -----------------------------------------------------------------
 
     def start_cluster(self) -> None:
-        """nsqlookupd, a broker registered with it and trio-nsqadmin, as `make run` starts them."""
+        """nsqlookupd, a broker registered with it and trio-nsqadmin, as `make run` starts them: the suite's
+        daemons (tests/processes.py), on the session's ports."""
         p = self.ports
-        py = sys.executable
-        self._spawn([py, "-m", "trio_nsq.lookupd", f"--tcp-address=127.0.0.1:{p[4160]}",
-                     f"--http-address=127.0.0.1:{p[4161]}"], "nsqlookupd")
-        self._spawn([py, "-m", "trio_nsq.broker", f"--tcp-address=127.0.0.1:{p[4150]}",
-                     f"--http-address=127.0.0.1:{p[4151]}", f"--data-path={self.workdir / 'data'}",
-                     f"--lookupd-tcp-address=127.0.0.1:{p[4160]}", "--broadcast-address=127.0.0.1"], "nsqd")
-        self._spawn([py, "-m", "trio_nsq.lookupd.admin", f"--http-address=127.0.0.1:{p[4171]}",
-                     f"--lookupd-http-address=127.0.0.1:{p[4161]}"], "nsqadmin")
-        (self.workdir / "data").mkdir(exist_ok=True)
-        self.wait_for(lambda: _ping(p[4161]) and _ping(p[4151]) and _answers(p[4171]), "the page's cluster")
+        lookupd = LookupdProcess(self.workdir / "cluster")
+        lookupd.tcp_port, lookupd.http_port = p[4160], p[4161]
+        broker = BrokerProcess(self.workdir / "cluster", lookupd_tcp_address=f"127.0.0.1:{p[4160]}",
+                               broadcast_address="127.0.0.1")
+        broker.tcp_port, broker.http_port = p[4150], p[4151]
+        admin = AdminProcess(self.workdir / "cluster", lookupd_http_address=f"127.0.0.1:{p[4161]}")
+        admin.http_port = p[4171]
+        for daemon in (lookupd, broker, admin):
+            self.daemons.append(daemon)
+            daemon.start()
         self.wait_registered()
 
     def wait_registered(self) -> None:
@@ -252,6 +241,9 @@ class Session:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.processes.clear()
+        for daemon in reversed(self.daemons):  # (after the blocks' own processes: they may be its clients)
+            daemon.stop()
+        self.daemons.clear()
 
     # --- the blocks -----------------------------------------------------------------------------------
 
@@ -276,7 +268,7 @@ class Session:
         if snippet.kind == "daemon":
             self._spawn(argv, name, env=self._env_for(language))
             ports = [free for port, free in self.ports.items() if str(free) in code]
-            self.wait_for(lambda: all(_answers(port) for port in ports), f"{snippet.where}'s ports",
+            self.wait_for(lambda: all(accepts(port) for port in ports), f"{snippet.where}'s ports",
                           timeout=self.timeout)
             self.wait_registered()
             return

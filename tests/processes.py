@@ -95,7 +95,8 @@ def flag(name: str, value: object) -> str:
     return f"--{name}" if value is True else f"--{name}={value}"
 
 
-def _accepts(port: int) -> bool:
+def accepts(port: int) -> bool:
+    """Whether a TCP connection to 127.0.0.1:port is accepted now."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return True
@@ -215,7 +216,7 @@ class Daemon:
             if any(kind not in found for kind in self.listeners):
                 return False
             self.tcp_port, self.http_port = found.get("TCP", self.tcp_port), found["HTTP"]
-        elif not (_accepts(self.tcp_port) and _accepts(self.http_port)):
+        elif not (accepts(self.tcp_port) and accepts(self.http_port)):
             return False
         if ready_url is None:
             return True
