@@ -90,8 +90,8 @@ class TopicLog:
         segments = self.segments
         self.readers: list[LogReader] = []  # every channel's reader of this log (ephemeral ones too)
         self.durable: list[LogReader] = []  # those with a cursor file
-        # positional readers' cursors not committed for --cursor-idle-timeout (Channel.stop_pinning): their
-        # position keeps no segment, and Go's read position is not theirs
+        # positional readers' cursors not committed for --cursor-idle-timeout (Channel.set_pins): their
+        # position keeps no segment, and Go's read position is not theirs (`pinning`)
         self.idle: set[LogReader] = set()
         # how far the log is handed to the channels
         self.dispatched = self._load_dispatched()
@@ -531,12 +531,14 @@ class TopicLog:
 
     # --- persistence (SyncGroup member) -------------------------------------------------------
 
+    def pinning(self, readers: list[LogReader]) -> list[LogReader]:
+        """`readers` less the idle cursors: those whose position keeps the log."""
+        return [reader for reader in readers if reader not in self.idle] if self.idle else readers
+
     def needed(self) -> int:
         """The oldest position any channel, or a channel created now, may still read."""
         pos = self.dispatched.position
-        for reader in self.readers:
-            if reader in self.idle:
-                continue
+        for reader in self.pinning(self.readers):
             mark = reader.mark_delete()
             if mark < pos:
                 pos = mark
@@ -564,7 +566,7 @@ class TopicLog:
         plan.removes.extend(self._removing)
         if len(self.publish_deadlines):
             # entries every reader has read (a restart reads them from the files again)
-            oldest = min((reader.cursor.read_pos for reader in self.readers if reader not in self.idle),
+            oldest = min((reader.cursor.read_pos for reader in self.pinning(self.readers)),
                          default=self.dispatched.position)
             self.publish_deadlines.prune_before(min(oldest, self.dispatched.position))
         files_changed = segments.take_files_changed()
@@ -579,9 +581,7 @@ class TopicLog:
         self._meta_dispatched = dispatched
         # Go's read position: the oldest record a durable channel has not finished
         go_pos, go_index = self.dispatched.position, self.dispatched.index
-        for reader in self.durable:
-            if reader in self.idle:
-                continue
+        for reader in self.pinning(self.durable):
             mark = reader.mark_delete()
             if mark < go_pos:
                 go_pos, go_index = mark, reader.cursor.mark_index()
