@@ -26,13 +26,13 @@ checked at planning time by options.log_settings.
 from __future__ import annotations
 
 import array
+import functools
 import json
 import logging
 import sys
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from time import sleep
+from time import monotonic, sleep
 
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
@@ -116,6 +116,11 @@ def by_log(cursors: dict[str, Cursor]) -> dict[str, tuple[str, int]]:
         if log_id not in logs or position < logs[log_id][1]:
             logs[log_id] = (broker, position)
     return logs
+
+
+def _named(positions: dict, broker: str, aliases: Sequence[str]) -> str | None:
+    """The key a JSON offsets option gives `broker` under (its address or another of its log's), or None."""
+    return next((a for a in [broker, *aliases] if a in positions), None)
 
 
 def share(limit: int, backlogs: dict[str, int]) -> dict[str, int]:
@@ -453,7 +458,7 @@ class Planner:
             return client.position_at(s.topic, s.starting_timestamp).position
         if s.starting == "latest":
             return now.end
-        named = next((a for a in [broker, *aliases] if a in s.starting_positions), None)
+        named = _named(s.starting_positions, broker, aliases)
         if s.starting != "json" or named is None:
             return now.first  # earliest; or a broker the JSON does not name (as one appearing later)
         log_id, position = s.starting_positions[named]
@@ -540,7 +545,7 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._down_since: dict[str, float] = {}  # broker -> since when it has not answered (s)
         self._gone: dict[str, float] = {}  # broker -> when it left the query (broker_gone_timeout)
         self._left: dict[str, int] = {}  # log id -> the position it left the query at (if it comes back)
-        self.clock = time.monotonic
+        self.clock = monotonic
 
     @property
     def planner(self) -> Planner:
@@ -725,9 +730,11 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                               for log_id, (broker, now) in found.logs.items()})
 
         rows = bytes_ = None
+        # records per broker in `pending` (HTTP requests): asked once, by the first that needs them
+        backlogs_now = functools.cache(lambda: self._backlogs(pending))
         if isinstance(limit, ReadMinRows):
             # (not under Trigger.AvailableNow, which Spark hands the default limit: it would wait for ever)
-            if self._target is None and self._delayed(limit.min_rows, pending):
+            if self._target is None and self._delayed(limit.min_rows, backlogs_now):
                 return start  # (Spark runs no micro-batch for an offset that did not move)
             rows, bytes_ = s.max_records, s.max_bytes
         elif isinstance(limit, ReadMaxRows):
@@ -739,17 +746,17 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for broker, log_id, _, upto, _ in pending:
                 cursors[broker] = (log_id, upto)
         else:
-            self._limited(pending, cursors, rows, bytes_)
+            self._limited(pending, cursors, rows, bytes_, backlogs_now)
         return offsets_dict(s.topic, cursors, still)
 
-    def _delayed(self, min_rows: int, pending: list[tuple[str, str, int, int, Positions]]) -> bool:
+    def _delayed(self, min_rows: int, backlogs: Callable[[], dict[str, int]]) -> bool:
         """minOffsetsPerTrigger, as Kafka's: wait while fewer records than that are new, unless
         maxTriggerDelay has passed since the last micro-batch went (the first goes at once)."""
         now = self.clock()
         if self._last_trigger is None or now - self._last_trigger >= self.settings.max_trigger_delay_ms / 1000:
             self._last_trigger = now
             return False
-        if sum(self._backlogs(pending).values()) < min_rows:
+        if sum(backlogs().values()) < min_rows:
             return True
         self._last_trigger = now
         return False
@@ -770,12 +777,12 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return backlogs
 
     def _limited(self, pending: list[tuple[str, str, int, int, Positions]], cursors: dict[str, Cursor],
-                 rows: int | None, bytes_: int | None) -> None:
+                 rows: int | None, bytes_: int | None, backlogs: Callable[[], dict[str, int]]) -> None:
         """Move each broker's cursor by its share of the limits, shared by backlog (records, bytes)."""
         topic = self.settings.topic
         byte_shares = share(bytes_, {b: upto - origin for b, _, origin, upto, _ in pending}) \
             if bytes_ is not None else {}
-        row_shares = share(rows, self._backlogs(pending)) if rows is not None else {}
+        row_shares = share(rows, backlogs()) if rows is not None else {}
         for broker, log_id, origin, upto, _ in pending:
             records, size = row_shares.get(broker), byte_shares.get(broker)
             if (rows is not None and not records) or size == 0:
@@ -854,7 +861,7 @@ class NSQLogBatchReader(DataSourceReader):
         s = self.settings
         if s.ending_timestamp is not None:
             return planner.client(broker).position_at(s.topic, s.ending_timestamp).position
-        named = next((a for a in [broker, *aliases] if a in s.ending_positions), None)
+        named = _named(s.ending_positions, broker, aliases)
         if s.ending != "json" or named is None:
             return now.end
         log_id, position = s.ending_positions[named]
