@@ -109,7 +109,6 @@ def fresh_error(error: Exception) -> Exception:
     return error
 
 
-
 def connect_refusal(address: str, error: BaseException) -> Exception | None:
     """The error of a failed connection attempt that trying again will not fix, for the Producer's
     publishes and the Consumer's wait_connected to raise at once: nsqd's refusal (IDENTIFY, AUTH) or ours
@@ -120,6 +119,7 @@ def connect_refusal(address: str, error: BaseException) -> Exception | None:
     if isinstance(error, trio.BrokenResourceError) and isinstance(error.__cause__, ssl.SSLError):
         return NSQConnectionError(f"{address}: TLS handshake failed - {error.__cause__}", maybe_processed=False)
     return None
+
 
 class OwnedNursery:
     """The nursery of an object used as an async context manager: opened in __aenter__, cancelled and
@@ -606,7 +606,9 @@ class Connection:
         self.rdy_history.append(count)
         self.write(encode_rdy(count))
 
-    def _responded(self, count: int = 1) -> None:
+    def responded(self, count: int = 1) -> None:
+        """`count` messages of this connection no longer in flight on our side: answered (FIN, REQ), or
+        dropped by the Consumer unanswered once nsqd had requeued them (msg_timeout passed)."""
         self.in_flight -= count
         if self.in_flight <= 0:
             self.in_flight = 0
@@ -614,11 +616,11 @@ class Connection:
 
     def fin(self, msg_id: bytes) -> None:
         self.write(encode_fin(msg_id))
-        self._responded()
+        self.responded()
 
     def req(self, msg_id: bytes, delay_ms: int = 0) -> None:
         self.write(encode_req(msg_id, max(0, int(delay_ms))))
-        self._responded()
+        self.responded()
 
     def touch(self, msg_id: bytes) -> None:
         self.write(encode_touch(msg_id))
@@ -626,11 +628,11 @@ class Connection:
     def fin_many(self, msg_ids: list[bytes]) -> None:
         """FIN each of `msg_ids`: the bytes of one FIN per message, built and queued in one go."""
         self._write_many(encode_fin(b"\0").split(b"\0"), msg_ids)
-        self._responded(len(msg_ids))
+        self.responded(len(msg_ids))
 
     def req_many(self, msg_ids: list[bytes], delay_ms: int = 0) -> None:
         self._write_many(encode_req(b"\0", max(0, int(delay_ms))).split(b"\0"), msg_ids)
-        self._responded(len(msg_ids))
+        self.responded(len(msg_ids))
 
     def touch_many(self, msg_ids: list[bytes]) -> None:
         self._write_many(encode_touch(b"\0").split(b"\0"), msg_ids)

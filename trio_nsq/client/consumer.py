@@ -579,7 +579,7 @@ class Consumer(ConnectOptions):
         """A message that waited for a worker longer than msg_timeout: nsqd has already requeued it
         (a FIN or REQ now would fail), so it is dropped without running the handler."""
         msg._responded = True
-        msg.conn._responded()  # no longer in flight on our side: a clean close does not wait for it
+        msg.conn.responded()  # no longer in flight on our side: a clean close does not wait for it
         self.stats["expired"] += 1
         log.warning("%s: %s waited longer than msg_timeout (%d ms) for a handler; nsqd has requeued it, "
                     "dropped (a handler slower than msg_timeout: lower max_in_flight or call touch())",

@@ -39,8 +39,8 @@ class Producer(ConnectOptions):
     then raises NSQConnectionError. When nsqd refuses the connection itself (IDENTIFY's E_BAD_BODY, an
     AUTH failure, E_TLS_NOT_OFFERED) a publish raises that NSQError at once, as go-nsq's does, and so
     does a failed TLS handshake (NSQConnectionError naming the SSL error: a certificate refused by
-    either side); the task keeps trying (the broker may be fixed). Outside the `async with` a publish raises RuntimeError.
-    A publish that nsqd certainly did not execute when the connection
+    either side); the task keeps trying (the broker may be fixed). Outside the `async with` a publish
+    raises RuntimeError. A publish that nsqd certainly did not execute when the connection
     broke (never written, or queued behind a refused command) is sent again on the next connection;
     one whose answer was lost with the connection raises NSQConnectionError with maybe_processed=True:
     it may have been stored (NSQ delivers at least once; publish again if in doubt).
