@@ -7,6 +7,7 @@ import shutil
 import socket
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from trio_nsq.shared.protocol import MAGIC_V2, encode_sub
@@ -60,3 +61,9 @@ def publish(http: str, topic: str, count: int) -> None:
         bodies = [b"message-%08d" % i for i in range(count)]
         for i in range(0, len(bodies), 5000):
             client.publish(topic, bodies[i:i + 5000])
+
+
+def post(url: str, timeout: float = 10.0) -> None:
+    """An empty POST (/topic/create, /channel/create, ...) whose answer is read and dropped; raises on an
+    HTTP error."""
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=timeout).read()

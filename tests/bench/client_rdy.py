@@ -36,11 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.bench.broker import Broker, publish
+from tests.bench.broker import Broker, post, publish
 from tests.bench.machine import describe, machine, merge_report
 from tests.processes import REPO_ROOT, repo_env
 
@@ -98,17 +97,14 @@ def build_go_consumer(go_nsq: str, into: Path) -> Path:
     return binary
 
 
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30).read()
-
 
 def read_once(client: str, go_binary: Path | None, brokers: list[Broker], loaded: int, topic: str,
               max_in_flight: int, rotation: float, seconds: float, backlog: int) -> dict[str, Any]:
     """The backlog on brokers[loaded] (its channel made first, so the messages wait there), then one read
     by `client` (`rotation`: its rdy_redistribute_interval, 0 for its default); the topic is deleted
     everywhere after."""
-    _post(f"{brokers[loaded].http_url}/topic/create?topic={topic}")
-    _post(f"{brokers[loaded].http_url}/channel/create?topic={topic}&channel={CHANNEL}")
+    post(f"{brokers[loaded].http_url}/topic/create?topic={topic}", timeout=30)
+    post(f"{brokers[loaded].http_url}/channel/create?topic={topic}&channel={CHANNEL}", timeout=30)
     publish(brokers[loaded].http_address, topic, backlog)
     addresses = [f"{host}:{port}" for host, port in (b.tcp for b in brokers)]
     if client == "go-nsq":
@@ -129,7 +125,7 @@ def read_once(client: str, go_binary: Path | None, brokers: list[Broker], loaded
     figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     figures["cpu_s"] = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
     for broker in brokers:
-        _post(f"{broker.http_url}/topic/delete?topic={topic}")
+        post(f"{broker.http_url}/topic/delete?topic={topic}", timeout=30)
     return figures
 
 

@@ -26,7 +26,7 @@ import statistics
 import time
 import urllib.request
 
-from tests.bench.broker import Broker
+from tests.bench.broker import Broker, post
 from tests.bench.machine import describe, machine, merge_report
 from trio_nsq.shared.protocol import MAGIC_V2, FrameParser, encode_dpub, encode_rdy, encode_sub
 
@@ -34,9 +34,6 @@ FLAGS = {"default flags": (), "--mem-queue-size=0": ("--mem-queue-size=0",)}
 PIPELINE = 1000
 BODY = b"d" * 100
 
-
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
 
 def _held(broker: Broker) -> tuple[int, int]:
@@ -158,8 +155,8 @@ def run_once(side: str, reference: str | None, flags: tuple[str, ...], count: in
     broker = Broker(*flags, command=command)
     try:
         for topic in ("t", "t2"):
-            _post(f"{broker.http_url}/topic/create?topic={topic}")
-            _post(f"{broker.http_url}/channel/create?topic={topic}&channel=c")
+            post(f"{broker.http_url}/topic/create?topic={topic}")
+            post(f"{broker.http_url}/channel/create?topic={topic}&channel=c")
         started = time.perf_counter()
         published = _dpub(broker, "t", 3_600_000, count)
         while sum(held := _held(broker)) < count:

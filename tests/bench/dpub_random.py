@@ -30,8 +30,8 @@ import threading
 import time
 import urllib.request
 
-from tests.bench.broker import Broker
-from tests.bench.dpub import _post, _subscribe, send_answered
+from tests.bench.broker import Broker, post
+from tests.bench.dpub import _subscribe, send_answered
 from tests.bench.machine import describe, machine, merge_report
 from trio_nsq.shared.protocol import MAGIC_V2, FrameParser, encode_dpub
 
@@ -145,8 +145,8 @@ def _dpub_random(broker: Broker, count: int, seed: int) -> tuple[list[float], li
 def run_once(count: int, seed: int) -> dict[str, object]:
     broker = TimedBroker("--max-defer-time=48h")
     try:
-        _post(f"{broker.http_url}/topic/create?topic=t")
-        _post(f"{broker.http_url}/channel/create?topic=t&channel=c")
+        post(f"{broker.http_url}/topic/create?topic=t")
+        post(f"{broker.http_url}/channel/create?topic=t&channel=c")
         consumer = Consumer(broker)
         consumer.start()
         poller = PingPoller(f"{broker.http_url}/ping")

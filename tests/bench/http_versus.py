@@ -28,7 +28,7 @@ from typing import Any
 
 from pathlib import Path
 
-from tests.bench.broker import Broker
+from tests.bench.broker import Broker, post
 from tests.bench.machine import merge_report, process_stat
 from tests.processes import LookupdProcess, wait_for
 
@@ -82,9 +82,6 @@ def _script(folder: str, key: str) -> str:
     return path
 
 
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
-
 
 class _Lookupd(LookupdProcess):
     """nsqlookupd for the /lookup scenario: ours, or Go's binary with the same flags."""
@@ -116,8 +113,8 @@ def run_once(reference: str | None, side: str, key: str, seconds: float, folder:
     broker = Broker(*flags, command=command)
     try:
         if side != "floor":
-            _post(f"{broker.http_url}/topic/create?topic=bench")
-            _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+            post(f"{broker.http_url}/topic/create?topic=bench")
+            post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         target = broker
         if lookupd:
             target = lookupd

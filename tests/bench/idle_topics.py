@@ -12,20 +12,17 @@ import statistics
 import time
 import urllib.request
 
-from tests.bench.broker import Broker
+from tests.bench.broker import Broker, post
 
 TOPICS = 5000
 
-
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30).read()
 
 
 def run_once(command: list[str] | None) -> tuple[float, float]:
     broker = Broker(command=command)
     try:
         for i in range(TOPICS):
-            _post(f"{broker.http_url}/topic/create?topic=idle{i}")
+            post(f"{broker.http_url}/topic/create?topic=idle{i}", timeout=30)
         time.sleep(5)
         cpu = broker.cpu_seconds()
         time.sleep(20)

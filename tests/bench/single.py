@@ -31,10 +31,9 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
-from tests.bench.broker import Broker
+from tests.bench.broker import Broker, post
 from tests.bench.machine import describe, machine, merge_report
 
 OPS = re.compile(r"([0-9.]+)ops/s")
@@ -50,9 +49,6 @@ SCENARIOS: dict[str, tuple[str, str, int, tuple[str, ...], int]] = {
              ("--max-in-flight=1", "--channel=ch", f"-n={TAIL_EACH}"), 200),
 }
 
-
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
 
 def _children_cpu() -> float:
@@ -97,8 +93,8 @@ def run_once(reference: str, side: str, key: str, runfor: float) -> dict[str, fl
     broker = Broker(command=command)
     try:
         if side != "floor":
-            _post(f"{broker.http_url}/topic/create?topic=bench")
-            _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+            post(f"{broker.http_url}/topic/create?topic=bench")
+            post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
         common = [address, "--topic=bench", f"--size={size}"]
         tail = tool == "nsq_tail"

@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from tests.bench.broker import Broker, publish
+from tests.bench.broker import Broker, post, publish
 from tests.bench.machine import describe, machine, merge_report
 from trio_nsq import compiled
 
@@ -55,9 +55,6 @@ def _tool(path: str, *args: str) -> float:
         raise RuntimeError(f"{os.path.basename(path)} failed: {(out.stdout + out.stderr)[-500:]}")
     return float(match.group(1))
 
-
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
 
 
 # side -> how its broker starts: Go's nsqd, trio-nsqd as installed (compiled where it could be built),
@@ -81,10 +78,10 @@ def run_once(reference: str, side: str, flags: tuple[str, ...], read: bool, runf
              channels: int = 1) -> dict[str, float]:
     broker = side_broker(reference, side, *flags)
     try:
-        _post(f"{broker.http_url}/topic/create?topic=bench")
-        _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        post(f"{broker.http_url}/topic/create?topic=bench")
+        post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         for i in range(1, channels):
-            _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch{i}")
+            post(f"{broker.http_url}/channel/create?topic=bench&channel=ch{i}")
         address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
         common = (address, "--topic=bench", "--size=200", f"--runfor={runfor}s")
         written = _write_bytes(broker)
@@ -109,8 +106,8 @@ def durable_reader(reference: str, side: str, runfor: float) -> dict[str, float]
     is bookkept durably (trio-nsqd: the channel's cursor; Go nsqd: its disk queue's read position)."""
     broker = side_broker(reference, side)
     try:
-        _post(f"{broker.http_url}/topic/create?topic=bench")
-        _post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
+        post(f"{broker.http_url}/topic/create?topic=bench")
+        post(f"{broker.http_url}/channel/create?topic=bench&channel=ch")
         common = ("--topic=bench", "--size=200", f"--runfor={runfor}s")
         address = f"--nsqd-tcp-address={broker.tcp[0]}:{broker.tcp[1]}"
         _tool(os.path.join(reference, "bench_writer"), address, *common, "--batch-size=200")
