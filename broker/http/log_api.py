@@ -9,7 +9,8 @@ themselves (Spark's positional source: trio_nsq/spark/positional.py; later, a fo
     POST /log/commit?topic=T&channel=C&position=P    a durable cursor: everything before P is finished
 
 Every answer names the log (`log_id`: its epoch, made with the log) and nothing at or past the durable
-tail is served (after a power loss a new record may take a lost one's position: a reader that had read the
+tail (a replicated topic's: its high watermark, when lower: TopicLog.served_end) is served (after a power
+loss a new record may take a lost one's position: a reader that had read the
 lost one would skip the new one). The README's "Reading a topic by position" documents the answers.
 Any of them marks the topic as read by position: every message it gets from then on goes to its log.
 
@@ -103,7 +104,7 @@ class LogApi:
 
     def _locate(self, log_: TopicLog, pos: int) -> Place:
         try:
-            return log_.index.locate(pos, log_.durable_tail)
+            return log_.index.locate(pos, log_.served_end())
         except PositionError as exc:
             raise HTTPError(_POSITION_STATUS[exc.code], exc.code) from None
         except (OSError, ValueError) as exc:
@@ -115,7 +116,7 @@ class LogApi:
     async def positions(self, req: Request, params: Mapping[str, str]) -> Reply:
         _, topic, log_ = await self._log(req)
         segments = log_.segments
-        end = log_.durable_tail
+        end = log_.served_end()
         first = Place(segments.start, segments.start_index())
         if first.position > end.position:  # (an empty log whose first segment rolled: nothing kept)
             first = end
@@ -126,7 +127,7 @@ class LogApi:
 
     async def position(self, req: Request, params: Mapping[str, str]) -> Reply:
         args, _, log_ = await self._log(req)
-        end = log_.durable_tail
+        end = log_.served_end()
         try:
             if "timestamp" in args:
                 ms = self._number(args, "timestamp")
@@ -153,7 +154,7 @@ class LogApi:
         if parts > MAX_PARTS:
             raise HTTPError(400, "INVALID_ARG_PARTS")
         try:
-            cuts = log_.index.splits(start, log_.durable_tail, stop, parts)
+            cuts = log_.index.splits(start, log_.served_end(), stop, parts)
         except PositionError as exc:
             raise HTTPError(_POSITION_STATUS[exc.code], exc.code) from None
         except (OSError, ValueError) as exc:
@@ -166,7 +167,7 @@ class LogApi:
         record's start (little-endian int32, n+1 of them: Arrow's offsets), then the deferred records'
         (position, deadline ms) as little-endian int64 pairs."""
         args, _, log_ = await self._log(req)
-        end = log_.durable_tail
+        end = log_.served_end()
         start = self._locate(log_, self._number(args, "position"))
         stop = self._number(args, "end", end.position)
         max_bytes = min(self._number(args, "max_bytes", DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)

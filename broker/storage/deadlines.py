@@ -14,7 +14,8 @@ from bisect import bisect_left
 
 class PublishDeadlines:
     """Who calls it: TopicLog (add_many after an append, load at open and after a seek back,
-    prune_before in its rounds); each LogReader of the topic's log (reading, counting)."""
+    prune_before in its rounds, drop_from when the log is cut back); each LogReader of the topic's log
+    (reading, counting)."""
 
     __slots__ = ("positions", "deadlines")
 
@@ -65,6 +66,12 @@ class PublishDeadlines:
         if at < len(self.positions) and self.positions[at] == pos:
             return self.deadlines[at]
         return 0.0
+
+    def drop_from(self, pos: int) -> None:
+        """The log was cut back to `pos` (TopicLog.truncate_to): the entries at or past it go."""
+        cut = bisect_left(self.positions, pos)
+        del self.positions[cut:]
+        del self.deadlines[cut:]
 
     def prune_before(self, pos: int) -> None:
         """Every reader has read what is before `pos` (a restart reads the files again)."""

@@ -14,7 +14,8 @@ Nothing is served at or past the log's durable tail (TopicLog.durable_tail), and
 written (a power loss may cut what was past the durable tail: never what is indexed here, which is before
 it). A segment removed takes its marks with it. Kept in memory only: a restart walks again, on demand.
 
-Who calls it: TopicLog (its `index`), for the HTTP log API (broker/http/log_api.py).
+Who calls it: TopicLog (its `index`), for the HTTP log API (broker/http/log_api.py), a replica's reads
+(TopicLog.read_raw) and the high watermark's place (TopicLog.place_at).
 """
 
 from __future__ import annotations
@@ -178,6 +179,13 @@ class LogIndex:
             self._marks[num] = marks
         return marks
 
+    def truncated(self, position: int) -> None:
+        """The log was cut back to `position` (TopicLog.truncate_to): the marks of the segment holding it
+        and of every later one go (walked again on demand: records will be written there again)."""
+        num = self.segments.file_of(position)
+        for old in [n for n in self._marks if n >= num]:
+            del self._marks[old]
+
     def appended(self, records: Sequence[bytes], positions: list[int], first_index: int) -> None:
         """Records were appended at `positions` (the first with index `first_index`): where a segment's
         marks reach them (walked up to where they start), they are marked as a walk would mark them."""
@@ -266,6 +274,28 @@ class LogIndex:
         if found.position != pos:
             raise PositionError("POSITION_NOT_A_RECORD", f"no record starts at {pos}")
         return found
+
+    def boundary_before(self, pos: int, hint: Place | None = None) -> Place:
+        """The last record boundary at or before `pos` (between the log's start and its tail), with its
+        index: from the nearest known place before it in its segment (its start, a mark, where the
+        segment was walked to, or `hint`, a boundary the caller knows), walking the rest. For a limit that
+        need not be a boundary (a high watermark). Raises PositionError or ValueError (a damaged file)."""
+        segments = self.segments
+        num = segments.file_of(pos)
+        best = Place(segments.start_of(num), segments.index_of_file(num))
+        marks = self._marks.get(num)
+        if marks is not None:
+            if best.position < marks.scanned <= pos:
+                best = Place(marks.scanned, marks.scanned_index)
+            at = marks.before(pos)
+            if at >= 0 and marks.positions[at] > best.position:
+                best = Place(marks.positions[at], marks.indices[at])
+        if hint is not None and best.position < hint.position <= pos:
+            best = hint
+        stop = min(pos, self._records_end(num))
+        if best.position >= stop:
+            return best
+        return self._walk_from(num, best, stop - best.position, ALL_RECORDS, stop)
 
     def _walk_from(self, num: int, start: Place, max_bytes: int, max_records: int, end: int) -> Place:
         """The place after walking from `start` (a boundary of segment num) at most `max_bytes` bytes and

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from trio_nsq.broker.storage.cursor import Cursor, CursorFileError
 from trio_nsq.broker.storage.deadlines import PublishDeadlines
 from trio_nsq.broker.storage.deferred_index import DeferredIndex
-from trio_nsq.broker.storage.files import remove_quietly
+from trio_nsq.broker.storage.files import remove_quietly, write_synced
 from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir, temp_files
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
@@ -394,6 +395,45 @@ class LogReader:
 
     def mark_delete(self) -> int:
         return self.cursor.mark_delete()
+
+    def truncated(self, end: Place) -> bool:
+        """Its log was cut back to `end` (TopicLog.truncate_to): nothing at or past it was read. A reader
+        past it goes back to its oldest unfinished record, or to `end` (what it finished before comes
+        again: at least once, never lost); holds and finished ranges past it go; the block read ahead is
+        dropped (new records will be written there). Whether the cursor changed (its file must be
+        written again before the log grows past `end`: persist_now)."""
+        cursor = self.cursor
+        if cursor.read_pos > end.position:
+            mark = cursor.mark_delete()
+            if mark < end.position:
+                self.reset(mark, cursor.mark_index())
+            else:
+                self.reset(end.position, end.index)
+            return True
+        reader = self.segment_reader
+        reader.seek(reader.position, reader.index)
+        if cursor.forget_from(end.position, self._count_records):
+            self._snapshot_due = True
+            return True
+        return self._snapshot_due
+
+    def persist_now(self) -> None:
+        """The cursor's file replaced by its snapshot now (temp file fsynced, renamed; the caller fsyncs
+        the directory): TopicLog.truncate_to and reset_to, which no sync round runs beside. Raises OSError."""
+        if self.group is None or self.deleted:
+            return
+        path = self.cursor_file_name()
+        tmp = f"{path}.{random.getrandbits(63)}.tmp"
+        try:
+            write_synced(tmp, self.cursor.snapshot())
+            with self.group.files_lock:
+                os.rename(tmp, path)
+        except OSError:
+            remove_quietly(tmp)
+            self._snapshot_due = True
+            raise
+        self._snapshot_due = False
+        self.on_disk = True
 
     @property
     def file_num(self) -> int:

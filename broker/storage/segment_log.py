@@ -54,8 +54,8 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from trio_nsq.broker.storage.backend import BackendError
-from trio_nsq.broker.storage.checksums import META_KEY, META_VALUE, Checksums
-from trio_nsq.broker.storage.files import close_quietly, fsync_file, remove_quietly
+from trio_nsq.broker.storage.checksums import META_KEY, META_VALUE, Checksums, side_numbers
+from trio_nsq.broker.storage.files import close_quietly, fsync_dir, fsync_file, remove_quietly
 from trio_nsq.shared.protocol import INT32, int32_at
 
 log = logging.getLogger("nsqd")
@@ -74,6 +74,9 @@ _READ_BUFFER = 256 * 1024
 # the block a scan at open reads the files in
 _SCAN_BUFFER = 1024 * 1024
 EXT_HEADER = "trio-nsq-log 2"
+# a metadata line written while the log is cut back (TopicLog.truncate_to, reset_to): nothing past its write
+# position is the log's, whatever the files hold there (an open cuts it off before recovering anything)
+CUT_KEY = "cut-tail"
 _EXT_HEADER_V1 = "trio-nsq-log 1"
 
 
@@ -184,6 +187,12 @@ class SegmentLog:
         mine = self._my_files(list_dir(data_path) if names is None else names)
         self._remove_temp_files(mine)
         self._retrieve_metadata()
+        # the metadata was written by a cut back (truncate_to, reset_to) that may not have finished: what
+        # the files hold past its write position was cut off, and is, again, before anything is recovered
+        self.cut_at_open = self.extension.pop(CUT_KEY, None) is not None
+        if self.cut_at_open:
+            gone = set(self.cut_files(self.write_file_num, self.write_pos, mine))
+            mine = [entry for entry in mine if entry not in gone]
         existing = numbered_files(mine, f"{name}.diskqueue")
         named = self.write_file_num  # the metadata's write file: recovery looks at it and past it
         self._recover_tail(existing)
@@ -782,13 +791,13 @@ class SegmentLog:
         self._last_link_check = time.monotonic()
         return fd
 
-    def _next_write_file(self) -> None:
-        """Roll: later records go to the next file, which starts where this one ends (the owner's round
-        fsyncs both)."""
+    def _next_write_file(self, start: int | None = None) -> None:
+        """Roll: later records go to the next file, which starts where this one ends (or at `start`, past
+        it: roll_at) (the owner's round fsyncs both)."""
         if self.write_pos > 0 and self._unsynced_from is None:
             self._unsynced_from = self.write_file_num
         self._close_write_fd()
-        self._starts.append(self.tail)
+        self._starts.append(self.tail if start is None else start)
         self.write_file_num += 1
         self.write_pos = 0
         self._first_index[self.write_file_num] = self.tail_index
@@ -811,6 +820,102 @@ class SegmentLog:
         close_quietly(self._write_fd)
         self._write_fd = None
         self._checksums.close()
+
+    def roll_at(self, start: int) -> None:
+        """The next record starts a new segment at position `start`, past the tail (a replica follows its
+        leader's positions: the leader rolled before this log would, or a power loss left it a gap).
+        An empty write file is made on disk first, with its side file's header: a segment missing below
+        one that is there would be a gap of lost records to readers and to the next open."""
+        if start <= self.tail or start >= POS_LIMIT:
+            raise ValueError(f"a segment cannot start at {start} (the log ends at {self.tail})")
+        if self.closed:
+            raise BackendError("exiting")
+        if self.write_pos == 0 and self._write_fd is None and not os.path.exists(self.file_name(self.write_file_num)):
+            try:
+                self._open_write_file()
+            except OSError as exc:
+                self._close_write_fd()
+                error = f"failed to write to disk queue {self.name} - {exc}"
+                log.error("DISKQUEUE(%s): failed to write - %s", self.name, exc)
+                if self._on_write is not None:
+                    self._on_write(0, error)
+                raise BackendError(error, 0) from None
+            if self._unsynced_from is None or self._unsynced_from > self.write_file_num:
+                self._unsynced_from = self.write_file_num
+        self._next_write_file(start)
+
+    def truncated_to(self, num: int, offset: int, index: int) -> None:
+        """The log ends at `offset` of segment num now (a record boundary, or its end), the next record's
+        index `index`: the segments after it are forgotten (in memory: the owner has made the cut durable
+        with cut_files, after a metadata saying CUT_KEY). Readers are the owner's to move."""
+        self._close_write_fd()
+        self._first_index[num] = self.index_of_file(num)
+        for later in range(num + 1, self.write_file_num + 1):
+            self._first_index.pop(later, None)
+            self._cut.pop(later, None)
+        self._cut.pop(num, None)
+        del self._starts[num - self.first_file + 1:]
+        self.write_file_num = num
+        self.write_pos = offset
+        self.tail_index = index
+        # positions from here on are given again: a record ending past here is not one kept before
+        self._lost_before = min(self._lost_before, self.tail)
+        if self._unsynced_from is not None and self._unsynced_from > num:
+            self._unsynced_from = num
+        self._files_changed = True
+
+    def reset_to(self, start: int, epoch: int) -> int:
+        """The log is empty, its next record at `start` in a new segment (numbered after every one there
+        is), and its epoch `epoch` (another log's: a replica takes its leader's). The old segments are
+        forgotten (in memory: the owner removes them, after a metadata naming only the new one).
+        Returns the new segment's number."""
+        if not 0 <= start < POS_LIMIT or not 0 < epoch < POS_LIMIT:
+            raise ValueError(f"cannot reset the log to {start} with epoch {epoch:x}")
+        self._close_write_fd()
+        num = self.write_file_num + 1
+        self.first_file = self.write_file_num = num
+        self.write_pos = 0
+        self._starts = [start]
+        self._first_index = {num: 0}
+        self.tail_index = 0
+        self._cut = {}
+        self._lost_before = POS_LIMIT
+        self._unsynced_from = None
+        self._files_changed = True
+        self.epoch = epoch
+        self.epoch_loaded = True
+        return num
+
+    def cut_files(self, num: int, offset: int, names: Iterable[str] | None = None) -> list[str]:
+        """The files cut to what the metadata says (CUT_KEY): segment num cut at `offset` and fsynced, every
+        segment and side file after it (and before the first kept: a reset) removed, the directory
+        fsynced. Its side file keeps its entries past `offset`: an open checks from the metadata's write
+        position on, where none of them starts before a new batch's entry written after it (the last
+        written for an offset wins). The names removed (of `names`, the directory's listing when None).
+        Raises OSError."""
+        self._close_write_fd()
+        listing = list_dir(self.data_path) if names is None else list(names)
+        path = self.file_name(num)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            size = -1
+        if size > offset:
+            os.truncate(path, offset)
+            fsync_file(path)
+        stem = f"{self.name}.diskqueue"
+        first = self.first_file
+        gone = [f"{stem}.{n:06d}.dat" for n in numbered_files(listing, stem) if n > num or n < first]
+        gone.extend(f"{stem}.{n:06d}.crc" for n in side_numbers(listing, stem) if n > num or n < first)
+        for entry in gone:
+            failed = remove_quietly(os.path.join(self.data_path, entry))
+            if failed is not None:
+                raise failed
+        if size > offset or gone:
+            log.info("DISKQUEUE(%s) cut back to %d of %s (%d files after it removed)", self.name, offset,
+                     self.file_name(num), len(gone))
+        fsync_dir(self.data_path)
+        return gone
 
     # --- reading ------------------------------------------------------------------------------
 

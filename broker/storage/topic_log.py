@@ -26,32 +26,43 @@ positional reader, a follower) serves no further. A round that fails leaves it w
 (Linux may drop the pages of a failed write-back and report the next fsync clean): until a restart reads
 the files again, nothing past it is served.
 
+A replica (issue 52) holds its leader's records at the leader's positions (`append_at`, from the leader's
+`read_raw`), hands its channels no further than the high watermark (`dispatch(upto)`, `served_end`), and
+is cut back (`truncate_to`, KIP-101) or started again as the leader's log (`reset_to`). A cut back is
+committed by a metadata saying so (segment_log.CUT_KEY: an open finishes it), so a crash reopens the log
+as it was or cut, never half way; it runs between sync rounds (`truncate()`, `reset()` await that).
+
 Who calls it: Topic (append, dispatch, empty, delete), Channel (reader_for, seek_to), the HTTP API
-(seek positions, /stats).
+(seek positions, /stats, /replica/fetch: read_raw), the replication (append_at, truncate, reset,
+high_watermark).
 """
 
 from __future__ import annotations
 
 import bisect
+import builtins
 import logging
 import os
+import random
 import struct
 import time
 from collections.abc import Callable, Sequence
 
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.deadlines import PublishDeadlines
-from trio_nsq.broker.storage.files import close_quietly, fsync_dir, fsync_file, remove_quietly
-from trio_nsq.broker.storage.log_index import LogIndex
+from trio_nsq.broker.storage.files import close_quietly, fsync_dir, fsync_file, remove_quietly, write_synced
+from trio_nsq.broker.storage.log_index import LogIndex, PositionError
 from trio_nsq.broker.storage.log_reader import LogReader
 from trio_nsq.broker.storage.records import looks_like_message
-from trio_nsq.broker.storage.segment_log import Place, SegmentLog, list_dir, numbered_files
+from trio_nsq.broker.storage.segment_log import CUT_KEY, Place, SegmentLog, list_dir, numbered_files
 from trio_nsq.broker.storage.sync_group import META_INTERVAL, RoundPlan, SyncGroup
 from trio_nsq.shared.protocol import MESSAGE_HEADER
 
 log = logging.getLogger("nsqd")
 
 _DEADLINE = struct.Struct(">qd16s")
+# read_raw's ends remembered (a follower's next fetch starts at one): more followers than this is unusual
+_RAW_ENDS = 16
 
 
 class SeekError(ValueError):
@@ -119,7 +130,18 @@ class TopicLog:
         self._meta_in_round = False
         self._positional_in_round = False
         self._index: LogIndex | None = None
+        # a replicated topic's high watermark (set by its replication): positional readers are served no
+        # further than min(durable tail, it) (`served_end`)
+        self.high_watermark: int | None = None
+        self._in_round = False  # between this log's prepare and finished: a round's thread may be at work
+        self._broken = ""  # a cut back (truncate_to, reset_to) failed half way: no append until a restart
+        self._raw_ends: dict[int, int] = {}  # position -> index where recent read_raw calls ended
         deadline_files = numbered_files(names, f"{name}.diskqueue.deadlines")
+        if segments.cut_at_open:
+            # a cut back may have stopped before its deadlines were cut: entries past the end would defer
+            # the records written at their positions later
+            self._cut_deadlines(segments.write_file_num, segments.tail, deadline_files)
+            deadline_files = [num for num in deadline_files if num <= segments.write_file_num]
         # the log does not end where the metadata said (records recovered, a torn tail cut, segments
         # given a start): a deadline entry may name a position its record no longer has
         changed = segments.tail != segments.synced_at_open.position
@@ -128,6 +150,8 @@ class TopicLog:
             self._deadline_unsynced.update(n for n in deadline_files if n >= segments.file_of(self.durable_tail.position))
             self._sync_recovered()
             group.request_round()
+        elif segments.cut_at_open:
+            group.request_round()  # a metadata without the cut line, soon: records written from now on are kept
         group.members.append(self)
 
     def __repr__(self) -> str:
@@ -304,6 +328,8 @@ class TopicLog:
     def append(self, records: Sequence[bytes], deadline: float = 0.0) -> None:
         """Append records (every one deferred until `deadline`, unix seconds, when > 0). Raises
         BackendError (`.stored` of them kept) at the first that cannot be stored."""
+        if self._broken:
+            raise BackendError(self._broken)
         index = self._index
         if not deadline and index is None:
             self.segments.append(records)
@@ -343,13 +369,368 @@ class TopicLog:
                 # the records stay; a restart before they are read delivers them at once (early, not lost)
                 log.error("TOPIC(%s) failed to write deadlines to %s - %s", self.name, self.deadline_file_name(num), exc)
 
-    def dispatch(self) -> None:
-        """Everything appended so far is handed to the channels there are."""
-        self.dispatched = Place(self.segments.tail, self.segments.tail_index)
+    def append_at(self, records: Sequence[bytes], positions: Sequence[int],
+                  deadlines: Sequence[tuple[int, float]] = ()) -> None:
+        """A replica appends what its leader sent: each record (as stored: what read_raw gives) at exactly
+        its position there. A position equal to the tail is a plain append (this log rolls by its own
+        max_bytes_per_file: positions stay contiguous either way); one past the tail starts a new segment
+        there (the leader rolled earlier, or a power loss left it a gap); one below the tail (or inside
+        the record before it) is a ValueError, before anything is written (the caller truncates first).
+        `deadlines`: (position, unix deadline) of the deferred records among them, kept as a deferred
+        append keeps them. Raises BackendError as append does (sizes, disk). Durable once a sync round has
+        run (`await self.group.sync()`; then `durable_tail` says how far)."""
+        if len(records) != len(positions):
+            raise ValueError(f"{len(records)} records with {len(positions)} positions")
+        if not records:
+            return
+        if self._broken:
+            raise BackendError(self._broken)
+        segments = self.segments
+        end = segments.tail
+        for data, pos in zip(records, positions):
+            if pos < end:
+                raise ValueError(f"a record at {pos}, before {end} (the log's end or the previous record's)")
+            end = pos + 4 + len(data)
+        due = dict(deadlines)
+        if due and not set(due) <= set(positions):
+            raise ValueError("a deadline for a position that is not among the records")
+        index = self.index  # a replica is read by position: its marks follow what is written
+        n = len(records)
+        at = 0
+        while at < n:
+            if positions[at] > segments.tail:
+                segments.roll_at(positions[at])
+            stop = at + 1
+            while stop < n and positions[stop] == positions[stop - 1] + 4 + len(records[stop - 1]):
+                stop += 1
+            run = records[at:stop]
+            written: list[int] = []
+            first_index = segments.tail_index
+            try:
+                segments.append(run, written)
+            finally:
+                if written:
+                    index.appended(run, written, first_index)
+                    deferred = [(pos, due[pos], data) for pos, data in zip(written, run) if pos in due]
+                    if deferred:
+                        self._append_deadline_entries(deferred)
+            if written != list(positions[at:stop]):
+                raise BackendError(f"records of {self.name} written at {written[:1]}, not at {positions[at]}", at)
+            at = stop
+
+    def _append_deadline_entries(self, entries: list[tuple[int, float, bytes]]) -> None:
+        """Deadlines of deferred records appended at various positions (append_at), in position order."""
+        for pos, deadline, data in entries:
+            self._append_deadlines([data], [pos], deadline)
+
+    def dispatch(self, upto: int | None = None) -> None:
+        """Everything appended so far is handed to the channels there are; with `upto` (a replicated
+        topic's high watermark), only the records that end at or before it."""
+        segments = self.segments
+        if upto is None or upto >= segments.tail:
+            self.dispatched = Place(segments.tail, segments.tail_index)
+            return
+        if upto <= self.dispatched.position:
+            return
+        try:
+            place = self.place_at(upto)
+        except (OSError, ValueError) as exc:
+            log.error("TOPIC(%s): cannot find where the records before %d end - %s", self.name, upto, exc)
+            return
+        if place.position > self.dispatched.position:
+            self.dispatched = place
+
+    def dispatchable(self, upto: int) -> int:
+        """Records not handed to any channel yet that dispatch(upto) would hand."""
+        segments = self.segments
+        if upto >= segments.tail:
+            return segments.tail_index - self.dispatched.index
+        if upto <= self.dispatched.position:
+            return 0
+        try:
+            return max(0, self.place_at(upto).index - self.dispatched.index)
+        except (OSError, ValueError):
+            return 0
+
+    def place_at(self, position: int) -> Place:
+        """The last record boundary at or before `position` (clamped to the log), with its index. Raises
+        PositionError or ValueError (a damaged file)."""
+        segments = self.segments
+        if position >= segments.tail:
+            return Place(segments.tail, segments.tail_index)
+        if position <= segments.start:
+            return Place(segments.start, segments.start_index())
+        hint = self.dispatched if self.dispatched.position <= position else None
+        return self.index.boundary_before(position, hint)
 
     def undispatched(self) -> int:
         """Records not handed to any channel yet (a paused topic's, or one without channels)."""
         return self.segments.tail_index - self.dispatched.index
+
+    def read_raw(self, position: int, max_bytes: int, upto: int) -> tuple[list[int], list[bytes]]:
+        """The records (raw, as stored: what append_at takes) from `position` (a record boundary, or the
+        start of a later segment) that end at or before `upto` (clamped to the tail), about `max_bytes` of
+        them (one at least when there is one), with their positions. What a leader serves its followers
+        (past its high watermark too). Raises ValueError (PositionError: before the log's start, past its
+        end, not a record boundary; or a damaged file)."""
+        segments = self.segments
+        tail = Place(segments.tail, segments.tail_index)
+        known = self._raw_ends.get(position)
+        # where a fetch ended is where the next one starts: no walk to check it is a boundary
+        start = Place(position, known) if known is not None and segments.start <= position <= tail.position \
+            else self.index.locate(position, tail)
+        limit = self.place_at(upto) if upto < tail.position else tail  # (a boundary, with its index)
+        end = limit.position
+        positions: list[int] = []
+        records: list[bytes] = []
+        total = 0
+        place = start
+        while place.position < end and total < max_bytes:
+            try:
+                block = self.index.read(place, limit, end, max(1, max_bytes - total))
+            except PositionError as exc:
+                num = segments.file_of(place.position)
+                if exc.code != "POSITION_GONE" or num >= segments.write_file_num:
+                    raise
+                # a segment a power loss took the name of: its records are lost, a gap (as channels skip it)
+                log.error("TOPIC(%s): %s is missing, reading on from the next segment", self.name,
+                          segments.file_name(num))
+                place = Place(segments.start_of(num + 1), segments.index_of_file(num + 1))
+                continue
+            starts = block.starts
+            data = block.data
+            for i in range(len(block)):
+                positions.append(block.position + starts[i])
+                records.append(bytes(data[starts[i] + 4:starts[i + 1]]))
+            total += block.size
+            if block.next <= place.position:
+                break
+            place = Place(block.next, block.next_index)
+        if place.position > start.position:
+            if len(self._raw_ends) >= _RAW_ENDS:
+                self._raw_ends.clear()
+            self._raw_ends[place.position] = place.index
+        return positions, records
+
+    def deadlines_for(self, first: int, end: int) -> list[tuple[int, float]]:
+        """(position, unix deadline) of the deferred records in [first, end), across segments (what
+        read_raw returned: the leader sends these with them)."""
+        segments = self.segments
+        out: list[tuple[int, float]] = []
+        num = max(segments.file_of(first), segments.first_file)
+        while num <= segments.write_file_num and segments.start_of(num) < end:
+            lo = max(first, segments.start_of(num))
+            hi = min(end, segments.start_of(num + 1)) if num < segments.write_file_num else end
+            if lo < hi:
+                out.extend(self.deadlines_between(lo, hi))
+            num += 1
+        return out
+
+    def served_end(self) -> Place:
+        """How far positional readers (/log/read) are served: the durable tail, or, for a replicated topic,
+        no further than its high watermark."""
+        end = self.durable_tail
+        hwm = self.high_watermark
+        if hwm is None or hwm >= end.position:
+            return end
+        try:
+            return self.place_at(hwm)
+        except (OSError, ValueError) as exc:
+            log.error("TOPIC(%s): cannot find where the records before %d end - %s", self.name, hwm, exc)
+            return Place(self.segments.start, self.segments.start_index())
+
+    # --- cutting back (a replica following its leader) -----------------------------------------
+
+    async def truncate(self, position: int) -> None:
+        """truncate_to(position) once no sync round is at work (one is run first: its own cannot
+        interleave). What a replica awaits."""
+        await self._between_rounds()
+        self.truncate_to(position)
+
+    async def reset(self, start: int, log_id: str) -> None:
+        """reset_to(start, log_id) once no sync round is at work (as truncate)."""
+        await self._between_rounds()
+        self.reset_to(start, log_id)
+
+    async def _between_rounds(self) -> None:
+        """Returns when no round is in flight: a round, awaited to its end; the caller goes on without a
+        checkpoint, so none starts before it is done."""
+        try:
+            await self.group.sync_round()
+        except BackendError:
+            pass  # logged; the cut back fsyncs what it needs itself
+
+    def _check_between_rounds(self) -> None:
+        if self._in_round:
+            raise RuntimeError(f"TOPIC({self.name}): a sync round is in flight (await truncate() or reset())")
+        if self._broken:
+            raise BackendError(self._broken)
+
+    def truncate_to(self, position: int) -> None:
+        """Every record at or past `position` (a record boundary between the log's start and its tail, or
+        the end of a segment's records) goes, durably on return: a crash at any point reopens the log as
+        it was (before the metadata saying so is renamed into place) or cut at `position` (after; an open
+        finishes the cut), never with a record past it nor without a record before it that was fsynced.
+        Everything before `position` is fsynced too, and is the durable tail (unless a round failed).
+        Channels' readers past it go back to their oldest unfinished record (or to `position`), their
+        cursors persisted; what they hold in memory past it is their channel's to drop (Channel.seek).
+        The next record is appended at `position` (or where append_at says). Synchronous (fsyncs in the
+        event loop: a replica cuts back once per change of leader); no round may be in flight (RuntimeError:
+        the caller awaits truncate() instead). Raises ValueError for a position that is not a boundary,
+        BackendError when the disk fails (the log then takes no append until a restart)."""
+        self._check_between_rounds()
+        segments = self.segments
+        tail = Place(segments.tail, segments.tail_index)
+        if position == tail.position:
+            return
+        if position > tail.position:
+            raise ValueError(f"{position} is past the end of the log ({tail.position})")
+        place = self.index.locate(position, tail)  # PositionError (a ValueError) if not a boundary
+        num = segments.file_of(position)
+        offset = position - segments.start_of(num)
+        self._sync_now()
+        segments.truncated_to(num, offset, place.index)
+        if self.dispatched.position > position:
+            self.dispatched = place
+        self.publish_deadlines.drop_from(position)
+        for old in [n for n in self._deadline_fds if n >= num]:
+            close_quietly(self._deadline_fds.pop(old))
+        for old in [n for n in self._first_stamps if n >= num]:
+            del self._first_stamps[old]
+        self.index.truncated(position)
+        self._raw_ends.clear()
+        changed = [reader for reader in self.readers if reader.truncated(place)]
+        log.info("TOPIC(%s): log cut back to %d (it ended at %d)", self.name, position, tail.position)
+        self._cut_back(place, num, [reader for reader in changed if reader in self.durable], "cut back")
+
+    def reset_to(self, start: int, log_id: str) -> None:
+        """The log becomes empty, its next record at position `start`, its id `log_id` (16 hex digits:
+        its leader's), durably on return (a crash reopens it as it was or reset); every channel's reader
+        starts at `start`, nothing finished (their cursors persisted). Synchronous, no round in flight
+        (as truncate_to; the caller awaits reset()). Raises ValueError for a bad start or id, BackendError
+        when the disk fails."""
+        self._check_between_rounds()
+        try:
+            epoch = int(log_id, 16)
+        except ValueError:
+            raise ValueError(f"not a log id: {log_id!r}") from None
+        if len(log_id) != 16:
+            raise ValueError(f"not a log id: {log_id!r}")
+        segments = self.segments
+        old_first, old_write = segments.first_file, segments.write_file_num
+        num = segments.reset_to(start, epoch)  # ValueError before anything changes
+        place = Place(start, 0)
+        self.dispatched = place
+        self.publish_deadlines.drop_from(0)
+        for fd in self._deadline_fds.values():
+            close_quietly(fd)
+        self._deadline_fds.clear()
+        self._deadline_unsynced.clear()
+        self._first_stamps.clear()
+        self._index = None
+        self._raw_ends.clear()
+        for reader in self.readers:
+            reader.cursor.epoch = epoch
+            reader.reset(start, 0)
+        log.info("TOPIC(%s): log reset to start at %d with log id %s (segments %d to %d dropped)", self.name,
+                 start, log_id, old_first, old_write)
+        self._cut_back(place, num, list(self.durable), "reset")
+
+    def _sync_now(self) -> None:
+        """What a round would fsync (segments, side files, deadlines) fsynced now, with the directory: a
+        metadata saying the log ends at a position is written only once everything before it is durable."""
+        segments = self.segments
+        paths = segments.take_unsynced()
+        deadlines = sorted(self._deadline_unsynced)
+        try:
+            for path in paths:
+                fsync_file(path)
+            for num in deadlines:
+                fsync_file(self.deadline_file_name(num))
+            fsync_dir(self.data_path)
+        except OSError as exc:
+            segments.unsynced_again(paths)
+            self._suspect = True
+            log.error("TOPIC(%s): failed to fsync before cutting its log back - %s", self.name, exc)
+            self.group.wrote(0, f"failed to sync disk queue {self.name} - {exc}")
+            raise BackendError(f"failed to sync disk queue {self.name} - {exc}") from None
+        self._deadline_unsynced.clear()
+
+    def _cut_back(self, place: Place, num: int, readers: list[LogReader], what: str) -> None:
+        """The files follow the log cut back (or reset) in memory to `place` in segment num: a metadata
+        saying so with CUT_KEY (the commit: an open from then on cuts the files itself), the files cut
+        and removed, the deadlines cut, the readers' cursors written, then the metadata without the line."""
+        try:
+            self._write_meta(cut=True)
+            self.segments.cut_files(num, place.position - self.segments.start_of(num))
+            self._cut_deadlines(num, place.position, self._deadline_files())
+            for reader in readers:
+                reader.persist_now()
+            fsync_dir(self.data_path)
+            self._write_meta(cut=False)
+        except OSError as exc:
+            self._suspect = True
+            self._broken = f"failed to {what} the log of {self.name} - {exc} (restart the broker)"
+            log.error("TOPIC(%s): %s", self.name, self._broken)
+            self.group.wrote(0, self._broken)
+            raise BackendError(self._broken) from None
+        if self._suspect:
+            if self.durable_tail.position > place.position:
+                self.durable_tail = self._round_tail = place
+        else:
+            self.durable_tail = self._round_tail = place
+
+    def _cut_deadlines(self, num: int, position: int, files: list[int]) -> None:
+        """Deadline files past segment num (and before the first segment kept: a reset) removed, segment
+        num's cut before `position`, durably (an entry left would defer the record written at its position
+        later). Raises OSError."""
+        changed = False
+        first = self.segments.first_file
+        for n in files:
+            if n > num or n < first:
+                fd = self._deadline_fds.pop(n, None)
+                close_quietly(fd)
+                failed = remove_quietly(self.deadline_file_name(n))
+                if failed is not None:
+                    raise failed
+                changed = True
+        if num in files:
+            path = self.deadline_file_name(num)
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            except FileNotFoundError:
+                data = b""
+            kept = 0
+            usable = len(data) - len(data) % _DEADLINE.size
+            for pos, _, _ in _DEADLINE.iter_unpack(data[:usable]):
+                if pos >= position:
+                    break
+                kept += _DEADLINE.size
+            if kept < len(data):
+                os.truncate(path, kept)
+                fsync_file(path)
+        if changed:
+            fsync_dir(self.data_path)
+
+    def _write_meta(self, *, cut: bool) -> None:
+        """The metadata replaced now (temp file fsynced, renamed, the directory fsynced). Raises OSError."""
+        data, dispatched = self._meta_content([f"{CUT_KEY} 1"] if cut else [])
+        path = self.segments.meta_file_name()
+        tmp = f"{path}.{random.getrandbits(63)}.tmp"
+        try:
+            write_synced(tmp, data)
+            with self.group.files_lock:
+                os.rename(tmp, path)
+        except OSError:
+            remove_quietly(tmp)
+            raise
+        fsync_dir(self.data_path)
+        self.segments.take_files_changed()
+        self.epoch_on_disk = True
+        self.positional_on_disk = self.positional_on_disk or self.positional
+        self._meta_at = self.group.clock()
+        self._meta_dispatched = dispatched
 
     def empty(self) -> None:
         """Drop what is not handed to a channel yet (nsqd's topic empty)."""
@@ -547,6 +928,7 @@ class TopicLog:
     def prepare(self, plan: RoundPlan) -> None:
         if self.deleted:
             return
+        self._in_round = True
         segments = self.segments
         self._taken = segments.take_unsynced()
         self._round_tail = Place(segments.tail, segments.tail_index)
@@ -572,25 +954,39 @@ class TopicLog:
         files_changed = segments.take_files_changed()
         plan.new_names = plan.new_names or files_changed or bool(self._deadline_created)
         self._deadline_created.clear()
-        at = self.dispatched
-        dispatched = "all" if at.position == segments.tail else f"{at.position} {at.index}"
+        dispatched = self._dispatched_line()
         if not (files_changed or plan.final or dispatched != self._meta_dispatched
                 or plan.now - self._meta_at >= META_INTERVAL):
             return
         self._meta_at = plan.now
         self._meta_dispatched = dispatched
+        self._meta_in_round = True
+        self._positional_in_round = self.positional
+        plan.replaces.append((self, segments.meta_file_name(), self._meta_content()[0]))
+
+    def _dispatched_line(self) -> str:
+        """How far the log is handed, as the metadata says it ("all": to the end; a replicated topic's
+        always by position: records recovered past it at open wait for the high watermark)."""
+        at = self.dispatched
+        if at.position == self.segments.tail and self.high_watermark is None:
+            return "all"
+        return f"{at.position} {at.index}"
+
+    def _meta_content(self, extra: Sequence[str] = ()) -> tuple[builtins.bytes, str]:
+        """The metadata file's bytes (and its dispatched line)."""
+        segments = self.segments
+        dispatched = self._dispatched_line()
         # Go's read position: the oldest record a durable channel has not finished
         go_pos, go_index = self.dispatched.position, self.dispatched.index
         for reader in self.pinning(self.durable):
             mark = reader.mark_delete()
             if mark < go_pos:
                 go_pos, go_index = mark, reader.cursor.mark_index()
-        extra = [f"dispatched {dispatched}"]
+        lines = [f"dispatched {dispatched}"]
         if self.positional:
-            extra.append("positional 1")
-        self._meta_in_round = True
-        self._positional_in_round = self.positional
-        plan.replaces.append((self, segments.meta_file_name(), segments.meta_bytes(go_pos, go_index, extra)))
+            lines.append("positional 1")
+        lines.extend(extra)
+        return segments.meta_bytes(go_pos, go_index, lines), dispatched
 
     def _retained(self, needed_file: int) -> int:
         """The first segment to keep: every one before `needed_file` may go, unless retention keeps it."""
@@ -614,6 +1010,7 @@ class TopicLog:
         return first
 
     def finished(self, plan: RoundPlan, ok: bool) -> None:
+        self._in_round = False
         if ok:
             self._removing = []
             if self._meta_in_round:
