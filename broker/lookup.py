@@ -231,6 +231,21 @@ class LookupManager:
             topic, channel = cast("Channel", obj).topic_name, obj.name
         else:
             topic, channel = obj.name, ""
+        replication = self.nsqd.replication
+        if replication is not None and not replication.registers(topic):
+            return  # cluster mode: only the topic's leader tells the lookupds (announce)
         command = register_cmd(topic, channel) if created else unregister_cmd(topic, channel)
         for peer in self.peers.values():
             peer.notify(command)
+
+    def announce(self, topic: Topic, registered: bool) -> None:
+        """Cluster mode: this broker began (or stopped) leading `topic`: the lookupds are told of it and its
+        channels (or that they are gone from here), so consumers find the leader."""
+        channels = [name for name in topic.channels if not topic.channels[name].ephemeral]
+        if registered:
+            commands = [register_cmd(topic.name)] + [register_cmd(topic.name, name) for name in channels]
+        else:
+            commands = [unregister_cmd(topic.name, name) for name in channels] + [unregister_cmd(topic.name)]
+        for peer in self.peers.values():
+            for command in commands:
+                peer.notify(command)

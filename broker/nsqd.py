@@ -11,7 +11,7 @@ import os
 import select
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -36,6 +36,9 @@ from trio_nsq.shared.protocol import FRAME_TYPE_ERROR, MAGIC_V2, encode_frame
 from trio_nsq.shared.service import error_text
 from trio_nsq.shared.tcp import serve_connection
 from trio_nsq.shared.version import VERSION
+
+if TYPE_CHECKING:
+    from trio_nsq.broker.replication.manager import ReplicaManager
 
 log = logging.getLogger("nsqd")
 
@@ -88,6 +91,12 @@ class NSQD:
         self.tls_required = tls_required(options)
         self.tls_required_http = tls_required_http(options)
         self.auth_enabled = bool(options.auth_http_addresses)
+        # cluster mode (--etcd-endpoints): every non-ephemeral topic replicated (replication/manager.py)
+        self.replication: ReplicaManager | None = None
+        if options.etcd_endpoints:
+            from trio_nsq.broker.replication.manager import ReplicaManager
+
+            self.replication = ReplicaManager(self)
 
     # --- life ---------------------------------------------------------------------------------
 
@@ -107,7 +116,11 @@ class NSQD:
                     nursery.start_soon(poller.expire_loop)
                 # HTTP first: once TCP accepts connections, the whole broker is up (logged in nsqd's order)
                 await self._start_http(nursery)
-                log.info("TCP: listening on %s", address_text(*await self._start_tcp(nursery)))
+                tcp_address = await self._start_tcp(nursery)
+                if self.replication is not None:
+                    # cluster mode: in etcd (its id is its HTTP address) before it says it listens
+                    await nursery.start(self.replication.run)
+                log.info("TCP: listening on %s", address_text(*tcp_address))
                 if self.http_address is not None:
                     log.info("HTTP: listening on %s", address_text(*self.http_address))
                 await nursery.start(self.lookup.run)
@@ -190,12 +203,15 @@ class NSQD:
     def registration_commands(self) -> list[bytes]:
         """What a lookupd must be told of after (re)connecting: each channel, or the bare topic."""
         commands = []
+        replication = self.replication
         for topic in self.topics.values():
+            if replication is not None and not replication.registers(topic.name):
+                continue  # cluster mode: only a topic's leader registers it
             if not topic.channels:
                 commands.append(register_cmd(topic.name))
             for channel in topic.channels.values():
                 commands.append(register_cmd(topic.name, channel.name))
-        for name, entry in list(self._pending.items()):  # known from nsqd.dat, not open yet
+        for name, entry in list(self._pending.items()) if replication is None else ():  # from nsqd.dat, not open yet
             channels = [c["name"] for c in valid(entry.get("channels") or (), is_valid_channel_name, "channel")
                         if not is_ephemeral(c["name"])]
             commands.extend(register_cmd(name, channel) for channel in channels)
@@ -246,6 +262,8 @@ class NSQD:
         topic = Topic(self, name, self.data_dir.take(name))
         self.topics[name] = topic
         log.info("TOPIC(%s): created", name)
+        if self.replication is not None:
+            self.replication.attach(topic)
         if not self._loading:
             topic.channels_from_lookupd = self.lookup.topic_channels
         if self._nursery is not None:
@@ -264,6 +282,8 @@ class NSQD:
             self.get_topic(name)
         topic = self.topics.pop(name)  # KeyError(name) for a topic there is not
         log.info("TOPIC(%s): deleting", name)
+        if self.replication is not None:
+            self.replication.detach(topic, deleted=True)
         topic.exit()
         for channel_name in list(topic.channels):
             topic.delete_channel(channel_name)
@@ -376,6 +396,8 @@ class NSQD:
         try:
             topic = Topic(self, name, self.data_dir.take(name))
             self.topics[name] = topic
+            if self.replication is not None:
+                self.replication.attach(topic)
             topic.paused = bool(t.get("paused"))
             for c in valid(t.get("channels") or (), is_valid_channel_name, "channel"):
                 channel = topic.get_channel(c["name"])

@@ -118,6 +118,17 @@ class Options:
         1_000_000, "most Idempotency-Keys a topic remembers (the oldest is forgotten first); "
         "the default holds a day of Spark write retries at typical batch sizes"
     )
+    # not in Go nsqd: replication of topics' logs through etcd (cluster mode, on when endpoints are given)
+    etcd_endpoints: list = option(
+        [], "etcd endpoint URL, e.g. http://127.0.0.1:2379 (may be given multiple times or comma separated): "
+        "turns cluster mode on (every non-ephemeral topic is replicated)", repeat=True,
+    )
+    etcd_prefix: str = option("/trio-nsq", "prefix of the keys this cluster keeps in etcd")
+    etcd_lease_ttl: float = option(10.0, "TTL of this broker's etcd lease: a broker whose lease expires is dead to the others", kind="duration")
+    replicas: int = option(1, "how many brokers hold each topic a broker creates in cluster mode")
+    min_isr: int = option(1, "fewest in-sync replicas (the leader included) a publish needs to be answered OK")
+    replica_lag_time: float = option(10.0, "a follower not caught up for this long leaves the in-sync replicas", kind="duration")
+    replica_ack_timeout: float = option(5.0, "how long a publish waits for its in-sync replicas before E_PUB_FAILED", kind="duration")
     e2e_processing_latency_window_time: float = option(
         600.0, "calculate end to end latency quantiles for this duration of time", kind="duration"
     )
@@ -133,6 +144,11 @@ class Options:
         (--max-req-timeout) when it is 0."""
         return self.max_defer_time or self.max_req_timeout
 
+
+    @property
+    def etcd_endpoint_list(self) -> list[str]:
+        """--etcd-endpoints, repeated or comma separated."""
+        return [url.strip() for value in self.etcd_endpoints for url in str(value).split(",") if url.strip()]
 
     def check(self) -> None:
         """What nsqd's New() refuses at start, with its messages; raises ValueError."""
@@ -160,6 +176,20 @@ class Options:
             raise ValueError("--max-attempts must be [0,65535]")
         if self.max_idempotency_keys < 1:
             raise ValueError("--max-idempotency-keys must be >= 1")
+        if self.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        if self.min_isr < 1:
+            raise ValueError("--min-isr must be >= 1")
+        if self.etcd_endpoints:
+            if self.etcd_lease_ttl < 1:
+                raise ValueError("--etcd-lease-ttl must be >= 1s")
+            if self.replica_lag_time <= 0:
+                raise ValueError("--replica-lag-time must be > 0")
+            if self.replica_ack_timeout <= 0:
+                raise ValueError("--replica-ack-timeout must be > 0")
+            for url in self.etcd_endpoint_list:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"--etcd-endpoints: {url!r} is not an http:// or https:// URL")
         for value in self.e2e_processing_latency_percentiles:
             if not 0 < value <= 1:
                 raise ValueError(f"invalid E2E processing latency percentile: {value:g}")

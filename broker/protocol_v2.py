@@ -22,6 +22,7 @@ from trio_nsq.broker.channel import ChannelError
 from trio_nsq.broker.client_state import ClientState, check_command
 from trio_nsq.broker.client_v2 import ClientV2
 from trio_nsq.broker.message import Message
+from trio_nsq.broker.topic import ReplicationError
 from trio_nsq.broker.v2_poller import EOF, READ, TIMEOUT
 from trio_nsq.broker.channel import Channel
 from trio_nsq.shared.streams import CompressionError
@@ -274,7 +275,7 @@ class ProtocolV2:
         except BackendError as exc:
             responses.extend([OK] * exc.stored)
             client.published(run.topic, exc.stored)
-            raise FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}") from None
+            raise _publish_failed(command, exc) from None
         if published.sync is not None:
             client.pending_sync.setdefault(published.sync, command)
         self._await_name(client, command, run.topic)
@@ -410,7 +411,7 @@ class ProtocolV2:
             try:
                 await backend.sync()
             except BackendError as exc:
-                return FatalClientError(f"E_{cmd}_FAILED", f"{cmd} failed {exc}")
+                return _publish_failed(cmd, exc)
         return None
 
     # --- commands -----------------------------------------------------------------------------
@@ -625,6 +626,10 @@ class ProtocolV2:
             raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {_quote(channel_name)} is not valid")
         self._authorize(client, "SUB", topic_name.decode(), channel_name.decode())
         topic = self.nsqd.get_topic(topic_name.decode())
+        if topic.replica is not None:
+            refused = topic.replica.refuses_consumers()
+            if refused:  # cluster mode: only the topic's leader delivers
+                raise FatalClientError("E_SUB_FAILED", f"SUB failed: {refused}")
         channel = topic.get_channel(channel_name.decode())
         try:
             channel.add_client(client, self.options.max_channel_consumers)
@@ -740,11 +745,19 @@ class ProtocolV2:
         try:
             published = topic.publish(bodies, deferred)
         except BackendError as exc:
-            raise FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}") from None
+            raise _publish_failed(command, exc) from None
         if published.sync is not None:
             client.pending_sync.setdefault(published.sync, command)
         self._await_name(client, command, topic_name)
         client.published(topic_name, published.count)
+
+
+def _publish_failed(command: str, exc: BackendError) -> FatalClientError:
+    """E_<cmd>_FAILED for a publish the topic refused or could not make durable; the replication's
+    reason first (`PUB failed: NOT_LEADER (leader host:port)`)."""
+    if isinstance(exc, ReplicationError):
+        return FatalClientError(f"E_{command}_FAILED", f"{command} failed: {exc}")
+    return FatalClientError(f"E_{command}_FAILED", f"{command} failed {exc}")
 
 
 # commands published in runs (_add_to_run)

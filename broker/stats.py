@@ -169,6 +169,8 @@ class TopicStats:
     log_messages: int = 0
     log_bytes: int = 0
     log_durable_position: int = 0
+    # cluster mode: the topic's replication (role, replicas, leader, epoch, isr, min_isr, high_watermark, log_end)
+    replication: dict[str, Any] | None = None
 
     @property
     def ephemeral(self) -> bool:
@@ -327,6 +329,8 @@ def topic_stats(topic: Topic, channels: tuple[ChannelStats, ...]) -> TopicStats:
         record.log_messages = segments.tail_index - segments.start_index()
         record.log_bytes = segments.segment_bytes()
         record.log_durable_position = log_.durable_tail.position
+    if topic.replica is not None:
+        record.replication = topic.replica.stats()
     return record
 
 

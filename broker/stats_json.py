@@ -10,6 +10,7 @@ and full of free text or floats) are built as dicts and encoded by go_json as be
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,13 @@ def _topic(t: TopicStats) -> str:
             f'"message_bytes":{t.message_bytes},"paused":{_bool(t.paused)},'
             f'"e2e_processing_latency":{_latency(t.e2e_processing_latency)},"idempotency_keys":{t.idempotency_keys},'
             f'"log_first_position":{t.log_first_position},"log_end_position":{t.log_end_position},'
-            f'"log_messages":{t.log_messages},"log_bytes":{t.log_bytes},"log_durable_position":{t.log_durable_position}}}')
+            f'"log_messages":{t.log_messages},"log_bytes":{t.log_bytes},"log_durable_position":{t.log_durable_position}'
+            f'{_replication(t.replication)}}}')
+
+
+def _replication(replication: dict[str, Any] | None) -> str:
+    """Cluster mode only: the topic's `"replication"` key (nsqadmin shows it)."""
+    return "" if replication is None else f',"replication":{json.dumps(replication, separators=(",", ":"))}'
 
 
 def _channel(c: ChannelStats) -> str:

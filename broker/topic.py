@@ -69,6 +69,42 @@ class TopicFull(BackendError):
     there is to refuse (E_PUB_FAILED over TCP, 503 TOPIC_FULL over HTTP)."""
 
 
+class ReplicationError(BackendError):
+    """Cluster mode: a publish the topic's replication refuses (`reason`: NOT_LEADER, NOT_ENOUGH_REPLICAS
+    before the append, definite; NOT_ENOUGH_REPLICAS_AFTER_APPEND or NOT_LEADER once appended, when its
+    replicas did not confirm it in time: indeterminate). TCP answers E_PUB_FAILED with the message, HTTP
+    503 {"message": reason}."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason} ({detail})" if detail else reason)
+        self.reason = reason
+
+
+class Syncable(Protocol):
+    """What a publish's answer awaits (Published.sync): a SyncGroup's fsync, or its replicas' confirmation."""
+
+    async def sync(self) -> None: ...
+
+
+class ReplicaGate(Protocol):
+    """A replicated topic's replication (replication/manager.py's TopicReplica), as the Topic uses it."""
+
+    def admit(self) -> None:
+        """Raises ReplicationError when this broker may not append now (not the leader, isr too small)."""
+
+    def committed_after(self, end: int) -> Syncable:
+        """What a publish whose records end at log position `end` awaits before its OK."""
+
+    def dispatch_limit(self) -> int:
+        """How far the log may be handed to the channels (the high watermark)."""
+
+    def refuses_consumers(self) -> str | None:
+        """Why a SUB here is refused (this broker does not lead the topic), or None."""
+
+    def stats(self) -> dict[str, Any]:
+        """/stats' "replication" key of the topic."""
+
+
 log = logging.getLogger("nsqd")
 
 # How many messages the pump moves per scheduling round: large enough to amortise the await,
@@ -83,7 +119,7 @@ class Published:
     """What Topic.publish did: how many messages, and whether the answer must wait for an fsync."""
 
     count: int
-    sync: SyncGroup | None  # --sync-every=1 and something went to disk: await sync.sync() before OK
+    sync: Syncable | None  # --sync-every=1 and something went to disk (or replicated): await sync.sync() before OK
     all_durable: bool  # every message went to the log: after the fsync, all of them are durable
     in_log: bool = False  # every message went to the log (the answer may not wait for an fsync)
 
@@ -136,6 +172,9 @@ class Topic:
             window=opts.idempotency_window, max_keys=opts.max_idempotency_keys,
             log_holds=None if self.log is None else self.log.segments.holds_end,
         )
+        # cluster mode (replication/manager.py attaches it): appends are gated, the channels get the log
+        # up to the high watermark only
+        self.replica: ReplicaGate | None = None
         # set by NSQD for a topic created at run time: asks the lookupds for the topic's channels
         self.channels_from_lookupd: Callable[[str], Awaitable[list[str]]] | None = None
 
@@ -233,8 +272,18 @@ class Topic:
                 channel.put_messages(copy)
 
     def dispatch(self) -> None:
-        """What the log holds that no channel was handed yet goes to the channels there are."""
+        """What the log holds that no channel was handed yet goes to the channels there are (a replicated
+        topic's: up to its high watermark)."""
         log_ = self.log
+        if log_ is not None and self.replica is not None:
+            before = log_.dispatched.index
+            log_.dispatch(upto=self.replica.dispatch_limit())
+            n = log_.dispatched.index - before
+            if n > 0:
+                for channel in self.channels.values():
+                    channel.message_count += n
+                    channel.logs_grew()
+            return
         if log_ is not None and log_.undispatched():
             n = log_.undispatched()
             log_.dispatch()
@@ -270,6 +319,9 @@ class Topic:
         (the caller awaits it, or a TCP connection once for all the publishes of one read)."""
         if self.exiting:
             raise BackendError("exiting")
+        replica = self.replica
+        if replica is not None:
+            replica.admit()  # (refused before anything is appended: definite)
         if self.limited:
             self._admit(len(bodies))
         # ids made in one batch, and one timestamp for the batch (a clock read per message cost more)
@@ -315,7 +367,10 @@ class Topic:
                 self._wake.set()
         if self.max_depth and not self.refuse_when_full and not self.channels:
             self._drop_over_depth()
-        sync = self.group if written and self.sync_every == 1 else None
+        if replica is not None and self.log is not None:
+            # every message is in the log (keep_whole_log): answered once its replicas have it
+            return Published(len(bodies), replica.committed_after(self.log.segments.tail), True, True)
+        sync: Syncable | None = self.group if written and self.sync_every == 1 else None
         return Published(len(bodies), sync, sync is not None and written == len(bodies), in_log)
 
     def keep_whole_log(self) -> None:
@@ -411,6 +466,12 @@ class Topic:
             log.error("TOPIC(%s): cannot take %d dead letters (%s)", self.name, len(bodies),
                       "exiting" if self.exiting else "ephemeral")
             return 0
+        if self.replica is not None:
+            try:
+                self.replica.admit()  # (cluster mode: only the topic's leader appends)
+            except ReplicationError as exc:
+                log.error("TOPIC(%s): cannot take %d dead letters here - %s", self.name, len(bodies), exc)
+                return 0
         # asks for the round that puts it on disk if need be
         if not self.dead_letters_channel().backend.on_disk():
             return 0
@@ -560,7 +621,10 @@ class Topic:
                           self.name, len(msgs) - exc.stored, len(msgs), exc)
                 flushed = False
             if not self.paused and self.channels:
-                self.log.dispatch()
+                if self.replica is not None:
+                    self.dispatch()  # (up to the high watermark)
+                else:
+                    self.log.dispatch()
         for channel in self.channels.values():
             if not channel.ephemeral:  # a durable channel of an ephemeral topic has its own queue too
                 flushed = channel.flush_for_shutdown() and flushed

@@ -25,7 +25,7 @@ from trio_nsq.broker.stats_json import stats_json
 from trio_nsq.broker.stats_prometheus import prometheus_text
 from trio_nsq.broker.stats_text import stats_text
 from trio_nsq.broker.queue_settings import KEYS, QueueSettings, Resolved, SettingsError, parse_updates, resolve
-from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Published, Topic, TopicFull
+from trio_nsq.broker.topic import DEAD_LETTERS_CHANNEL, Published, ReplicationError, Topic, TopicFull
 from trio_nsq.broker.storage.topic_log import SeekError
 from trio_nsq.shared.http_api import (
     EMPTY,
@@ -257,7 +257,8 @@ class Api:
     def _publishes_now(self, req: Request) -> bool:
         """A publish answered without awaiting: no Idempotency-Key (its journal awaits) and no fsync to
         wait for (--sync-every=1)."""
-        return req.idempotency_key is None and self.options.sync_every != 1
+        # (cluster mode: every publish awaits its replicas)
+        return req.idempotency_key is None and self.options.sync_every != 1 and not self.options.etcd_endpoints
 
     def _named_now(self, name: str) -> bool:
         """The topic is there and nsqd.dat names it: a publish to it may be answered without awaiting (else
@@ -306,6 +307,10 @@ class Api:
         if published.sync is not None:
             try:
                 await published.sync.sync()
+            except ReplicationError as exc:
+                # appended, not confirmed by enough replicas in time: the client cannot know (retry)
+                log.error("TOPIC(%s): HTTP %s not confirmed by its replicas - %s", topic.name, what, exc)
+                raise HTTPError(503, exc.reason) from None
             except BackendError as exc:
                 log.error("TOPIC(%s): failed to sync published messages - %s", topic.name, exc)
                 raise HTTPError(500, "INTERNAL_ERROR") from None
@@ -318,6 +323,9 @@ class Api:
         except TopicFull as exc:
             log.info("TOPIC(%s): HTTP %s refused - %s", topic.name, what, exc)
             raise HTTPError(503, "TOPIC_FULL") from None
+        except ReplicationError as exc:
+            log.info("TOPIC(%s): HTTP %s refused - %s", topic.name, what, exc)
+            raise HTTPError(503, exc.reason) from None
         except BackendError as exc:
             log.error("TOPIC(%s): HTTP %s failed - %s", topic.name, what, exc)
             raise HTTPError(503, "EXITING") from None
@@ -478,13 +486,42 @@ class Api:
         any of queue_settings.KEYS, persisted before the answer. Its channels follow what they do not set."""
         topic = self._existing_topic(self._topic_name(req))
         if req.method == "POST":
-            changes = self._settings_changes(req, topic.name, "")
+            replicated = await self._replication_config(req, topic)
+            changes = self._settings_changes(req, topic.name, "", skip=replicated)
             self._check_resolves(topic.settings, changes, topic.name, "")
-            topic.settings.update(changes)
-            topic.apply_settings()
-            await self._settings_persisted(f"TOPIC({topic.name})", changes, topic)
+            if changes or not replicated:
+                topic.settings.update(changes)
+                topic.apply_settings()
+                await self._settings_persisted(f"TOPIC({topic.name})", changes, topic)
         resolved = resolve(self.options, topic.settings, topic=topic.name)
-        return ok_json({"topic": topic.name, "config": topic.settings.to_json(), "effective": _effective(resolved)})
+        reply = {"topic": topic.name, "config": topic.settings.to_json(), "effective": _effective(resolved)}
+        if topic.replica is not None:
+            reply["replication"] = topic.replica.stats()
+        return ok_json(reply)
+
+    async def _replication_config(self, req: Request, topic: Topic) -> tuple[str, ...]:
+        """Cluster mode: `replicas` and `min_isr` of /topic/config, changed in etcd by the topic's leader
+        (a CAS): replicas raised, alive brokers join `replicas` (not the isr: they catch up first);
+        lowered, followers leave. Which of the two keys the query had."""
+        manager = self.nsqd.replication
+        params = self._params(req)
+        given = tuple(key for key in ("replicas", "min_isr") if key in params)
+        if manager is None or not given or topic.replica is None:
+            return ()
+        values: dict[str, int] = {}
+        for key in given:
+            try:
+                value = parse_go_int(params[key][-1])
+            except ValueError:
+                raise HTTPError(400, f"INVALID_ARG_{key.upper()}") from None
+            if value < 1:
+                raise HTTPError(400, f"INVALID_ARG_{key.upper()}")
+            values[key] = value
+        error = await manager.configure(topic.name, values.get("replicas"), values.get("min_isr"))
+        if error is not None:
+            log.info("TOPIC(%s): replication config refused - %s", topic.name, error)
+            raise HTTPError(409 if error == "CONFLICT" else 503, error)
+        return given
 
     async def channel_config(self, req: Request, params: Mapping[str, str]) -> Reply:
         """/topic/config for one channel: what it sets wins over its topic's settings."""
@@ -500,9 +537,12 @@ class Api:
         return ok_json({"topic": topic.name, "channel": channel.name, "config": channel.settings.to_json(),
                         "effective": _effective(resolved)})
 
-    def _settings_changes(self, req: Request, topic: str, channel: str) -> dict[str, Any]:
+    def _settings_changes(self, req: Request, topic: str, channel: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        params = self._params(req)
+        if skip:
+            params = {key: values for key, values in params.items() if key not in skip}
         try:
-            return parse_updates(self._params(req), topic=topic, channel=channel)
+            return parse_updates(params, topic=topic, channel=channel)
         except SettingsError as exc:
             log.info("TOPIC(%s): config refused - %s", topic, exc)
             raise HTTPError(400, str(exc)) from None

@@ -11,6 +11,7 @@ import trio
 
 from trio_nsq.broker.http.endpoints import Api
 from trio_nsq.broker.http.log_api import LogApi
+from trio_nsq.broker.http.replica_api import ReplicaApi
 from trio_nsq.broker.stats import GC_PAUSES
 from trio_nsq.shared.http import join_host_port, serve_site
 from trio_nsq.shared.http_api import JSON_TYPE, Reply, Router
@@ -24,6 +25,7 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
     and /mpub are answered in place when the request came whole; /pub and /mpub are not logged, as
     nsqd's are not. /log/* are not nsqd's: a topic's log read by position (log_api.py)."""
     logs = LogApi(api)
+    replica = ReplicaApi(api)
     return {
         "GET": {
             "/ping": Route(api.ping, api.ping_now),
@@ -39,6 +41,7 @@ def routes(api: Api) -> dict[str, dict[str, Route]]:
             "/log/position": Route(logs.position),
             "/log/splits": Route(logs.splits),
             "/log/read": Route(logs.read, logged=False),
+            "/replica/fetch": Route(replica.fetch, logged=False),  # cluster mode: a follower's fetch
         },
         "POST": {
             "/pub": Route(api.pub, api.pub_now, logged=False),
