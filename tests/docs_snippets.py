@@ -43,7 +43,8 @@ from processes import REPO_ROOT, AdminProcess, BrokerProcess, Daemon, LookupdPro
 ROOT = REPO_ROOT
 RUN_LANGUAGES = {"python": "python", "py": "python", "sh": "shell", "bash": "shell", "shell": "shell"}
 KINDS = {"run", "daemon", "pytest", "spark", "continues", "not-run"}
-WELL_KNOWN_PORTS = (4150, 4151, 4160, 4161, 4171, 4250, 4251)
+WELL_KNOWN_PORTS = (4150, 4151, 4160, 4161, 4171, 4250, 4251,
+                    4152, 4153, 4154, 4155, 2379, 2380)  # (`make run-cluster`'s other brokers and etcd)
 CLUSTER_PORTS = (4150, 4151, 4160, 4161, 4171)  # nsqd, nsqlookupd and trio-nsqadmin, as `make run` starts them
 CHECKOUT = ("Makefile", "pyproject.toml", "setup.py", "trio_nsq", "broker", "lookupd", "shared", "examples")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
@@ -161,10 +162,14 @@ class Session:
                         TMPDIR=str(scratch["python-tmp"]), JAVA_TOOL_OPTIONS=f"-Djava.io.tmpdir={scratch['java-tmp']}")
         for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV"):  # as a user's shell: not set
             self.env.pop(name, None)
-        # `make run` takes its ports and data directory from these (Makefile); other commands ignore them
+        # `make run` and `make run-cluster` take their ports and data directory from these (Makefile); other
+        # commands ignore them
         self.env.update({"NSQD_TCP_PORT": str(self.ports[4150]), "NSQD_HTTP_PORT": str(self.ports[4151]),
                          "LOOKUPD_TCP_PORT": str(self.ports[4160]), "LOOKUPD_HTTP_PORT": str(self.ports[4161]),
-                         "ADMIN_HTTP_PORT": str(self.ports[4171]), "DATA": str(workdir / "data")})
+                         "ADMIN_HTTP_PORT": str(self.ports[4171]), "DATA": str(workdir / "data"),
+                         "NSQD2_TCP_PORT": str(self.ports[4152]), "NSQD2_HTTP_PORT": str(self.ports[4153]),
+                         "NSQD3_TCP_PORT": str(self.ports[4154]), "NSQD3_HTTP_PORT": str(self.ports[4155]),
+                         "ETCD_CLIENT_PORT": str(self.ports[2379]), "ETCD_PEER_PORT": str(self.ports[2380])})
 
     def substitute(self, text: str) -> str:
         for port, free in self.ports.items():

@@ -6,9 +6,11 @@ The shapes are nsqadmin 1.3.0's (checked side by side with Go nsqadmin over Go n
 
 from __future__ import annotations
 
+import base64
 import http.server
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -290,3 +292,62 @@ def test_ping_config_and_the_page(cluster):
     with httpx.Client() as raw:  # an upload past the limit costs the request, not the admin
         assert raw.post(f"{admin.http_url}/api/topics", content=b"x" * (2 << 20)).status_code == 413
     assert admin.get("/ping").text == "OK"
+
+
+def test_a_replicated_topics_replicas_leader_epoch_isr_and_high_watermark(tmp_path):
+    """trio-nsqd in cluster mode (docs/cluster.md): the topic's page shows its replicas, which one leads, the
+    epoch, the in-sync replicas and the high watermark, each replica as it reports itself (nsqlookupd lists only
+    the leader: the followers are asked by their id). A follower killed shows as unreachable, then, once behind,
+    out of sync."""
+    from etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path) as etcd:
+        lookupd = LookupdProcess(tmp_path, broadcast_address="127.0.0.1").start()
+        flags = dict(lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1",
+                     etcd_endpoints=etcd.endpoint, etcd_lease_ttl="2s", replica_lag_time="2s", replicas=3, min_isr=2)
+        brokers = [BrokerProcess(tmp_path, **flags).start() for _ in range(3)]
+        admin = AdminProcess(tmp_path, lookupd_http_address=lookupd.http_address).start()
+        try:
+            b1 = brokers[0]
+            ids = sorted(b.http_address for b in brokers)
+            # the three alive in etcd (a broker listens before it has joined) before a topic is placed on them
+            brokers_key = base64.b64encode(b"/trio-nsq/brokers/").decode()
+            wait_for(lambda: int(httpx.post(f"{etcd.endpoint}/v3/kv/range", json={
+                "key": brokers_key, "range_end": base64.b64encode(b"/trio-nsq/brokers0").decode(),
+                "count_only": True}).json().get("count", 0)) == 3, timeout=15, message="three brokers in etcd")
+            time.sleep(1.5)  # and in b1's view of them, which it re-reads from etcd at least every second
+            assert b1.http.post("/topic/create?topic=rep").status_code == 200  # placed by b1, led by b1
+            registered(lookupd, "rep", 1)
+            wait_for(lambda: len(admin.get("/api/topics/rep").json().get("replication", {}).get("isr", [])) == 3,
+                     timeout=15, message="three replicas in sync")
+            assert b1.http.post("/mpub?topic=rep", content=b"a\nb\nc").text == "OK"
+            end = topic_on(b1, "rep")["replication"]["log_end"]
+            assert end > 0
+
+            def page() -> dict:
+                r = admin.get("/api/topics/rep").json()["replication"]
+                return r if all(x["high_watermark"] == end for x in r["replicas"]) else {}
+
+            rep = wait_for(page, timeout=10, message="the HWM at the log end on every replica")
+            assert (rep["leader"], rep["epoch"], sorted(rep["isr"]), rep["min_isr"]) == (b1.http_address, 1, ids, 2)
+            assert rep["high_watermark"] == rep["log_end"] == end
+            rows = {x["id"]: x for x in rep["replicas"]}
+            assert sorted(rows) == ids
+            assert [x["id"] for x in rep["replicas"] if x["leader"]] == [b1.http_address]
+            assert {x["id"]: x["role"] for x in rep["replicas"]} == {
+                b.http_address: "leader" if b is b1 else "follower" for b in brokers}
+            assert all(x["in_isr"] and x["reachable"] and x["epoch"] == 1 and x["log_end"] == end
+                       for x in rep["replicas"])
+
+            brokers[2].kill()  # a follower gone: unreachable at once, out of the isr once behind for --replica-lag-time
+            gone = brokers[2].http_address
+            # (a follower whose log is at the leader's end stays in sync, as in Kafka: something to fall behind on)
+            assert b1.http.post("/pub?topic=rep", content=b"d", timeout=15).text == "OK"
+            rep = wait_for(lambda: (r := admin.get("/api/topics/rep").json()["replication"])
+                           and gone not in r["isr"] and r, timeout=15, message="the killed follower out of the isr")
+            row = next(x for x in rep["replicas"] if x["id"] == gone)
+            assert (row["reachable"], row["in_isr"]) == (False, False)
+            assert admin.get("/api/topics/rep").json()["message"] == ""  # a replica down is shown, not an error
+        finally:
+            for daemon in (admin, *brokers, lookupd):
+                daemon.stop()

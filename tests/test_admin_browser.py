@@ -187,3 +187,49 @@ def test_the_nodes_page_marks_each_broker(cluster, browser):
     wait_for(lambda: "up" in text_of(browser, row), timeout=15, message="the broker marked up")
     time.sleep(0.1)
     assert "not answering" not in text_of(browser, row)
+
+
+def test_a_replicated_topics_page_shows_its_replicas(browser, tmp_path):
+    """trio-nsqd in cluster mode (docs/cluster.md): the topic's page has a table of its replicas, the leader
+    tagged, each in sync with its epoch and high watermark; a follower killed is marked unreachable."""
+    import base64
+
+    import httpx
+    from etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path) as etcd:
+        lookupd = LookupdProcess(tmp_path, broadcast_address="127.0.0.1").start()
+        flags = dict(lookupd_tcp_address=lookupd.tcp_address, broadcast_address="127.0.0.1", replicas=3, min_isr=2,
+                     etcd_endpoints=etcd.endpoint, etcd_lease_ttl="2s", replica_lag_time="2s")
+        brokers = [BrokerProcess(tmp_path, **flags).start() for _ in range(3)]
+        admin = AdminProcess(tmp_path, lookupd_http_address=lookupd.http_address).start()
+        try:
+            leader, followers = brokers[0], brokers[1:]
+            keys = {"key": base64.b64encode(b"/trio-nsq/brokers/").decode(),
+                    "range_end": base64.b64encode(b"/trio-nsq/brokers0").decode(), "count_only": True}
+            wait_for(lambda: int(httpx.post(f"{etcd.endpoint}/v3/kv/range", json=keys).json().get("count", 0)) == 3,
+                     timeout=15, message="three brokers in etcd")
+            time.sleep(1.5)  # and in the first one's view of them, which it re-reads at least every second
+            assert leader.http.post("/topic/create?topic=rep").status_code == 200
+            publish(leader, "rep", 3)
+            wait_for(lambda: lookupd.get("/lookup?topic=rep").status_code == 200, timeout=10, message="lookupd knows rep")
+            end = leader.http.get("/stats?format=json&topic=rep").json()["topics"][0]["replication"]["log_end"]
+
+            browser.get(f"{admin.http_url}/topics/rep")
+            row = 'tr[data-replica="{}"] td.{}'.format
+            wait_for(lambda: all(text_of(browser, row(b.http_address, "hwm")) == f"{end:,}" for b in brokers),
+                     timeout=15, message="every replica's high watermark at the log end")
+            assert text_of(browser, "[data-leader]") == leader.http_address
+            assert text_of(browser, "[data-epoch]") == "1"
+            assert sorted(text_of(browser, "[data-isr]").split(", ")) == sorted(b.http_address for b in brokers)
+            assert text_of(browser, f'tr[data-replica="{leader.http_address}"] td:first-child').endswith("leader")
+            assert [text_of(browser, row(b.http_address, "role")) for b in brokers] == ["leader", "follower", "follower"]
+            assert all(text_of(browser, row(b.http_address, "in-isr")) == "yes" for b in brokers)
+
+            followers[1].kill()
+            gone = f'tr[data-replica="{followers[1].http_address}"] td:first-child'
+            wait_for(lambda: text_of(browser, gone).endswith("unreachable"), timeout=15,
+                     message="the killed follower marked unreachable")
+        finally:
+            for daemon in (admin, *brokers, lookupd):
+                daemon.stop()

@@ -26,6 +26,9 @@ from trio_nsq.lookupd.admin.cluster import (
     aggregate_channel,
     aggregate_topic,
     node_topic_rows,
+    replica_ids,
+    replication_source,
+    replication_view,
 )
 from trio_nsq.lookupd.admin.options import Options
 from trio_nsq.shared.http_api import (
@@ -108,7 +111,23 @@ class Admin:
             raise HTTPError(404, "TOPIC_NOT_FOUND" if not errors.failed else f"UPSTREAM_ERROR: {errors.message()}")
         out = aggregate_topic(rows)
         out["settings"] = found["settings"]
+        source = replication_source(rows)
+        if source is not None:  # (absent, not null, for a topic not replicated: nsqadmin's keys stay its own)
+            out["replication"] = await self._replication(topic, source, rows)
         return _ok(out, errors)
+
+    async def _replication(self, topic: str, source: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """A replicated topic's replicas, each as it reports itself: the followers are not in nsqlookupd (only the
+        leader registers a replicated topic), so they are asked by their broker id, which is their HTTP address.
+        One that does not answer (a killed leader, until its lease expires) is shown as unreachable: it is not
+        an error of the page."""
+        known = {r["node"]: r.get("replication") for r in rows}
+        missing = [replica for replica in replica_ids(source) if replica not in known]
+        stats = await self.cluster.stats(missing, Errors(), topic) if missing else {}
+        for replica, answer in stats.items():
+            known[replica] = next((t.get("replication") for t in answer.get("topics") or []
+                                   if t.get("topic_name") == topic), None)
+        return replication_view(source, {k: v for k, v in known.items() if isinstance(v, dict)})
 
     async def channel(self, req: Request, params: Mapping[str, str]) -> Reply:
         errors = Errors()

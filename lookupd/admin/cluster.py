@@ -209,6 +209,8 @@ def topic_row(node: str, hostname: str, t: dict[str, Any]) -> dict[str, Any]:
         # trio-nsqd's topic log (Go nsqd has none)
         "log_messages": t.get("log_messages", 0), "log_bytes": t.get("log_bytes", 0),
         "log_first_position": t.get("log_first_position", 0), "log_end_position": t.get("log_end_position", 0),
+        # trio-nsqd in cluster mode (docs/cluster.md): this node's view of the topic's replicas
+        **({"replication": t["replication"]} if isinstance(t.get("replication"), dict) else {}),
     }
 
 
@@ -276,3 +278,37 @@ def aggregate_topic(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in TOPIC_EXTRA_SUMS:
         out[key] = sum(r[key] for r in rows)
     return out
+
+
+def replication_source(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The `replication` a replicated topic's page starts from: a leader's of the highest epoch among the rows
+    (nsqlookupd lists only the leader; without lookupd every node has a row), else any row's; None for a topic
+    no node replicates (a Go nsqd, a trio-nsqd without --etcd-endpoints, an #ephemeral topic)."""
+    found = [r["replication"] for r in rows if isinstance(r.get("replication"), dict)]
+    if not found:
+        return None
+    return max(found, key=lambda rep: (rep.get("role") == "leader", rep.get("epoch", 0)))
+
+
+def replica_ids(source: dict[str, Any]) -> list[str]:
+    """The replicas' ids (`host:http_port`) a `replication` names."""
+    return [r for r in source.get("replicas") or [] if isinstance(r, str)]
+
+
+def replication_view(source: dict[str, Any], replicas: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """A replicated topic as trio-nsqadmin shows it: the leader's view (`source`: leader, epoch, isr, min_isr and
+    its high watermark) and a row per replica with what the replica itself says (`replicas`: id -> its
+    `replication`, None when it did not answer or has no copy)."""
+    isr = list(source.get("isr") or [])
+    rows = []
+    for replica in replica_ids(source):
+        own = replicas.get(replica)
+        rows.append({
+            "id": replica, "leader": replica == source.get("leader"), "in_isr": replica in isr,
+            "reachable": own is not None, "role": own.get("role", "") if own else "",
+            "epoch": own.get("epoch", 0) if own else 0,
+            "high_watermark": own.get("high_watermark", 0) if own else 0, "log_end": own.get("log_end", 0) if own else 0,
+        })
+    return {"leader": source.get("leader"), "epoch": source.get("epoch", 0), "isr": isr,
+            "min_isr": source.get("min_isr", 0), "high_watermark": source.get("high_watermark", 0),
+            "log_end": source.get("log_end", 0), "replicas": rows}

@@ -210,6 +210,7 @@ async function topicView(topic) {
     <h2>Nodes</h2>
     <table><thead><tr><th>Node</th><th>Depth</th><th>Memory + Disk</th><th>Messages</th><th>Channels</th><th>Log (messages / bytes)</th><th>Log positions</th></tr></thead>
       <tbody><tr class="total"><td>Total</td><td>${num(t.depth)}</td><td>${num(t.memory_depth)} + ${num(t.backend_depth)}</td><td>${num(t.message_count)}</td><td>${t.channels.length}</td><td class="log">${num(t.log_messages)} / ${bytes(t.log_bytes)}</td><td></td></tr>${nodeRows.join("")}</tbody></table>
+    ${replicationTable(t.replication)}
     <div id="settings-slot"></div>
     <h2>Channels</h2>
     <table><thead><tr><th>Channel</th><th>Depth</th><th>Memory + Disk</th><th>In flight</th><th>Deferred</th><th>Requeued</th><th>Timed out</th><th>Messages</th><th>Clients</th><th>Lag</th><th>Oldest unfinished</th><th title="delivery to FIN over the last 5-10 minutes">Delivery→FIN p50 / p99</th></tr></thead>
@@ -217,6 +218,22 @@ async function topicView(topic) {
   wire(`/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`, "");
   placeSettings(settingsFormFor(`t:${topic}`, t.settings, `/api/topics/${encodeURIComponent(topic)}`, `topic ${topic}`));
   if (t.message) status(t.message, true);
+}
+
+// a replicated topic (trio-nsqd with --etcd-endpoints: docs/cluster.md): its replicas, which leads, the epoch,
+// the in-sync replicas and the high watermark (no channel delivers past it), each replica as it reports itself
+function replicationTable(r) {
+  if (!r) return "";
+  const rows = r.replicas.map((x) => `<tr data-replica="${esc(x.id)}"><td>${esc(x.id)}${x.leader ? '<span class="tag up">leader</span>' : ""}${x.reachable ? "" : '<span class="tag down">unreachable</span>'}</td>
+    <td class="role">${esc(x.role || "—")}</td><td class="in-isr">${x.in_isr ? "yes" : '<span class="tag behind">no</span>'}</td>
+    <td>${x.reachable ? num(x.epoch) : "—"}</td><td class="hwm">${x.reachable ? num(x.high_watermark) : "—"}</td><td>${x.reachable ? num(x.log_end) : "—"}</td></tr>`);
+  const short = r.isr.length < r.min_isr;
+  return `<h2>Replication</h2>
+    <p data-replication>leader <b data-leader>${esc(r.leader || "none")}</b>, epoch <b data-epoch>${num(r.epoch)}</b>,
+      in sync <b data-isr>${r.isr.map(esc).join(", ") || "none"}</b> (at least ${num(r.min_isr)} for a publish${short ? ': <span class="tag behind">publishes refused</span>' : ""}),
+      high watermark <b data-hwm>${num(r.high_watermark)}</b> of ${num(r.log_end)}</p>
+    <table data-replicas><thead><tr><th>Replica</th><th>Role</th><th>In sync</th><th>Epoch</th><th title="what no channel delivers past">High watermark</th><th>Log end</th></tr></thead>
+      <tbody>${rows.join("")}</tbody></table>`;
 }
 
 // a look at a channel's messages (trio-nsqd's /channel/messages): which, since when, until when
