@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-cluster test test-spark bench docs clean
+.PHONY: run run-cluster test test-spark test-cluster bench docs clean
 
 # The modules mypyc compiles (trio_nsq/compiled.py lists them): an edit to one reinstalls, which rebuilds
 # them, so `make run`/`make test` never run stale compiled code. TRIO_NSQ_COMPILE=0 builds pure Python.
@@ -91,13 +91,18 @@ run-cluster: $(STAMP)
 	wait
 
 # the whole suite but the positional Spark source's tests through brokers and a real SparkSession (marker
-# spark_log, a few minutes of Spark queries): `make test-spark` runs those, and .ci/run runs both
+# spark_log, a few minutes of Spark queries) and the Jepsen-style runs of a replicated cluster (marker
+# jepsen, about three minutes of nemeses and mutations): `make test-spark` and `make test-cluster` run
+# those, and .ci/run runs all three
 test: $(STAMP)
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not spark_log"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not spark_log and not jepsen"
 
 test-spark: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m spark_log
+
+test-cluster: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -s -m jepsen
 
 # The documentation site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor fails the build.
 # The docs' code blocks are tests (tests/test_docs_snippets.py), run by `make test` and `make test-spark`.

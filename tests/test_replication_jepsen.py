@@ -56,6 +56,8 @@ OP_TIMEOUT = ACK_TIMEOUT + 2.0
 QUIET = 3.0  # the drain ends after this long without a message
 _RECORD = struct.Struct(">iqH16s")  # [size][timestamp ns][attempts][id] then the body
 
+pytestmark = pytest.mark.jepsen
+
 
 # --- the history -------------------------------------------------------------------------------------
 
@@ -91,19 +93,15 @@ class History:
 
 
 def classify_refusal(text: str) -> tuple[str, str]:
-    """An error answer's (result, detail). Only a refusal before the append is "fail" (definite):
-    NOT_ENOUGH_REPLICAS, and NOT_LEADER from a broker that does not lead, which names the leader or says
-    there is none (`NOT_LEADER (leader <address>)`, `(leader <id> not alive)`, `(no leader)`: it appended
-    nothing). The other NOT_LEADERs (`(no longer leading ...)` after the append; `(lease expired)`, which
-    reads the same before and after it; HTTP's bare `NOT_LEADER`), the after-append refusals and anything
-    else are "info": the message may or may not be delivered."""
-    if "NOT_ENOUGH_REPLICAS_AFTER_APPEND" in text:
-        return "info", "NOT_ENOUGH_REPLICAS_AFTER_APPEND"
-    if "NOT_ENOUGH_REPLICAS" in text:
-        return "fail", "NOT_ENOUGH_REPLICAS"
-    if "NOT_LEADER" in text:
-        definite = "NOT_LEADER (leader " in text or "NOT_LEADER (no leader)" in text
-        return ("fail" if definite else "info"), "NOT_LEADER"
+    """An error answer's (result, detail). The refusals after the append say so (`*_AFTER_APPEND`):
+    "info", the message may or may not be delivered; the other NOT_ENOUGH_REPLICAS / NOT_LEADER (over TCP
+    or HTTP) were refused before the append: "fail" (definite). Anything else is "info"."""
+    for code in ("NOT_ENOUGH_REPLICAS_AFTER_APPEND", "NOT_LEADER_AFTER_APPEND"):
+        if code in text:
+            return "info", code
+    for code in ("NOT_ENOUGH_REPLICAS", "NOT_LEADER"):
+        if code in text:
+            return "fail", code
     return "info", text.split(" ", 1)[0][:40]
 
 
@@ -501,10 +499,12 @@ def new_cluster(tmp_path: Path, mutation: str | None = None,
 @pytest.mark.parametrize(("text", "expected"), [
     ("E_PUB_FAILED PUB failed: NOT_LEADER (leader 127.0.0.1:4150)", ("fail", "NOT_LEADER")),
     ("E_PUB_FAILED PUB failed: NOT_LEADER (no leader)", ("fail", "NOT_LEADER")),
-    ("E_PUB_FAILED PUB failed: NOT_LEADER (no longer leading: the publish may or may not be kept)",
-     ("info", "NOT_LEADER")),
-    ("E_PUB_FAILED PUB failed: NOT_LEADER (lease expired)", ("info", "NOT_LEADER")),
-    ("NOT_LEADER", ("info", "NOT_LEADER")),  # HTTP's 503 says no more
+    ("E_PUB_FAILED PUB failed: NOT_LEADER_AFTER_APPEND (no longer leading: the publish may or may not be kept)",
+     ("info", "NOT_LEADER_AFTER_APPEND")),
+    ("E_PUB_FAILED PUB failed: NOT_LEADER_AFTER_APPEND (lease expired)", ("info", "NOT_LEADER_AFTER_APPEND")),
+    ("E_PUB_FAILED PUB failed: NOT_LEADER (lease expired)", ("fail", "NOT_LEADER")),  # (admit's: before)
+    ("NOT_LEADER", ("fail", "NOT_LEADER")),  # HTTP's 503 before the append
+    ("NOT_LEADER_AFTER_APPEND", ("info", "NOT_LEADER_AFTER_APPEND")),
     ("E_PUB_FAILED PUB failed: NOT_ENOUGH_REPLICAS (isr a, min_isr 2)", ("fail", "NOT_ENOUGH_REPLICAS")),
     ("NOT_ENOUGH_REPLICAS_AFTER_APPEND", ("info", "NOT_ENOUGH_REPLICAS_AFTER_APPEND")),
     ("E_PUB_FAILED PUB failed exiting", ("info", "E_PUB_FAILED")),
