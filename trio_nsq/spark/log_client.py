@@ -3,8 +3,8 @@ discovery of the brokers that hold a topic. Plain Python (http.client), so the p
 side and its executor tasks need nothing beyond the package.
 
 Who calls it: positional.py. The stream reader's driver process asks for positions and commits the
-cursor (`positions`, `position_at`, `position_after`, `splits`, `commit`); an executor task reads its
-range (`read`).
+cursor (`positions`, `position_at`, `position_after`, `splits`, `role`, `commit`); an executor task reads
+its range (`read`).
 
 Errors are split the way the reader needs them:
 
@@ -197,6 +197,15 @@ class LogClient(KeptConnection):
                                       f"an answer without its headers ({exc!r})") from None
         result.check(self.address)
         return result
+
+    def role(self, topic: str) -> str | None:
+        """Cluster mode (issue 52): the broker's role for the topic ("leader", "follower"; its /stats'
+        "replication" key), or None (not replicated, or no such topic)."""
+        p = self._json("GET", "/stats", format="json", topic=topic, include_clients="false")
+        for t in p.get("topics") or []:
+            if isinstance(t, dict) and t.get("topic_name") == topic and isinstance(t.get("replication"), dict):
+                return str(t["replication"].get("role"))
+        return None
 
     def commit(self, topic: str, channel: str, position: int, log_id: str | None = None) -> dict:
         """Move the durable cursor `channel` to `position`: every record before it is finished."""

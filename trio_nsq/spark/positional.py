@@ -5,7 +5,9 @@ Offsets are positions: `{"<topic>": {"<broker http address>": {"log_id": "<hex>"
 one position per broker, keys sorted (Spark compares offsets as JSON strings). A position is a byte offset
 in the broker's log of the topic, and `log_id` names that log (a topic deleted and made again, or a data
 directory replaced, has another). A broker is its log: two addresses answering with one log id
-(127.0.0.1:4151 and localhost:4151) are one broker, read once; the key is only where it was reached.
+(127.0.0.1:4151 and localhost:4151) are one broker, read once; the key is only where it was reached. So
+are a replicated topic's replicas (cluster mode, issue 52: one log id, the same positions): its ranges are
+read at each of them in turn (Planner.spread), its cursor committed on its leader.
 Nothing but offsets passes through the driver: each task reads its range, [start, end) of one broker,
 from the broker itself, so a range read again gives the same rows.
 
@@ -31,7 +33,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import monotonic, sleep
 
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
@@ -151,13 +153,17 @@ def share(limit: int, backlogs: dict[str, int]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class LogRange(InputPartition):
-    """One task's part: records [start, end) of `topic`'s log `log_id` on broker `address`."""
+    """One task's part: records [start, end) of `topic`'s log `log_id` on broker `address` (the log's name in
+    the offsets and the rows' `nsqd_address`). `replicas`: where the task reads it, in order (the next when
+    one does not answer or serves nothing there): addresses that answered with the same log id, each
+    serving past `end` when the range was planned (a cluster's replicas, Planner.spread); empty: `address`."""
 
     address: str
     topic: str
     log_id: str
     start: int
     end: int
+    replicas: tuple[str, ...] = ()
 
 
 def arrow_schema():
@@ -233,66 +239,98 @@ def read_range(settings: LogSettings, part: InputPartition) -> Iterator:
     log id (a read never mixes two logs). The next read is on its way (a thread of its own) while Spark
     takes the batch before it. A range whose records are gone fails the task (failOnDataLoss), or goes on
     from the earliest record kept, with a warning. A broker that serves nothing where the range still has
-    records is asked again after STALLED_PAUSES before that counts as records lost."""
+    records is asked again after STALLED_PAUSES before that counts as records lost. A range with `replicas`
+    turns to the next one instead, while one is left (they hold the same log)."""
     if not isinstance(part, LogRange):
         return  # Spark's placeholder for a read with no range
     from concurrent.futures import ThreadPoolExecutor
 
     position = part.start
     stalled = 0
-    with LogClient(part.address) as client, ThreadPoolExecutor(1, thread_name_prefix="nsq-read") as ahead:
+    others = list(part.replicas[1:])  # the replicas still to turn to (the first is read first)
 
-        def fetch(at: int):
-            return ahead.submit(client.read, part.topic, at, part.end, settings.read_max_bytes, part.log_id)
+    def connect(address: str) -> LogClient:
+        # (a replica with others behind it is given up sooner: they serve the same records)
+        return LogClient(address, max_retries=2 if others else 8)
 
-        pending = fetch(position)
-        while pending is not None:
-            try:
-                result = pending.result()
-            except LogAPIError as exc:
-                if exc.code == "POSITION_PAST_END":
-                    result = None  # its durable tail is before `position` now: as an empty read
-                elif exc.code not in ("POSITION_GONE", "LOG_ID_MISMATCH", "TOPIC_NOT_FOUND"):
-                    raise RuntimeError(f"nsq: reading {part.topic!r} on {part.address} at position {position}: "
-                                       f"{exc.status} {exc.code}") from exc
-                else:
-                    data_loss(settings, part.address, f"records from position {position} (log {part.log_id}) to "
-                              f"be there for this task's range [{part.start}, {part.end})", _lost_text(exc.code))
-                    if exc.code != "POSITION_GONE":
-                        return
-                    try:
-                        first = client.positions(part.topic)
-                    except LogAPIError as gone:  # the topic went too, meanwhile
-                        data_loss(settings, part.address, f"log {part.log_id}", _lost_text(gone.code))
-                        return
-                    if first.log_id != part.log_id:
-                        return
-                    position = first.first
-                    pending = fetch(position) if position < part.end else None
-                    continue
-            if result is not None and (result.records or result.next_position > position):
-                following = max(position, result.next_position)
-                pending = fetch(following) if following < part.end else None
-                if result.records:
-                    yield record_batch(part.topic, part.address, result)
-                    stalled = 0
-                position = following
-                continue
-            # nothing served at `position`, below the range's end
-            tail = "past it" if result is None else f"at {result.end}"
-            if stalled == len(STALLED_PAUSES):
-                data_loss(settings, part.address, f"records from position {position} to {part.end} of log "
-                          f"{part.log_id} (synced when this task's range was planned)",
-                          f"it still serves none after {sum(STALLED_PAUSES):.0f} s (its durable tail is {tail})",
-                          then="ending this task's range there")
-                return
-            if not stalled:
-                _log().warning("nsq: %s serves nothing at position %d of %r (log %s; its durable tail is %s) below "
-                               "the range's end %d: asking again for up to %.0f s (a broker restarting)", part.address,
-                               position, part.topic, part.log_id, tail, part.end, sum(STALLED_PAUSES))
-            sleep(STALLED_PAUSES[stalled])
-            stalled += 1
+    client = connect(part.replicas[0] if part.replicas else part.address)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="nsq-read") as ahead:
+
+            def fetch(at: int):
+                return ahead.submit(client.read, part.topic, at, part.end, settings.read_max_bytes, part.log_id)
+
+            def turn(why: str):
+                """The next replica, asked from `position` (none is in flight on the client left)."""
+                nonlocal client
+                _log().warning("nsq: %s %s at position %d of %r (log %s): reading the range at %s", client.address,
+                               why, position, part.topic, part.log_id, others[0])
+                client.close()
+                client = connect(others.pop(0))
+                return fetch(position)
+
             pending = fetch(position)
+            while pending is not None:
+                try:
+                    result = pending.result()
+                except LogUnavailableError:
+                    if not others:
+                        raise
+                    pending = turn("does not answer")
+                    continue
+                except LogAPIError as exc:
+                    if exc.code != "POSITION_PAST_END" and others:  # (a replica that lost the topic, or its records)
+                        pending = turn(f"answered {exc.status} {exc.code}")
+                        continue
+                    if exc.code == "POSITION_PAST_END":
+                        result = None  # its durable tail is before `position` now: as an empty read
+                    elif exc.code not in ("POSITION_GONE", "LOG_ID_MISMATCH", "TOPIC_NOT_FOUND"):
+                        raise RuntimeError(f"nsq: reading {part.topic!r} on {client.address} at position "
+                                           f"{position}: {exc.status} {exc.code}") from exc
+                    else:
+                        data_loss(settings, client.address, f"records from position {position} (log {part.log_id}) "
+                                  f"to be there for this task's range [{part.start}, {part.end})", _lost_text(exc.code))
+                        if exc.code != "POSITION_GONE":
+                            return
+                        try:
+                            first = client.positions(part.topic)
+                        except LogAPIError as gone:  # the topic went too, meanwhile
+                            data_loss(settings, client.address, f"log {part.log_id}", _lost_text(gone.code))
+                            return
+                        if first.log_id != part.log_id:
+                            return
+                        position = first.first
+                        pending = fetch(position) if position < part.end else None
+                        continue
+                if result is not None and (result.records or result.next_position > position):
+                    following = max(position, result.next_position)
+                    pending = fetch(following) if following < part.end else None
+                    if result.records:
+                        yield record_batch(part.topic, part.address, result)
+                        stalled = 0
+                    position = following
+                    continue
+                # nothing served at `position`, below the range's end
+                if others:
+                    pending = turn("serves nothing")
+                    continue
+                tail = "past it" if result is None else f"at {result.end}"
+                if stalled == len(STALLED_PAUSES):
+                    data_loss(settings, client.address, f"records from position {position} to {part.end} of log "
+                              f"{part.log_id} (synced when this task's range was planned)",
+                              f"it still serves none after {sum(STALLED_PAUSES):.0f} s (its durable tail is {tail})",
+                              then="ending this task's range there")
+                    return
+                if not stalled:
+                    _log().warning("nsq: %s serves nothing at position %d of %r (log %s; its durable tail is %s) "
+                                   "below the range's end %d: asking again for up to %.0f s (a broker restarting)",
+                                   client.address, position, part.topic, part.log_id, tail, part.end,
+                                   sum(STALLED_PAUSES))
+                sleep(STALLED_PAUSES[stalled])
+                stalled += 1
+                pending = fetch(position)
+    finally:
+        client.close()
 
 
 def _lost_text(code: str) -> str:
@@ -350,6 +388,10 @@ class Planner:
         self.unreachable: set[str] = set()  # brokers logged as not answering (logged once until they answer)
         self.logs: dict[str, str | None] = {}  # broker -> the topic's log id last seen there (None: no topic)
         self.told: set[tuple[str, ...]] = set()  # addresses logged as one broker
+        # log id -> address -> how far it served the log at the last survey (spread: where a range is read)
+        self.served: dict[str, dict[str, int]] = {}
+        self.turn = 0  # the next range's first replica, round-robin over the planner's life
+        self.leaders: dict[str, str] = {}  # log id -> the address of it that leads it (cluster mode), for commits
 
     def client(self, broker: str) -> LogClient:
         if broker not in self.clients:
@@ -377,11 +419,26 @@ class Planner:
         for log_id, names in found.aliases.items():
             chosen = next((a for a in preferred if a in names), names[0])
             found.logs[log_id] = (chosen, seen[chosen])
+            self.served[log_id] = {a: seen[a].end for a in names}
+            if len(names) > 1 and self.settings.channel is not None:
+                self.find_leader(log_id, names)
             if len(names) > 1 and tuple(names) not in self.told:
                 self.told.add(tuple(names))
                 _log().info("nsq: %s are one broker (topic %r's log %s): it is read once, at %s",
                             " and ".join(names), self.settings.topic, log_id, chosen)
         return found
+
+    def find_leader(self, log_id: str, names: Sequence[str]) -> None:
+        """Which of a replicated log's addresses leads it: the query's cursor is committed there (a follower
+        mirrors its leader's channels and deletes the others: a cursor committed on it would not last)."""
+        for address in sorted(names, key=lambda a: a != self.leaders.get(log_id)):  # (the last one first)
+            try:
+                if self.client(address).role(self.settings.topic) == "leader":
+                    self.leaders[log_id] = address
+                    return
+            except (LogAPIError, LogUnavailableError):
+                continue
+        self.leaders.pop(log_id, None)
 
     def check_named(self, name: str, named: dict, found: Survey) -> None:
         """A JSON offsets option (`named`, by address) must give every broker a position: each log by one of
@@ -490,6 +547,27 @@ class Planner:
             raise self.api_error(exc) from exc
         return position
 
+    def spread(self, ranges: list[LogRange]) -> list[LogRange]:
+        """Each range read at the addresses its log answered at in the last survey that served past its end
+        (a cluster's replicas: same log id, same positions; a follower serves up to the high watermark it
+        was told, which may lag the leader's by a fetch, so one that served less is left out), starting
+        round-robin: the ranges' reads go to every replica. The offsets and `address` (the rows'
+        `nsqd_address`) stay the log's name; a log reached at one address is read there, as before."""
+        out = []
+        for r in ranges:
+            served = self.served.get(r.log_id, {})
+            fit = sorted(a for a, end in served.items() if end >= r.end)
+            if not fit or fit == [r.address]:
+                out.append(r)
+                continue
+            first = self.turn % len(fit)
+            self.turn += 1
+            order = fit[first:] + fit[:first]
+            if r.address not in order:  # (it named the log when it was planned: the last resort)
+                order.append(r.address)
+            out.append(replace(r, replicas=tuple(order)))
+        return out
+
     def cut(self, ranges: list[LogRange]) -> list[LogRange]:
         """The ranges as the read's partitions: as they are, or, when minPartitions asks for more, the
         largest cut first at the record boundaries the broker proposes (/log/splits). The same ranges give
@@ -581,22 +659,23 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if self.planner.logs.get(broker, log_id) != log_id:
                 # the topic is gone there, or has another log: a commit would make the topic again
                 continue
+            at = self.planner.leaders.get(log_id, broker)  # (a replicated log's cursor is on its leader)
             try:
-                self.planner.client(broker).commit(s.topic, s.channel, position, log_id)
-                self.planner.answering(broker)
-                moved.append(broker)
+                self.planner.client(at).commit(s.topic, s.channel, position, log_id)
+                self.planner.answering(at)
+                moved.append(at)
             except LogUnavailableError as exc:
-                self.planner.not_answering(broker, exc)
+                self.planner.not_answering(at, exc)
             except LogAPIError as exc:
                 if exc.code in NOT_A_CURSOR:
                     # a consumer's channel: the broker will never move it (a seek would drop its messages)
                     raise RuntimeError(
-                        f"nsq: channel {s.channel!r} of topic {s.topic!r} on {broker} is not a cursor "
+                        f"nsq: channel {s.channel!r} of topic {s.topic!r} on {at} is not a cursor "
                         f"({exc.code}: a consumer's channel, made by SUB or /channel/create): give the query "
                         f"another `channel`; a cursor an older trio-nsq made is adopted once by POST "
                         f"/log/commit?topic={s.topic}&channel={s.channel}&position={position}&adopt=true") from None
                 # the log changed or lost records: the next latestOffset says so (failOnDataLoss)
-                _log().warning("nsq: cursor %r on %s not moved to %d: %s %s", s.channel, broker, position,
+                _log().warning("nsq: cursor %r on %s not moved to %d: %s %s", s.channel, at, position,
                                exc.status, exc.code)
         return moved
 
@@ -801,7 +880,11 @@ class NSQLogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = [LogRange(broker, self.settings.topic, log_id, begin[log_id][1], position)
                   for log_id, (broker, position) in stop.items()
                   if log_id in begin and position > begin[log_id][1]]
-        return self.planner.cut(sorted(ranges, key=lambda r: (r.address, r.log_id)))
+        if any(r.log_id not in self.planner.served for r in ranges):
+            # (a micro-batch replayed from the checkpoint: no survey since this process started)
+            named = [broker for broker, _ in [*begin.values(), *stop.values()]]
+            self.planner.survey(self._asked([*named, *self.planner.brokers()]))
+        return self.planner.spread(self.planner.cut(sorted(ranges, key=lambda r: (r.address, r.log_id))))
 
     def read(self, partition: InputPartition) -> Iterator:
         return read_range(self.settings, partition)
@@ -853,7 +936,7 @@ class NSQLogBatchReader(DataSourceReader):
                                      "check startingOffsets/startingTimestamp against endingOffsets/endingTimestamp")
                 if last > first:
                     ranges.append(LogRange(broker, s.topic, now.log_id, first, last))
-            return planner.cut(ranges)
+            return planner.spread(planner.cut(ranges))
         finally:
             planner.close()
 
