@@ -47,26 +47,30 @@ MAX_PARTS = 10_000
 _POSITION_STATUS = {"POSITION_GONE": 404, "POSITION_PAST_END": 400, "POSITION_NOT_A_RECORD": 400}
 
 
+
+def number_arg(params: dict[str, list[str]], key: str, default: int | None = None, minimum: int = 0) -> int:
+    """An integer query argument (Go's syntax): 400 MISSING_ARG_<KEY> without a default, 400
+    INVALID_ARG_<KEY> when it is not a number or is below `minimum`. The log API's and /replica/fetch's."""
+    values = params.get(key)
+    if not values:
+        if default is None:
+            raise HTTPError(400, f"MISSING_ARG_{key.upper()}")
+        return default
+    try:
+        value = parse_go_int(values[0])
+    except ValueError:
+        raise HTTPError(400, f"INVALID_ARG_{key.upper()}") from None
+    if value < minimum:
+        raise HTTPError(400, f"INVALID_ARG_{key.upper()}")
+    return value
+
+
 class LogApi:
     def __init__(self, api: Api) -> None:
         self.api = api
         self.nsqd = api.nsqd
 
     # --- arguments ----------------------------------------------------------------------------
-
-    def _number(self, params: dict[str, list[str]], key: str, default: int | None = None, minimum: int = 0) -> int:
-        values = params.get(key)
-        if not values:
-            if default is None:
-                raise HTTPError(400, f"MISSING_ARG_{key.upper()}")
-            return default
-        try:
-            value = parse_go_int(values[0])
-        except ValueError:
-            raise HTTPError(400, f"INVALID_ARG_{key.upper()}") from None
-        if value < minimum:
-            raise HTTPError(400, f"INVALID_ARG_{key.upper()}")
-        return value
 
     async def _log(self, req: Request, create: bool = False) -> tuple[dict[str, list[str]], Topic, TopicLog]:
         """The topic's log, its id on disk, the topic marked as read by position; 409 when `log_id` names
@@ -130,12 +134,12 @@ class LogApi:
         end = log_.served_end()
         try:
             if "timestamp" in args:
-                ms = self._number(args, "timestamp")
+                ms = number_arg(args, "timestamp")
                 place = log_.index.at_time(ms * 1_000_000, end, log_.first_stamp)
             else:
-                start = self._locate(log_, self._number(args, "from"))
-                records = self._number(args, "records", 1 << 62, 1)
-                max_bytes = self._number(args, "bytes", 1 << 62, 1)
+                start = self._locate(log_, number_arg(args, "from"))
+                records = number_arg(args, "records", 1 << 62, 1)
+                max_bytes = number_arg(args, "bytes", 1 << 62, 1)
                 place = start
                 if "records" in args or "bytes" in args:
                     place = log_.index.after(start, end, records, max_bytes)
@@ -148,9 +152,9 @@ class LogApi:
 
     async def splits(self, req: Request, params: Mapping[str, str]) -> Reply:
         args, _, log_ = await self._log(req)
-        start = self._locate(log_, self._number(args, "start"))
-        stop = self._locate(log_, self._number(args, "end")).position
-        parts = self._number(args, "parts", None, 1)
+        start = self._locate(log_, number_arg(args, "start"))
+        stop = self._locate(log_, number_arg(args, "end")).position
+        parts = number_arg(args, "parts", None, 1)
         if parts > MAX_PARTS:
             raise HTTPError(400, "INVALID_ARG_PARTS")
         try:
@@ -168,9 +172,9 @@ class LogApi:
         (position, deadline ms) as little-endian int64 pairs."""
         args, _, log_ = await self._log(req)
         end = log_.served_end()
-        start = self._locate(log_, self._number(args, "position"))
-        stop = self._number(args, "end", end.position)
-        max_bytes = min(self._number(args, "max_bytes", DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)
+        start = self._locate(log_, number_arg(args, "position"))
+        stop = number_arg(args, "end", end.position)
+        max_bytes = min(number_arg(args, "max_bytes", DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)
         try:
             block = log_.index.read(start, end, stop, max_bytes)
             deadlines = log_.deadlines_between(block.position, block.position + block.size) if len(block) else []
@@ -218,7 +222,7 @@ class LogApi:
         if topic is not None:
             _check_cursor(topic, name, adopt)  # before the topic is marked as read by position
         args, topic, log_ = await self._log(req, create=True)
-        place = self._locate(log_, self._number(args, "position"))
+        place = self._locate(log_, number_arg(args, "position"))
         channel = _check_cursor(topic, name, adopt)  # (again: the wait above let others in)
         created = channel is None
         if channel is None:

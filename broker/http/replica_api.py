@@ -7,8 +7,8 @@
 (what counts towards the high watermark). The leader checks the epoch (`core.check_fetch_epoch`: an
 older one gets 409 FENCED and re-reads etcd; a newer one means this leader is stale: 409 STALE_LEADER and
 it steps down), then answers the records from `position` up to its log end (not only the HWM: the
-followers' copies are what moves the HWM). With nothing new it waits up to LONG_POLL seconds for an
-append or an HWM change first.
+followers' copies are what moves the HWM). With nothing new it waits for an append or an HWM change
+first, up to long_poll(--replica-lag-time) seconds.
 
 The answer (200, application/octet-stream):
 
@@ -17,7 +17,10 @@ The answer (200, application/octet-stream):
     header = {"epoch": E, "hwm": int, "log_start": int, "log_end": int, "log_id": str,
               "positions": [int, ...], "sizes": [int, ...],        # one per record, in order
               "deadlines": [[position, unix deadline], ...],      # deferred records among them
-              "channels": [[name, cursor position, paused], ...]}  # the leader's durable channels
+              "channels": [[name, cursor position, paused], ...],  # the leader's durable channels
+              "paused": bool, "settings": {...},                 # the topic's pause and settings
+              "channel_settings": {name: {...}, ...},            # its channels' settings (those set)
+              "cursors": [name, ...]}                            # those of its channels that are cursors
 
 No record is sent when `position` is outside [log_start, log_end]: the follower compares log ids and
 starts, and resets or truncates its log (follower.py). Errors are NSQ-style JSON: 400 MISSING_ARG_X /
@@ -39,7 +42,8 @@ import attrs
 import trio
 
 from trio_nsq.broker.replication import core
-from trio_nsq.shared.http_api import HTTPError, Reply, parse_go_int
+from trio_nsq.broker.http.log_api import number_arg
+from trio_nsq.shared.http_api import HTTPError, Reply
 from trio_nsq.shared.http_server import Request
 from trio_nsq.shared.names import is_valid_topic_name
 
@@ -52,8 +56,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("nsqd")
 
 BINARY_TYPE = "application/octet-stream"
-# how long a fetch with nothing to answer waits for an append or an HWM change
+# how long a fetch with nothing to answer waits for an append or an HWM change: a quarter of
+# --replica-lag-time (a caught-up follower fetches 4 times in it: it does not leave the isr for an idle
+# log), from LONG_POLL to MAX_LONG_POLL. An idle topic costs each follower and its leader a request every
+# long poll: at the default 10s lag, 2.5 s (a follower gives up on a fetch FETCH_TIMEOUT after it)
 LONG_POLL = 0.5
+MAX_LONG_POLL = 2.5
 DEFAULT_FETCH_BYTES = 1024 * 1024
 MAX_FETCH_BYTES = 16 * 1024 * 1024
 _HEADER_SIZE = struct.Struct(">I")
@@ -73,6 +81,17 @@ class FetchAnswer:
     records: list[bytes]
     deadlines: list[tuple[int, float]]
     channels: list[tuple[str, int, bool]]
+    # (issue 35's settings as QueueSettings.to_json writes them; followers mirror them, and the pause)
+    paused: bool = False
+    settings: dict[str, Any] = attrs.field(factory=dict)
+    channel_settings: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    # the channels made by /log/commit (a positional reader's cursors): a follower marks its copies so,
+    # so a new leader takes the reader's commits (else CHANNEL_NOT_A_CURSOR after a failover)
+    cursors: list[str] = attrs.field(factory=list)
+
+
+def long_poll(lag_time: float) -> float:
+    return min(MAX_LONG_POLL, max(LONG_POLL, lag_time / 4))
 
 
 def encode(header: dict[str, Any], records: list[bytes]) -> bytes:
@@ -95,6 +114,10 @@ def decode(body: bytes) -> FetchAnswer:
         channels = [(str(n), int(c), bool(p)) for n, c, p in header["channels"]]
         answer = (int(header["epoch"]), int(header["hwm"]), int(header["log_start"]), int(header["log_end"]),
                   str(header["log_id"]))
+        paused = bool(header.get("paused", False))
+        settings = dict(header.get("settings") or {})
+        channel_settings = {str(n): dict(c) for n, c in (header.get("channel_settings") or {}).items()}
+        cursors = [str(n) for n in header.get("cursors") or []]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"bad header - {exc}") from None
     if len(positions) != len(sizes) or any(s <= 0 for s in sizes):
@@ -106,7 +129,8 @@ def decode(body: bytes) -> FetchAnswer:
             raise ValueError("records cut short")
         records.append(body[at:at + s])
         at += s
-    return FetchAnswer(*answer, positions, records, deadlines, channels)
+    return FetchAnswer(*answer, positions, records, deadlines, channels, paused, settings, channel_settings,
+                       cursors)
 
 
 class ReplicaApi:
@@ -116,20 +140,6 @@ class ReplicaApi:
     def __init__(self, api: Api) -> None:
         self.api = api
         self.nsqd = api.nsqd
-
-    def _number(self, params: dict[str, list[str]], key: str, default: int | None = None) -> int:
-        values = params.get(key)
-        if not values:
-            if default is None:
-                raise HTTPError(400, f"MISSING_ARG_{key.upper()}")
-            return default
-        try:
-            value = parse_go_int(values[0])
-        except ValueError:
-            raise HTTPError(400, f"INVALID_ARG_{key.upper()}") from None
-        if value < 0:
-            raise HTTPError(400, f"INVALID_ARG_{key.upper()}")
-        return value
 
     async def fetch(self, req: Request, params: Mapping[str, str]) -> Reply:
         try:
@@ -153,10 +163,10 @@ class ReplicaApi:
         if not replicas or not replicas[0]:
             raise HTTPError(400, "MISSING_ARG_REPLICA")
         replica_id = replicas[0]
-        epoch = self._number(args, "epoch")
-        position = self._number(args, "position")
-        synced = self._number(args, "synced")
-        max_bytes = min(max(self._number(args, "max_bytes", DEFAULT_FETCH_BYTES), 1), MAX_FETCH_BYTES)
+        epoch = number_arg(args, "epoch")
+        position = number_arg(args, "position")
+        synced = number_arg(args, "synced")
+        max_bytes = min(max(number_arg(args, "max_bytes", DEFAULT_FETCH_BYTES), 1), MAX_FETCH_BYTES)
         replica: TopicReplica | None = manager.replicas.get(names[0])
         if replica is None:
             raise HTTPError(404, "TOPIC_NOT_FOUND")
@@ -180,7 +190,7 @@ class ReplicaApi:
         if start <= position <= end:
             replica.fetched(replica_id, position, min(synced, position), end)
             if position == end:
-                with trio.move_on_after(LONG_POLL):
+                with trio.move_on_after(long_poll(manager.lag_time)):
                     await replica.wait_data()
                 if replica.role != "leader" or replica.progress is not progress:
                     raise HTTPError(409, "NOT_LEADER")
@@ -200,14 +210,22 @@ class ReplicaApi:
                 log.error("TOPIC(%s): cannot read its log at %d for a follower - %s", replica.name, position, exc)
                 raise HTTPError(500, "INTERNAL_ERROR") from None
         channels = []
+        channel_settings = {}
+        cursors = []
         for channel in replica.topic.channels.values():
             reader = channel.backend.reader
             if channel.ephemeral or reader is None:
                 continue
             channels.append([channel.name, reader.mark_delete(), channel.paused])
+            if channel.cursor:
+                cursors.append(channel.name)
+            if not channel.settings.is_empty():
+                channel_settings[channel.name] = channel.settings.to_json()
         header = {
             "epoch": replica.epoch, "hwm": replica.high_watermark(), "log_start": start, "log_end": end,
             "log_id": log_.log_id, "positions": positions, "sizes": [len(r) for r in records],
             "deadlines": [[p, d] for p, d in deadlines], "channels": channels,
+            "paused": replica.topic.paused, "settings": replica.topic.settings.to_json(),
+            "channel_settings": channel_settings, "cursors": cursors,
         }
         return Reply(200, encode(header, records), BINARY_TYPE)

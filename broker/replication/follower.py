@@ -7,22 +7,27 @@ the records are appended at the leader's positions (TopicLog.append_at: its segm
 leader's do), fsynced (the topic's sync group), and the next fetch reports the fsynced end
 (core.follower_synced). A log id other than the leader's, or an end before the leader's start: the log
 is reset (TopicLog.reset_to). The leader's channels are mirrored (made, seeked to their cursors, paused,
-deleted) without delivering anything: followers refuse SUB and PUB.
+deleted), and so are the topic's pause and its settings (issue 35's: the topic's, its channels'), without
+delivering anything: followers refuse SUB and PUB.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
+from urllib.parse import urlencode
 
+import attrs
 import trio
 
-from trio_nsq.broker.http.replica_api import decode
+from trio_nsq.broker.http.replica_api import FetchAnswer, decode, long_poll
+from trio_nsq.broker.queue_settings import QueueSettings
 from trio_nsq.broker.replication import core
+from trio_nsq.broker.replication.fetch_client import FetchClient, FetchError
 from trio_nsq.broker.replication.manager import _read_epochs, _write_epochs, truncate
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.log_index import PositionError
-from trio_nsq.shared.http import httpx_module
 from trio_nsq.shared.names import is_ephemeral
 
 if TYPE_CHECKING:
@@ -31,7 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("nsqd")
 
 FETCH_BYTES = 1024 * 1024
-# a fetch long-polls 0.5 s on the leader: anything much longer is a leader that does not answer
+# a fetch long-polls replica_api.long_poll(--replica-lag-time) on the leader: this much longer is a leader
+# that does not answer
 FETCH_TIMEOUT = 5.0
 RETRY = 0.25
 
@@ -47,15 +53,15 @@ async def follow(manager: ReplicaManager, replica: TopicReplica, scope: trio.Can
 
 
 async def _follow(manager: ReplicaManager, replica: TopicReplica, address: str) -> None:
-    httpx = await httpx_module()
     topic = replica.topic
     log_ = topic.log
     assert log_ is not None and replica.state is not None
     data_path = manager.nsqd.data_path
-    url = f"http://{address}/replica/fetch"
     local: list[tuple[int, int]] | None = None  # the epoch cache, once truncated
     failing = ""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(FETCH_TIMEOUT)) as client:
+    # one keep-alive connection, not httpx (see fetch_client.py)
+    client = FetchClient(address, long_poll(manager.lag_time) + FETCH_TIMEOUT)
+    try:
         while True:
             state = replica.state  # (the manager updates it: isr changes of the same epoch)
             assert state is not None
@@ -69,21 +75,21 @@ async def _follow(manager: ReplicaManager, replica: TopicReplica, address: str) 
                 "max_bytes": str(FETCH_BYTES),
             }
             try:
-                resp = await client.get(url, params=params)
-            except httpx.HTTPError as exc:
+                status, body = await client.get("/replica/fetch?" + urlencode(params))
+            except FetchError as exc:
                 if failing != str(exc):
                     log.warning("TOPIC(%s): fetch from %s failed - %s", replica.name, address, exc)
                     failing = str(exc)
                 manager.wake()
                 await trio.sleep(RETRY)
                 continue
-            if resp.status_code != 200:
+            if status != 200:
                 try:
-                    message = str(resp.json()["message"])
+                    message = str(json.loads(body)["message"])
                 except (ValueError, TypeError, KeyError):
-                    message = resp.text[:100]
+                    message = body[:100].decode(errors="replace")
                 if failing != message:
-                    log.warning("TOPIC(%s): fetch from %s: HTTP %d %s", replica.name, address, resp.status_code, message)
+                    log.warning("TOPIC(%s): fetch from %s: HTTP %d %s", replica.name, address, status, message)
                     failing = message
                 manager.wake()
                 if message in ("FENCED", "STALE_LEADER"):
@@ -91,7 +97,7 @@ async def _follow(manager: ReplicaManager, replica: TopicReplica, address: str) 
                 await trio.sleep(RETRY)
                 continue
             failing = ""
-            answer = decode(resp.content)
+            answer = decode(body)
             if core.check_fetch_epoch(answer.epoch, state.epoch) is not None:
                 manager.wake()
                 return
@@ -127,12 +133,16 @@ async def _follow(manager: ReplicaManager, replica: TopicReplica, address: str) 
             hwm = min(answer.hwm, log_.durable_tail.position)
             if hwm > replica.last_hwm:
                 replica.set_hwm(hwm)
-            _mirror_channels(replica, answer.channels)
+            _mirror_channels(replica, answer.channels, answer.cursors)
+            _mirror_settings(replica, answer)
+    finally:
+        await client.aclose()
 
 
-def _mirror_channels(replica: TopicReplica, channels: list[tuple[str, int, bool]]) -> None:
+def _mirror_channels(replica: TopicReplica, channels: list[tuple[str, int, bool]], cursors: list[str]) -> None:
     """The leader's durable channels here: made, paused as there, their cursors where the leader's are
-    (once this log holds that position), the others deleted. Nothing is delivered here."""
+    (once this log holds that position), those that are /log/commit's cursors flagged so (a positional
+    reader commits to them here after a failover), the others deleted. Nothing is delivered here."""
     topic = replica.topic
     log_ = topic.log
     assert log_ is not None
@@ -142,6 +152,9 @@ def _mirror_channels(replica: TopicReplica, channels: list[tuple[str, int, bool]
         channel = topic.channels.get(name)
         if channel is None:
             channel = topic.get_channel(name)
+        if name in cursors and not channel.cursor:
+            channel.make_cursor()
+            nsqd.persist_metadata(topic.name, name)
         if channel.paused != paused:
             if paused:
                 channel.pause()
@@ -161,3 +174,34 @@ def _mirror_channels(replica: TopicReplica, channels: list[tuple[str, int, bool]
     for name in list(topic.channels):
         if name not in wanted and not is_ephemeral(name):
             topic.delete_channel(name)
+
+
+def _mirror_settings(replica: TopicReplica, answer: FetchAnswer) -> None:
+    """The leader's topic pause and issue 35's settings (the topic's, its channels') here, persisted in
+    nsqd.dat as /topic/pause and /topic/config would: after a failover they hold on the new leader."""
+    topic = replica.topic
+    nsqd = replica.manager.nsqd
+    changed = False
+    if topic.paused != answer.paused:
+        if answer.paused:
+            topic.pause()
+        else:
+            topic.unpause()
+        changed = True
+    reapply = False
+    wanted = QueueSettings.from_json(answer.settings)
+    if topic.settings != wanted:
+        topic.settings.update(attrs.asdict(wanted))
+        reapply = True
+    for name, channel in topic.channels.items():
+        if channel.ephemeral:
+            continue
+        wanted = QueueSettings.from_json(answer.channel_settings.get(name))
+        if channel.settings != wanted:
+            channel.settings.update(attrs.asdict(wanted))
+            reapply = True
+    if reapply:
+        log.info("TOPIC(%s): settings as on its leader: %s", topic.name, answer.settings)
+        topic.apply_settings()
+    if changed or reapply:
+        nsqd.persist_metadata(topic.name)

@@ -55,7 +55,8 @@ class CommitWaiter:
     """What a replicated publish's answer awaits (Published.sync; ProtocolV2's pending_sync, the HTTP
     publish): OK once the records up to `end` are below the high watermark with the isr at least
     min_isr, this broker still leading the epoch it appended in, its lease live. ReplicationError
-    (NOT_ENOUGH_REPLICAS_AFTER_APPEND, NOT_LEADER) after --replica-ack-timeout or on losing the lead."""
+    (NOT_ENOUGH_REPLICAS_AFTER_APPEND, NOT_LEADER_AFTER_APPEND) after --replica-ack-timeout or on losing
+    the lead: the message may still be delivered."""
 
     def __init__(self, replica: TopicReplica, end: int, epoch: int | None) -> None:
         self.replica = replica
@@ -80,11 +81,12 @@ class CommitWaiter:
                 if progress is not None and progress.committed(self.end) and manager.lease_live():
                     return
             elif replica.role != "placing":
-                # (not "leader host:port": that is a refusal before the append, definite; this one is not)
-                raise ReplicationError("NOT_LEADER", "no longer leading: the publish may or may not be kept")
+                # (*_AFTER_APPEND: a producer tells this indeterminate refusal from admit's definite NOT_LEADER)
+                raise ReplicationError("NOT_LEADER_AFTER_APPEND",
+                                       "no longer leading: the publish may or may not be kept")
             if trio.current_time() >= deadline:
                 if replica.role == "leader" and not manager.lease_live():
-                    raise ReplicationError("NOT_LEADER", "lease expired")
+                    raise ReplicationError("NOT_LEADER_AFTER_APPEND", "lease expired")
                 raise ReplicationError("NOT_ENOUGH_REPLICAS_AFTER_APPEND",
                                        f"not confirmed by {replica.min_isr()} replicas in {timeout:g}s")
             with trio.move_on_at(deadline):
@@ -112,6 +114,7 @@ class TopicReplica:
         self.placed_empty = True
         self.last_hwm = 0  # the high watermark as this broker knows it (leader: progress'; follower: told)
         self.last_fetch: dict[str, float] = {}  # the leader's: each follower's last fetch (trio time)
+        self.no_epochs_logged = False  # _may_lead's ERROR, once
         self._changed = trio.Event()  # HWM, isr, role or lease changed: publish waiters look again
         self._data = trio.Event()  # an append, or the HWM moved: long-polling fetches answer
 
@@ -136,6 +139,9 @@ class TopicReplica:
     def committed_after(self, end: int) -> CommitWaiter:
         waiter = CommitWaiter(self, end, self.epoch if self.role == "leader" else None)
         self._notify_data()  # (the followers' long polls answer at once)
+        # this broker's own fsync starts now, beside the followers' fetches, not once the publisher's task
+        # is scheduled again (after the fetch answers): CommitWaiter.sync's group.sync joins this round
+        self.topic.group.request_round()
         return waiter
 
     def dispatch_limit(self) -> int:
@@ -433,6 +439,11 @@ class ReplicaManager:
                 if not is_valid_topic_name(kv.key[len(topics_prefix):]):
                     self._bad(kv.key, kv.mod_revision, ValueError("not a topic name"))
                     continue
+                known = self.states.get(kv.key[len(topics_prefix):])
+                if known is not None and known[1] == kv.mod_revision:
+                    # (unchanged since the last listing: not parsed again, each second, for every topic)
+                    states[kv.key[len(topics_prefix):]] = known
+                    continue
                 try:
                     state = core.TopicState.from_json(kv.value)
                 except ValueError as exc:
@@ -480,6 +491,19 @@ class ReplicaManager:
             self._spawn_place(replica)
         else:
             self.wake()
+
+    def elsewhere(self, name: str) -> str | None:
+        """NSQD.topic_for_client, for a topic not here: where its leader is (the NOT_LEADER refusal's
+        detail) when etcd lists it and this broker is not one of its replicas; else None (made here: a
+        replica, or placed by this broker)."""
+        entry = self.states.get(name)
+        if entry is None or self.me in entry[0].replicas:
+            return None
+        leader = entry[0].leader
+        if leader is None:
+            return "no leader"
+        info = self.brokers.get(leader)
+        return f"leader {info.get('tcp_address', leader)}" if info is not None else f"leader {leader} not alive"
 
     def _tombstoned(self, topic: Topic) -> bool:
         """Whether etcd says this very log (by its log id) was deleted from the cluster."""
@@ -872,6 +896,10 @@ class ReplicaManager:
                 # in the isr and never fetched: nothing to hold, the topic's log starts where epoch 1 did
                 _write_epochs(self.nsqd.data_path, replica.name, [])
                 await log_.reset(state.epochs[0][1], state.log_id)
+            if not self._may_lead(replica, state):
+                if state.leader == self.me:  # (restarted: the others wait for a leader etcd says is alive)
+                    await self._give_up_lead(replica, state, rev)
+                return
             await truncate(self.nsqd.data_path, replica, state, None)
             new = core.elect(state, self.me, set(self.brokers) | {self.me}, log_.end_position())
             if new is None:
@@ -902,6 +930,32 @@ class ReplicaManager:
             if won:  # (else the next listing, or the watch seeing the winner's CAS, decides again: no loop)
                 self.wake()
 
+    def _may_lead(self, replica: TopicReplica, state: core.TopicState) -> bool:
+        """Whether this replica may be a candidate. Its log is cut by its epoch cache before it leads: one
+        missing or unreadable, its records past the first listed epoch's start would all go (an empty log
+        leading, what was committed lost). Such a replica only follows (a live leader's end bounds the
+        cut: safe, and the cache is written again) and logs one ERROR."""
+        log_ = replica.topic.log
+        assert log_ is not None
+        first = max(state.epochs[0][1] if state.epochs else 0, log_.first_position())
+        if log_.end_position() <= first or _epochs_readable(self.nsqd.data_path, replica.name):
+            replica.no_epochs_logged = False  # (one ERROR a time it happens)
+            return True
+        if not replica.no_epochs_logged:
+            replica.no_epochs_logged = True
+            log.error("TOPIC(%s): not a candidate for leader: its log ends at %d and its epoch cache %s is "
+                      "missing or unreadable; it follows the next leader", replica.name, log_.end_position(),
+                      _epochs_path(self.nsqd.data_path, replica.name))
+        return False
+
+    async def _give_up_lead(self, replica: TopicReplica, state: core.TopicState, rev: int) -> None:
+        """etcd names this broker leader (before a restart) and it may not lead: no leader, and not in the
+        isr if another is (a CAS), so the other in-sync replicas elect one."""
+        isr = tuple(b for b in state.isr if b != self.me) or state.isr
+        new = core.TopicState(state.replicas, None, state.epoch, state.epochs, isr, state.min_isr, state.log_id)
+        if await self.etcd.swap(self.topic_key(replica.name), new.to_json(), rev):
+            log.warning("TOPIC(%s): gave up leading epoch %d (isr %s)", replica.name, state.epoch, ",".join(isr))
+
 
 # --- the epoch cache: `<data>/<topic>.replica.dat` ---------------------------------------------------
 
@@ -921,6 +975,16 @@ def _read_epochs(data_path: str, topic: str) -> list[tuple[int, int]]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.error("TOPIC(%s): unreadable %s - %s: taken as empty", topic, _epochs_path(data_path, topic), exc)
         return []
+
+
+def _epochs_readable(data_path: str, topic: str) -> bool:
+    """Whether the epoch cache is there, readable, and names an epoch."""
+    try:
+        with open(_epochs_path(data_path, topic), "rb") as fh:
+            value = json.loads(fh.read())
+        return len([(int(e), int(s)) for e, s in value["epochs"]]) > 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _write_epochs(data_path: str, topic: str, epochs: list[tuple[int, int]]) -> None:
