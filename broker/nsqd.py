@@ -28,7 +28,7 @@ from trio_nsq.broker.queue_scan import queue_scan_loop
 from trio_nsq.broker.queue_settings import QueueSettings
 from trio_nsq.broker.statsd import statsd_loop
 from trio_nsq.broker.tls import build_server_context, tls_required, tls_required_http
-from trio_nsq.broker.topic import Topic
+from trio_nsq.broker.topic import ReplicationError, Topic
 from trio_nsq.shared.http import address_text, is_unix_address, open_unix_listener, split_host_port
 from trio_nsq.shared.lookup_protocol import register_cmd
 from trio_nsq.shared.names import is_ephemeral, is_valid_channel_name, is_valid_topic_name
@@ -270,6 +270,16 @@ class NSQD:
             self._nursery.start_soon(topic.run)
         self._notify(topic, True)
         return topic
+
+    def topic_for_client(self, name: str) -> Topic:
+        """get_topic for a client's PUB, MPUB, DPUB, SUB, /pub, /mpub, /topic/create. Cluster mode: a topic
+        etcd places on other brokers only is not made here (an empty copy nobody fetches, that nsqd.dat
+        would keep): ReplicationError NOT_LEADER naming its leader, as a follower refuses."""
+        if self.replication is not None and name not in self.topics and name not in self._pending:
+            refused = self.replication.elsewhere(name)
+            if refused is not None:
+                raise ReplicationError("NOT_LEADER", refused)
+        return self.get_topic(name)
 
     def get_existing_topic(self, name: str) -> Topic | None:
         topic = self.topics.get(name)

@@ -269,8 +269,8 @@ class ProtocolV2:
         bodies = run.bodies
         run.count = 0
         run.bodies = []
-        topic = self.nsqd.get_topic(run.topic)
         try:
+            topic = self.nsqd.topic_for_client(run.topic)
             published = topic.publish(bodies, run.delay)
         except BackendError as exc:
             responses.extend([OK] * exc.stored)
@@ -625,7 +625,10 @@ class ProtocolV2:
         if not is_valid_channel_name(channel_name):
             raise FatalClientError("E_BAD_CHANNEL", f"SUB channel name {_quote(channel_name)} is not valid")
         self._authorize(client, "SUB", topic_name.decode(), channel_name.decode())
-        topic = self.nsqd.get_topic(topic_name.decode())
+        try:
+            topic = self.nsqd.topic_for_client(topic_name.decode())
+        except ReplicationError as exc:  # cluster mode: not a replica of the topic
+            raise FatalClientError("E_SUB_FAILED", f"SUB failed: {exc}") from None
         if topic.replica is not None:
             refused = topic.replica.refuses_consumers()
             if refused:  # cluster mode: only the topic's leader delivers
@@ -741,8 +744,8 @@ class ProtocolV2:
         """Topic.publish for MPUB (its AUTH checked; PUB and DPUB go in runs, _add_to_run): its error is
         the command's fatal E_<cmd>_FAILED; an fsync the answer waits for is owed once for the whole read
         (_sync_published)."""
-        topic = self.nsqd.get_topic(topic_name)
         try:
+            topic = self.nsqd.topic_for_client(topic_name)
             published = topic.publish(bodies, deferred)
         except BackendError as exc:
             raise _publish_failed(command, exc) from None

@@ -71,8 +71,8 @@ class TopicFull(BackendError):
 
 class ReplicationError(BackendError):
     """Cluster mode: a publish the topic's replication refuses (`reason`: NOT_LEADER, NOT_ENOUGH_REPLICAS
-    before the append, definite; NOT_ENOUGH_REPLICAS_AFTER_APPEND or NOT_LEADER once appended, when its
-    replicas did not confirm it in time: indeterminate). TCP answers E_PUB_FAILED with the message, HTTP
+    before the append, definite; NOT_ENOUGH_REPLICAS_AFTER_APPEND or NOT_LEADER_AFTER_APPEND once appended,
+    when its replicas did not confirm it in time or the lead was lost: indeterminate). TCP answers E_PUB_FAILED with the message, HTTP
     503 {"message": reason}."""
 
     def __init__(self, reason: str, detail: str = "") -> None:

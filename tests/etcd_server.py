@@ -30,7 +30,7 @@ from types import TracebackType
 
 import httpx
 import pytest
-from processes import free_port
+from processes import free_port, stop_process
 
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 10.0
@@ -120,17 +120,7 @@ class EtcdServer:
         """Send `sig` (SIGTERM) and wait; SIGKILL if it does not exit in time. Returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
 
     def kill(self) -> int | None:
         """SIGKILL and reap."""

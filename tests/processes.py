@@ -123,6 +123,21 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, interval: float
         time.sleep(interval)
 
 
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> int | None:
+    """Send `sig` to a child still running and wait; SIGKILL if it does not exit in time. Its exit code."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Daemon:
     """One daemon process on two free loopback ports kept for its life (see the module docstring)."""
 
@@ -232,18 +247,9 @@ class Daemon:
         """Send `sig` (SIGTERM) and wait; SIGKILL if it does not exit in time. Returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, sig, timeout)
         self._close_log()
-        return self.proc.returncode
+        return code
 
     def kill(self) -> int | None:
         """SIGKILL (no shutdown path at all) and reap."""

@@ -16,6 +16,7 @@ The last tests need no process: the cluster options' checks, the fetch answer's 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import struct
@@ -362,6 +363,174 @@ def test_replicas_raised_and_lowered_by_topic_config(cluster) -> None:
     assert first.http.post(f"/topic/config?topic={TOPIC}&replicas=0").status_code == 400
 
 
+def test_pauses_and_settings_made_on_the_leader_hold_after_a_failover(cluster) -> None:
+    """/topic/pause, /channel/pause and /topic/config, /channel/config (issue 35's settings) on the leader
+    reach the followers with their fetches; a follower refuses them (503 NOT_LEADER: nsqadmin calls the
+    leader, the only broker nsqlookupd lists); after the leader's kill -9 the new leader has them."""
+    _, brokers = cluster
+    first = brokers[0]
+    assert first.http.post(f"/topic/create?topic={TOPIC}").status_code == 200
+    leader, followers = wait_roles(brokers)
+    for path in (f"/channel/create?topic={TOPIC}&channel=c", f"/channel/pause?topic={TOPIC}&channel=c",
+                 f"/topic/pause?topic={TOPIC}", f"/topic/config?topic={TOPIC}&max_depth=1000",
+                 f"/channel/config?topic={TOPIC}&channel=c&message_ttl=1h"):
+        resp = leader.http.post(path)
+        assert resp.status_code == 200, (path, resp.text)
+
+    def state(broker: BrokerProcess) -> tuple | None:
+        try:
+            stats = broker.get(f"/stats?format=json&topic={TOPIC}").json()
+            topic = next(t for t in stats.get("topics") or [] if t["topic_name"] == TOPIC)
+            channel = next(c for c in topic["channels"] if c["channel_name"] == "c")
+            topic_config = broker.get(f"/topic/config?topic={TOPIC}").json()["config"]
+            channel_config = broker.get(f"/channel/config?topic={TOPIC}&channel=c").json()["config"]
+        except (httpx.HTTPError, ValueError, KeyError, StopIteration):
+            return None
+        return topic["paused"], channel["paused"], topic_config, channel_config
+
+    paused = (True, True, {"max_depth": 1000}, {"message_ttl": "1h0m0s"})
+    assert state(leader) == paused
+    wait_for(lambda: all(state(f) == paused for f in followers), timeout=5, message="mirrored on the followers")
+    for path in (f"/channel/unpause?topic={TOPIC}&channel=c", f"/topic/unpause?topic={TOPIC}",
+                 f"/topic/config?topic={TOPIC}&max_depth=5", f"/channel/config?topic={TOPIC}&channel=c&max_depth=5"):
+        resp = followers[0].http.post(path)
+        assert resp.status_code == 503 and resp.json() == {"message": "NOT_LEADER"}, (path, resp.text)
+    assert leader.http.post(f"/topic/unpause?topic={TOPIC}").status_code == 200
+    unpaused = (False, *paused[1:])
+    wait_for(lambda: all(state(f) == unpaused for f in followers), timeout=5, message="unpause mirrored")
+
+    leader.kill()
+    new_leader, _ = wait_roles(followers, timeout=15)
+    assert state(new_leader) == unpaused
+    new_leader.stop()  # (nsqd.dat holds them: the restarted broker too)
+    new_leader.start()
+    assert state(new_leader) == unpaused
+
+
+def test_a_refusal_after_the_append_says_so(cluster) -> None:
+    """A publish appended by the leader, which then loses its lease before its replicas confirm it, is
+    refused as may-still-be-delivered: NOT_LEADER_AFTER_APPEND, never the definite NOT_LEADER."""
+    _, brokers = cluster
+    first = brokers[0]
+    assert first.http.post(f"/topic/create?topic={TOPIC}").status_code == 200
+    leader, followers = wait_roles(brokers)
+    stopped = [b for b in followers if b.proc is not None]
+    for f in stopped:  # (no replica confirms it, and none is elected meanwhile)
+        os.kill(f.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+    assert leader.proc is not None
+    try:
+        with RawNSQ(leader.tcp_address, timeout=15) as conn:
+            conn.command("PUB", TOPIC, body=b"appended")
+            wait_for(lambda: (replication(leader) or {}).get("log_end", 0) > 0, timeout=5, message="appended")
+            os.kill(leader.proc.pid, signal.SIGSTOP)  # past its lease (2 s) and --replica-ack-timeout (3 s)
+            time.sleep(3.5)
+            os.kill(leader.proc.pid, signal.SIGCONT)
+            error = conn.expect_error()
+        assert error.code == "E_PUB_FAILED" and "PUB failed: NOT_LEADER_AFTER_APPEND" in error.text, error.text
+    finally:
+        os.kill(leader.proc.pid, signal.SIGCONT)
+        for f in stopped:
+            os.kill(f.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+
+
+def test_a_replica_without_its_epoch_cache_never_leads(cluster) -> None:
+    """An in-sync follower whose `<topic>.replica.dat` is unreadable would cut its log to the first listed
+    epoch's start as a candidate (an empty log leading: every acknowledged message lost). With the leader
+    dead and the other follower paused past its lease, it proposes nothing (one ERROR); the other one,
+    woken, leads, and it follows: every log holds what was acknowledged."""
+    _, brokers = cluster
+    first = brokers[0]
+    assert first.http.post(f"/topic/create?topic={TOPIC}").status_code == 200
+    leader, (damaged, other) = wait_roles(brokers)
+    acked = [b"e0", b"e1", b"e2"]
+    for body in acked:
+        assert pub_http(leader, body).status_code == 200
+    (damaged.data_path / f"{TOPIC}.replica.dat").write_bytes(b"not json")
+    assert other.proc is not None
+    leader.kill()
+    os.kill(other.proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "not a candidate for leader" in damaged.log_text(), timeout=10, message="the refusal")
+        time.sleep(1.5)  # (a listing or two later: still no leader)
+        assert (replication(damaged) or {}).get("role") != "leader"
+    finally:
+        os.kill(other.proc.pid, signal.SIGCONT)
+    assert damaged.log_text().count("not a candidate for leader") == 1
+    new_leader, _ = wait_roles([damaged, other], timeout=15)
+    assert new_leader is other
+    leader.start()
+    wait_roles(brokers, timeout=15)
+    end = replication(other)["high_watermark"]  # type: ignore[index]
+    wait_for(lambda: all((replication(b) or {}).get("high_watermark", 0) >= end for b in brokers), timeout=5,
+             message="every replica knows the high watermark")
+    views = [log_records(b, end) for b in brokers]
+    assert [body for _, body in views[0][1]] == acked
+    assert views[0][1] == views[1][1] == views[2][1]
+
+
+def test_a_leader_restarted_without_its_epoch_cache_hands_the_lead_back(cluster) -> None:
+    """etcd still names it leader when it comes back (its followers paused meanwhile): it does not propose
+    itself (that would cut its log to nothing), it clears the leader and leaves the isr, and once the
+    followers wake one of them leads; the acknowledged messages are on every log."""
+    _, brokers = cluster
+    first = brokers[0]
+    assert first.http.post(f"/topic/create?topic={TOPIC}").status_code == 200
+    leader, followers = wait_roles(brokers)
+    acked = [b"g0", b"g1"]
+    for body in acked:
+        assert pub_http(leader, body).status_code == 200
+    leader.kill()
+    for f in followers:
+        os.kill(f.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+    try:
+        (leader.data_path / f"{TOPIC}.replica.dat").unlink()
+        offset = leader.log_path.stat().st_size
+        leader.start()
+        wait_for(lambda: "CLUSTER: registered" in leader.log_text(offset), timeout=10, message="registration")
+        time.sleep(1.5)  # (a listing or two: it would have proposed itself by now)
+    finally:
+        for f in followers:
+            os.kill(f.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+    new_leader, _ = wait_roles(brokers, timeout=15)
+    assert new_leader is not leader and replication(new_leader)["epoch"] == 2  # type: ignore[index]
+    assert "gave up leading epoch 1" in leader.log_text(offset)
+    end = replication(new_leader)["high_watermark"]  # type: ignore[index]
+    wait_for(lambda: all((replication(b) or {}).get("high_watermark", 0) >= end for b in brokers), timeout=5,
+             message="every replica knows the high watermark")
+    views = [log_records(b, end) for b in brokers]
+    assert [body for _, body in views[0][1]] == acked
+    assert views[0][1] == views[1][1] == views[2][1]
+
+
+@pytest.mark.parametrize("cluster", [{"replicas": 1, "min_isr": 1}], indirect=True)
+def test_a_broker_that_is_not_a_replica_refuses_the_topic_and_keeps_no_copy(cluster) -> None:
+    """PUB, SUB, /pub, /topic/create on a broker the topic is not placed on: NOT_LEADER naming the leader
+    (as a follower answers), and no local topic (no files, nothing in nsqd.dat, nothing in /stats)."""
+    _, brokers = cluster
+    first, other = brokers[0], brokers[1]
+    assert pub_http(first, b"p0").status_code == 200
+    assert replication(first)["replicas"] == [_id(first)]  # type: ignore[index]
+    time.sleep(2.0)  # (the others list etcd every second, and on its watch's word)
+    with RawNSQ(other.tcp_address) as conn:
+        conn.command("PUB", TOPIC, body=b"refused")
+        error = conn.expect_error()
+        assert error.code == "E_PUB_FAILED" and f"NOT_LEADER (leader {first.tcp_address})" in error.text, error.text
+    with RawNSQ(other.tcp_address) as conn:
+        conn.identify(heartbeat_interval=10000)
+        conn.command("SUB", TOPIC, "c")
+        error = conn.expect_error()
+        assert error.code == "E_SUB_FAILED" and f"NOT_LEADER (leader {first.tcp_address})" in error.text, error.text
+    for resp in (pub_http(other, b"refused"), other.http.post(f"/topic/create?topic={TOPIC}"),
+                 other.http.post(f"/mpub?topic={TOPIC}", content=b"a\nb")):
+        assert resp.status_code == 503 and resp.json() == {"message": "NOT_LEADER"}, resp.text
+    assert not other.get(f"/stats?format=json&topic={TOPIC}").json()["topics"]
+    assert not [p.name for p in other.data_path.iterdir() if p.name.startswith(TOPIC)]
+    assert TOPIC not in json.dumps(other.metadata())
+    # the leader took one message, no other
+    end = replication(first)["log_end"]  # type: ignore[index]
+    assert [body for _, body in log_records(first, end)[1]] == [b"p0"]
+
+
 def _id(broker: BrokerProcess) -> str:
     return f"127.0.0.1:{broker.http_port}"
 
@@ -395,6 +564,10 @@ def test_fetch_answer_round_trips_and_garbage_is_refused() -> None:
     assert (answer.epoch, answer.hwm, answer.log_end, answer.log_id) == (3, 10, 40, "00000000000000ab")
     assert answer.positions == [0, 20] and answer.records == records
     assert answer.deadlines == [(20, 1.5)] and answer.channels == [("c", 20, True)]
+    assert not answer.paused and answer.settings == {} and answer.channel_settings == {}  # (an older leader's)
+    settings = {"paused": True, "settings": {"max_depth": 5}, "channel_settings": {"c": {"message_ttl": "1h0m0s"}}}
+    answer = decode(encode({**header, **settings}, records))
+    assert (answer.paused, answer.settings, answer.channel_settings) == tuple(settings.values())
     whole = encode(header, records)
     for garbage in (b"", b"\x00\x00\x00\x05{}", whole[:-1], encode({**header, "sizes": [16]}, records),
                     encode({k: v for k, v in header.items() if k != "hwm"}, records)):

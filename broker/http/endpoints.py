@@ -98,7 +98,15 @@ class Api:
     def _topic_from_query(self, req: Request) -> tuple[dict[str, list[str]], Topic]:
         """Creates the topic if needed, as nsqd's GetTopic."""
         params = self._params(req)
-        return params, self.nsqd.get_topic(_name_arg(params, "topic", "INVALID_TOPIC", is_valid_topic_name))
+        return params, self._topic_for_client(_name_arg(params, "topic", "INVALID_TOPIC", is_valid_topic_name))
+
+    def _topic_for_client(self, name: str) -> Topic:
+        """NSQD.topic_for_client: cluster mode's 503 NOT_LEADER for a topic placed on other brokers only."""
+        try:
+            return self.nsqd.topic_for_client(name)
+        except ReplicationError as exc:
+            log.info("TOPIC(%s): refused here - %s", name, exc)
+            raise HTTPError(503, exc.reason) from None
 
     def _topic_name(self, req: Request) -> str:
         names = self._params(req).get("topic")
@@ -191,7 +199,7 @@ class Api:
             raise HTTPError(400, "MSG_EMPTY")
         checked = self._pub_queries.get(req.query)
         if checked is not None:  # a query checked before: its topic name and defer, as they were found
-            return self.nsqd.get_topic(checked[0]), [body], checked[1]
+            return self._topic_for_client(checked[0]), [body], checked[1]
         params, topic = self._topic_from_query(req)
         deferred = 0.0
         defer = params.get("defer")
@@ -399,6 +407,16 @@ class Api:
             log.error("%s: failed to persist - %s", what, exc)
             raise HTTPError(500, "INTERNAL_ERROR") from None
 
+    @staticmethod
+    def _on_leader(topic: Topic, what: str) -> None:
+        """Cluster mode: a pause or a setting is changed on the topic's leader only, and its followers mirror
+        it (their next fetch would undo one of their own). Elsewhere 503 NOT_LEADER: nsqadmin calls the
+        brokers nsqlookupd lists for the topic, which is its leader alone."""
+        refused = topic.replica.refuses_consumers() if topic.replica is not None else None
+        if refused is not None:
+            log.info("TOPIC(%s): %s refused - %s", topic.name, what, refused)
+            raise HTTPError(503, "NOT_LEADER")
+
     async def topic_pause(self, req: Request, params: Mapping[str, str]) -> Reply:
         return await self._set_paused(self._existing_topic(self._topic_name(req)), True)
 
@@ -406,6 +424,7 @@ class Api:
         return await self._set_paused(self._existing_topic(self._topic_name(req)), False)
 
     async def _set_paused(self, target: Topic | Channel, paused: bool) -> Reply:
+        self._on_leader(target if isinstance(target, Topic) else target.topic, "pause" if paused else "unpause")
         if paused:
             target.pause()
         else:
@@ -486,6 +505,7 @@ class Api:
         any of queue_settings.KEYS, persisted before the answer. Its channels follow what they do not set."""
         topic = self._existing_topic(self._topic_name(req))
         if req.method == "POST":
+            self._on_leader(topic, "config")
             replicated = await self._replication_config(req, topic)
             changes = self._settings_changes(req, topic.name, "", skip=replicated)
             self._check_resolves(topic.settings, changes, topic.name, "")
@@ -528,6 +548,7 @@ class Api:
         channel = self._existing_channel(req)
         topic = channel.topic
         if req.method == "POST":
+            self._on_leader(topic, "config")
             changes = self._settings_changes(req, topic.name, channel.name)
             self._check_resolves(channel.settings, changes, topic.name, channel.name, topic.settings)
             channel.settings.update(changes)

@@ -331,6 +331,7 @@ def openapi_spec() -> dict:
                                                                "default": 100})])}
     _settings_paths(paths, op, bad_query)
     _log_paths(paths, op, bad_query)
+    _replica_paths(paths, op)
     return {
         "openapi": "3.0.3",
         "info": {"title": "trio-nsq nsqd HTTP API", "version": VERSION, "description":
@@ -341,6 +342,38 @@ def openapi_spec() -> dict:
         "paths": paths,
         "components": {"schemas": _schemas()},
     }
+
+
+def _replica_paths(paths: dict, op: Any) -> None:
+    """Not in nsqd: cluster mode's fetch, a follower's only request to a topic's leader
+    (broker/http/replica_api.py; docs/cluster.md)."""
+    integer = {"type": "integer", "minimum": 0}
+    paths["/replica/fetch"] = {"get": op(
+        "Not in nsqd, cluster mode only (--etcd-endpoints): a follower fetches the topic's log from its leader",
+        {"200": {"description": "uint32 big-endian n, n bytes of JSON header {epoch, hwm, log_start, log_end, "
+                                "log_id, positions, sizes, deadlines: [[position, unix deadline]], channels: "
+                                "[[name, cursor position, paused]], paused, settings, channel_settings: {name: "
+                                "settings}}, then the records as stored, concatenated (sizes[i] bytes each, at "
+                                "positions[i])",
+                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+         "400": _err("NOT_IN_CLUSTER_MODE", "MISSING_ARG_TOPIC", "INVALID_ARG_TOPIC", "MISSING_ARG_REPLICA",
+                     "MISSING_ARG_EPOCH", "INVALID_ARG_EPOCH", "MISSING_ARG_POSITION", "INVALID_ARG_POSITION",
+                     "MISSING_ARG_SYNCED", "INVALID_ARG_SYNCED", "INVALID_ARG_MAX_BYTES"),
+         "404": _err("TOPIC_NOT_FOUND"),
+         "409": _err("NOT_LEADER", "FENCED", "STALE_LEADER", "NOT_A_REPLICA"),
+         "500": _err("INTERNAL_ERROR")},
+        [_param("topic", "the replicated topic", required=True),
+         _param("epoch", "the leader epoch the follower read from etcd (older: 409 FENCED; newer: 409 "
+                "STALE_LEADER, the leader steps down)", required=True, schema=integer),
+         _param("replica", "the follower's broker id (<broadcast address>:<HTTP port>)", required=True),
+         _param("position", "the follower's log end: it holds everything below", required=True, schema=integer),
+         _param("synced", "the follower's fsynced end (counts towards the high watermark)", required=True,
+                schema=integer),
+         _param("max_bytes", "bytes of records at most (default 1 MiB, at most 16 MiB; at least one record)",
+                schema=integer)],
+        description="Answers the records from `position` up to the leader's log end (not only the high "
+                    "watermark); with nothing new it long-polls up to 0.5 s for an append or a high-watermark "
+                    "change.")}
 
 
 def _log_paths(paths: dict, op: Any, bad_query: str) -> None:
