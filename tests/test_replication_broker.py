@@ -392,7 +392,10 @@ def test_pauses_and_settings_made_on_the_leader_hold_after_a_failover(cluster) -
     assert state(leader) == paused
     wait_for(lambda: all(state(f) == paused for f in followers), timeout=5, message="mirrored on the followers")
     for path in (f"/channel/unpause?topic={TOPIC}&channel=c", f"/topic/unpause?topic={TOPIC}",
-                 f"/topic/config?topic={TOPIC}&max_depth=5", f"/channel/config?topic={TOPIC}&channel=c&max_depth=5"):
+                 f"/topic/config?topic={TOPIC}&max_depth=5", f"/channel/config?topic={TOPIC}&channel=c&max_depth=5",
+                 f"/channel/create?topic={TOPIC}&channel=other", f"/channel/delete?topic={TOPIC}&channel=c",
+                 f"/channel/empty?topic={TOPIC}&channel=c", f"/channel/seek?topic={TOPIC}&channel=c&to=earliest",
+                 f"/topic/empty?topic={TOPIC}"):
         resp = followers[0].http.post(path)
         assert resp.status_code == 503 and resp.json() == {"message": "NOT_LEADER"}, (path, resp.text)
     assert leader.http.post(f"/topic/unpause?topic={TOPIC}").status_code == 200

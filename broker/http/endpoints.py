@@ -395,6 +395,7 @@ class Api:
         if not is_valid_topic_name(name):
             raise HTTPError(400, "INVALID_TOPIC")
         topic = self._existing_topic(name)
+        self._on_leader(topic, "empty")
         topic.empty()
         await self._persisted(topic, f"TOPIC({name})")
         return EMPTY
@@ -409,8 +410,8 @@ class Api:
 
     @staticmethod
     def _on_leader(topic: Topic, what: str) -> None:
-        """Cluster mode: a pause or a setting is changed on the topic's leader only, and its followers mirror
-        it (their next fetch would undo one of their own). Elsewhere 503 NOT_LEADER: nsqadmin calls the
+        """Cluster mode: a pause, a setting, a channel made, deleted, emptied or seeked is changed on the
+        topic's leader only, and its followers mirror it (their next fetch would undo one of their own). Elsewhere 503 NOT_LEADER: nsqadmin calls the
         brokers nsqlookupd lists for the topic, which is its leader alone."""
         refused = topic.replica.refuses_consumers() if topic.replica is not None else None
         if refused is not None:
@@ -441,16 +442,19 @@ class Api:
 
     async def channel_create(self, req: Request, params: Mapping[str, str]) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
+        self._on_leader(topic, f"channel {name} create")
         topic.get_channel(name)
         await self._metadata_persisted()
         return EMPTY
 
     async def channel_delete(self, req: Request, params: Mapping[str, str]) -> Reply:
         topic, name = self._existing_topic_and_channel_name(req)
+        self._on_leader(topic, f"channel {name} delete")
         return await self._deleted(topic.delete_channel, name, "CHANNEL_NOT_FOUND")
 
     async def channel_empty(self, req: Request, params: Mapping[str, str]) -> Reply:
         channel = self._existing_channel(req)
+        self._on_leader(channel.topic, f"channel {channel.name} empty")
         channel.empty()
         await self._persisted(channel.topic, f"CHANNEL({channel.name})")
         return EMPTY
@@ -462,6 +466,7 @@ class Api:
         message that was in flight is then "ID not in flight". Persisted before the answer, which says
         where the channel now is and how many messages it has to deliver."""
         channel = self._existing_channel(req)
+        self._on_leader(channel.topic, f"channel {channel.name} seek")
         texts = self._params(req).get("to")
         if not texts or not texts[0]:
             raise HTTPError(400, "MISSING_ARG_TO")
