@@ -733,8 +733,9 @@ class TopicLog:
         self._meta_dispatched = dispatched
 
     def empty(self) -> None:
-        """Drop what is not handed to a channel yet (nsqd's topic empty)."""
-        self.dispatch()
+        """Drop what is not handed to a channel yet (nsqd's topic empty); a replicated topic's only up to its
+        high watermark (what is past it may still be cut by a new leader: no channel may have it)."""
+        self.dispatch(self.high_watermark)
         self.group.changed()
 
     # --- readers ------------------------------------------------------------------------------
