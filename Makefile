@@ -92,7 +92,7 @@ run-cluster: $(STAMP)
 
 # the whole suite but the positional Spark source's tests through brokers and a real SparkSession (marker
 # spark_log, a few minutes of Spark queries) and the Jepsen-style runs of a replicated cluster (marker
-# jepsen, about three minutes of nemeses and mutations): `make test-spark` and `make test-cluster` run
+# jepsen, about three and a half minutes of nemeses, random schedules and mutations): `make test-spark` and `make test-cluster` run
 # those, and .ci/run runs all three
 test: $(STAMP)
 	$(BIN)/python -m mypy

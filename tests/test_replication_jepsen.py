@@ -1,19 +1,24 @@
 """Replication tested the way Jepsen tests (issue 52): etcd + nsqlookupd + 3 trio-nsqd, real processes.
 
 Producers (threads: two PUB over TCP, one /pub over HTTP, one MPUB of 20) publish unique ids to whoever
-etcd names leader, and log every op as the checker wants it: "ok" (answered OK), "fail" (definitely not
-appended: refused before the append, or no connection at all), "info" (unknown: a timeout, a connection
-lost, a refusal after the append); a consumer follows the leader too and FINs what it gets, so the
-channel's cursor moves and must survive each failover. Meanwhile nemeses hit the leader in turn: kill -9
-(then a restart), SIGSTOP past its lease (then SIGCONT), a partition from etcd and from its followers
-(tests/net_proxy.py; then heal), a power loss (tests/power_loss.py through tests/cluster_node.py: only what
-was fsynced survives; then a restart). The first broker's disk is slow (its segment fsyncs wait 0.2 s), so
-when it leads its followers hold records it has not fsynced. After each nemesis every replica's log is
-read as it is served (a snapshot: below the lowest served end all must agree). Then everything heals, the
-topic gets one leader and a full isr again, every replica's log is read back through `/log/read` (the
-same positions everywhere below the high watermark), the channel made before the first publish is drained
-on the leader, and tests/replication_checker.py judges: lost 0 (every OK delivered), unexpected 0,
-divergent 0; duplicates are counted and printed (at least once is NSQ's promise).
+etcd names leader (in the main runs one of the TCP ones, "l1", finds the leader as an NSQ client does,
+through nsqlookupd's /lookup), and log every op as the checker wants it: "ok" (answered OK), "fail"
+(definitely not appended: refused before the append, or no connection at all), "info" (unknown: a timeout,
+a connection lost, a refusal after the append); a consumer follows the leader too and FINs what it gets,
+so the channel's cursor moves and must survive each failover. Meanwhile nemeses hit the leader in turn:
+kill -9 (then a restart), SIGSTOP past its lease (then SIGCONT), a partition from etcd and from its
+followers (tests/net_proxy.py; then heal), a power loss (tests/power_loss.py through
+tests/cluster_node.py: only what was fsynced survives; then a restart). That is the fixed run; the random
+run draws its schedule as Jepsen does, from a seeded random.Random (JEPSEN_SEED replays one; the seed is
+printed): 6-8 faults, one at a time, of those four on the leader and two on a follower (kill -9 then a
+restart, SIGSTOP shorter than the lease), with random durations and gaps of 0.5-3 s. The first broker's
+disk is slow (its segment fsyncs wait 0.2 s), so when it leads its followers hold records it has not
+fsynced. After each nemesis every replica's log is read as it is served (a snapshot: below the lowest
+served end all must agree). Then everything heals, the topic gets one leader and a full isr again, every
+replica's log is read back through `/log/read` (the same positions everywhere below the high watermark),
+the channel made before the first publish is drained on the leader, and tests/replication_checker.py
+judges: lost 0 (every OK delivered), unexpected 0, divergent 0; duplicates are counted and printed (at
+least once is NSQ's promise).
 
 The checker is proven by mutations (tests/cluster_node.py --mutation): each breaks one rule of
 trio_nsq/broker/replication/core.py in every broker, and a short scripted nemesis that provokes exactly
@@ -24,12 +29,14 @@ The harness's own parts (the proxy, the power-loss wrapper, the mutation flag, t
 of refusals) are tested first, on plain brokers, so a failure of the big test is the broker's and not
 the harness's.
 
-Timings (2 shared cores): the main run ~40 s, each scenario 12-20 s, the file ~170 s.
+Timings (2 shared cores): the fixed run ~40 s, the random one 40-55 s, each scenario 12-20 s, the file
+~220 s.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import struct
@@ -136,16 +143,24 @@ class Producer(threading.Thread):
 
     def leader(self, refresh: bool) -> Node | None:
         if refresh or self._node is None or time.monotonic() - self._looked_up > 1.0:
-            try:
-                state = self.cluster.state(TOPIC, client=self._etcd)
-            except httpx.HTTPError:
-                state = None
-            node = None if state is None else self.cluster.node(state.get("leader"))
+            node = self.find_leader(refresh)
             self._looked_up = time.monotonic()
             if node is not self._node:
                 self._drop_conn()
             self._node = node
         return self._node
+
+    def find_leader(self, after_failure: bool) -> Node | None:
+        """The node etcd names leader (None: none named, or etcd unreachable)."""
+        try:
+            state = self.cluster.state(TOPIC, client=self._etcd)
+        except httpx.HTTPError:
+            return None
+        return None if state is None else self.cluster.node(state.get("leader"))
+
+    def close_clients(self) -> None:
+        self._http.close()
+        self._etcd.close()
 
     def _drop_conn(self) -> None:
         if self._conn is not None:
@@ -180,8 +195,7 @@ class Producer(threading.Thread):
             self.error = exc
         finally:
             self._drop_conn()
-            self._http.close()
-            self._etcd.close()
+            self.close_clients()
 
     def publish_tcp(self, node: Node, op_ids: list[str]) -> tuple[str, str]:
         if self._conn is None:
@@ -225,6 +239,46 @@ class Producer(threading.Thread):
         if reply.status_code == 503:
             return classify_refusal(message)
         return "info", f"{reply.status_code} {message}"[:60]
+
+
+class LookupdProducer(Producer):
+    """A producer that finds the leader as an NSQ client does, through nsqlookupd's `/lookup?topic=`
+    rather than etcd: the brokers it lists (a broker registers a topic it leads and unregisters one it
+    stops leading, so usually the leader alone; but a leader paused or partitioned from etcd stays
+    listed, beside its successor, until it notices), mapped to nodes by the broker id they advertise
+    (`<broadcast_address>:<http_port>`). With several listed it takes them in turn, moving on after an op
+    not answered OK ("publish through a list of brokers and move to the next on an error",
+    docs/cluster.md); none listed (404 TOPIC_NOT_FOUND, between an unregistration and the next leader's
+    registration): it waits and asks again."""
+
+    def __init__(self, cluster: Cluster, history: History, prefix: str, kind: str, stop: threading.Event,
+                 **kwargs: Any) -> None:
+        super().__init__(cluster, history, prefix, kind, stop, **kwargs)
+        self._lookupd = httpx.Client(base_url=cluster.lookupd.http_url, timeout=2.0)
+        self._turn = 0
+        self.lookups = 0
+        self.listed_several = 0  # lookups that listed more than one broker (an old leader not yet gone)
+
+    def find_leader(self, after_failure: bool) -> Node | None:
+        self.lookups += 1
+        try:
+            reply = self._lookupd.get("/lookup", params={"topic": TOPIC})
+            listed = (reply.json().get("producers") or []) if reply.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return None
+        nodes = [node for node in (self.cluster.node(f"{p.get('broadcast_address')}:{p.get('http_port')}")
+                                   for p in listed) if node is not None]
+        if not nodes:
+            return None
+        if len(nodes) > 1:
+            self.listed_several += 1
+        if after_failure:
+            self._turn += 1
+        return nodes[self._turn % len(nodes)]
+
+    def close_clients(self) -> None:
+        super().close_clients()
+        self._lookupd.close()
 
 
 class LiveConsumer(threading.Thread):
@@ -466,11 +520,14 @@ def make_topic(cluster: Cluster) -> Node:
 
 
 def start_producers(cluster: Cluster, history: History, stop: threading.Event, mpub: int = 0,
-                    **kwargs: Any) -> list[Producer]:
+                    lookupd: bool = False, **kwargs: Any) -> list[Producer]:
     """Two TCP producers (PUB), one HTTP (/pub), and with `mpub` one more MPUBing that many at a time.
-    Their ids are all of one length: records of one size (see scenario_divergent_tail)."""
+    With `lookupd` the second TCP one ("l1") finds the leader through nsqlookupd (LookupdProducer), the
+    others through etcd. Their ids are all of one length: records of one size (see scenario_divergent_tail)."""
+    second = LookupdProducer(cluster, history, "l1", "tcp", stop, **kwargs) if lookupd \
+        else Producer(cluster, history, "t2", "tcp", stop, **kwargs)
     producers = [Producer(cluster, history, "t1", "tcp", stop, **kwargs),
-                 Producer(cluster, history, "t2", "tcp", stop, **kwargs),
+                 second,
                  Producer(cluster, history, "h1", "http", stop, **kwargs)]
     if mpub:
         producers.append(Producer(cluster, history, "m1", "mpub", stop, batch=mpub, **kwargs))
@@ -663,86 +720,224 @@ def test_nemeses_on_a_cluster_without_replicated_topics(tmp_path):
         wait_for(lambda: len(cluster.alive_ids()) == 3, timeout=10, message="all three in etcd")
 
 
-# --- the run -------------------------------------------------------------------------------------------
+# --- the runs ------------------------------------------------------------------------------------------
+
+def _leader(cluster: Cluster) -> Node:
+    return cluster.wait_for_leader(TOPIC, timeout=30)
+
+
+def leader_kill9(cluster: Cluster, down: float = 3.0) -> None:
+    node = _leader(cluster)
+    cluster.kill9(node)
+    time.sleep(down)  # past the lease (2 s): a follower takes over; shorter: it proposes a new epoch itself
+    cluster.restart(node)
+
+
+def leader_pause(cluster: Cluster, paused: float = 4.0) -> None:
+    node = _leader(cluster)
+    cluster.sigstop(node)
+    time.sleep(paused)  # past its lease: a new leader is elected meanwhile
+    cluster.sigcont(node)  # it wakes up believing it leads: its publishes must never be answered OK
+
+
+def leader_partition(cluster: Cluster, cut: float = 5.0) -> None:
+    node = _leader(cluster)
+    cluster.partition(node)
+    time.sleep(cut)
+    cluster.heal()
+
+
+def leader_power_loss(cluster: Cluster, down: float = 1.0) -> None:
+    node = _leader(cluster)
+    cluster.power_loss_of(node)
+    time.sleep(down)
+    cluster.restart(node)
+
+
+def _follower(cluster: Cluster, pick: float) -> Node:
+    """One of the brokers etcd does not name leader, by `pick` in [0, 1) (drawn with the schedule)."""
+    leader = cluster.leader_of(TOPIC)
+    followers = [node for node in cluster.nodes if node is not leader]
+    return followers[min(int(pick * len(followers)), len(followers) - 1)]
+
+
+def follower_kill9(cluster: Cluster, down: float, pick: float) -> None:
+    node = _follower(cluster, pick)
+    cluster.kill9(node)
+    time.sleep(down)
+    cluster.restart(node)  # it truncates to where its leader's epochs say, and catches up
+
+
+def follower_pause(cluster: Cluster, paused: float, pick: float) -> None:
+    node = _follower(cluster, pick)
+    cluster.sigstop(node)
+    time.sleep(paused)  # shorter than the lease: its key stays, it may drop out of the isr (lag time 2 s)
+    cluster.sigcont(node)
+
 
 def nemesis_schedule(cluster: Cluster) -> list[tuple[str, Callable[[], None]]]:
-    """The nemeses in turn, each on whoever leads then, each followed by its recovery."""
-
-    def leader() -> Node:
-        return cluster.wait_for_leader(TOPIC, timeout=30)
-
-    def kill9() -> None:
-        node = leader()
-        cluster.kill9(node)
-        time.sleep(3)  # the lease lapses (2 s), a follower takes over
-        cluster.restart(node)
-
-    def pause() -> None:
-        node = leader()
-        cluster.sigstop(node)
-        time.sleep(4)  # past its lease: a new leader is elected meanwhile
-        cluster.sigcont(node)  # it wakes up believing it leads: its publishes must never be answered OK
-
-    def partition() -> None:
-        node = leader()
-        cluster.partition(node)
-        time.sleep(5)
-        cluster.heal()
-
-    def power_loss() -> None:
-        node = leader()
-        cluster.power_loss_of(node)
-        time.sleep(1)
-        cluster.restart(node)
-
-    return [("kill -9", kill9), ("SIGSTOP", pause), ("partition", partition), ("power loss", power_loss)]
+    """The fixed run's nemeses in turn, each on whoever leads then, each followed by its recovery."""
+    return [("kill -9", lambda: leader_kill9(cluster)), ("SIGSTOP", lambda: leader_pause(cluster)),
+            ("partition", lambda: leader_partition(cluster)), ("power loss", lambda: leader_power_loss(cluster))]
 
 
-# the main run: the first broker's disk is slower (its segment fsyncs wait this long), so when it leads,
+@attrs.frozen
+class Fault:
+    """One fault of a random schedule, drawn in full before the run so a seed replays it: what, for how
+    long (seconds down, paused or cut), the gap after it (recovery under load, then a snapshot), and for a
+    follower's fault which follower (`pick` in [0, 1) over the non-leaders in node order)."""
+
+    kind: str
+    duration: float
+    gap: float
+    pick: float
+
+    def on_leader(self) -> bool:
+        return self.kind.endswith("leader")
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.duration:.1f}s +{self.gap:.1f}s"
+
+
+# the random run's faults: kind -> (how to strike, the range its duration is drawn from)
+RANDOM_FAULTS: dict[str, tuple[Callable[[Cluster, Fault], None], tuple[float, float]]] = {
+    "kill -9 leader": (lambda c, f: leader_kill9(c, f.duration), (1.0, 3.5)),  # restarted before/after the lease
+    "SIGSTOP leader": (lambda c, f: leader_pause(c, f.duration), (3.0, 4.5)),  # past the 2 s lease
+    "partition leader": (lambda c, f: leader_partition(c, f.duration), (3.0, 5.0)),  # past the lease
+    "power loss leader": (lambda c, f: leader_power_loss(c, f.duration), (0.5, 2.0)),
+    "kill -9 follower": (lambda c, f: follower_kill9(c, f.duration, f.pick), (0.5, 3.0)),
+    "SIGSTOP follower": (lambda c, f: follower_pause(c, f.duration, f.pick), (0.3, 1.2)),  # within the lease
+}
+RANDOM_GAP = (0.5, 3.0)
+RANDOM_COUNT = (6, 8)
+# what the faults may take, estimated (each one's duration and gap, and a second for a restart or a wait
+# for the leader): past it a schedule of more than RANDOM_COUNT[0] faults loses its last ones, so the run
+# stays under a minute (its cluster, warm-up, heal, drain and check take ~12 s more)
+RANDOM_BUDGET = 40.0
+
+
+def random_schedule(rng: random.Random) -> list[Fault]:
+    faults = []
+    for _ in range(rng.randint(*RANDOM_COUNT)):
+        kind = rng.choice(sorted(RANDOM_FAULTS))
+        faults.append(Fault(kind, round(rng.uniform(*RANDOM_FAULTS[kind][1]), 2), round(rng.uniform(*RANDOM_GAP), 2),
+                            rng.random()))
+    while len(faults) > RANDOM_COUNT[0] and sum(f.duration + f.gap + 1.0 for f in faults) > RANDOM_BUDGET:
+        faults.pop()
+    return faults
+
+
+def jepsen_seed() -> int:
+    """JEPSEN_SEED from the environment (to replay a schedule), else a fresh one (printed by the run)."""
+    given = os.environ.get("JEPSEN_SEED")
+    return int(given) if given else random.SystemRandom().randrange(1 << 32)
+
+
+# the main runs: the first broker's disk is slower (its segment fsyncs wait this long), so when it leads,
 # its followers hold records it has not fsynced, and a power loss of it makes them truncate
 RUN_FSYNC_DELAY = [0.2, 0.0, 0.0]
-# how many times the main run goes through its nemeses (JEPSEN_ROUNDS=10 for a longer soak by hand)
+# how many times the fixed run goes through its nemeses (JEPSEN_ROUNDS=10 for a longer soak by hand)
 ROUNDS = int(os.environ.get("JEPSEN_ROUNDS", "1"))
 
 
-def test_jepsen_run_loses_nothing_ok(tmp_path):
+@attrs.frozen
+class RunResult:
+    report: Report
+    history: History
+    epoch: int  # the topic's epoch at the end
+    relayed: dict[str, int]  # bytes each broker's HTTP proxy relayed (fetches from it)
+    ok_by_producer: dict[str, int]
+    seconds: float
+
+
+def main_run(tmp_path: Path, label: str, nemeses: Callable[[Cluster, History], None],
+             warmup: float = 3.0) -> RunResult:
+    """What both main runs share: the cluster (RUN_FSYNC_DELAY), the topic, the producers (one through
+    nsqlookupd) and the live consumer; `warmup` seconds of load, then `nemeses(cluster, history)` (which
+    snapshots as it goes), then the producers stopped, everything healed, drained and judged."""
     began = time.monotonic()
     history = History()
     stop = threading.Event()
     with new_cluster(tmp_path, fsync_delay=RUN_FSYNC_DELAY) as cluster:
         make_topic(cluster)
-        producers = start_producers(cluster, history, stop, mpub=20)
+        producers = start_producers(cluster, history, stop, mpub=20, lookupd=True)
         consumer = LiveConsumer(cluster, stop)
         consumer.start()
         try:
-            time.sleep(3)
-            for name, nemesis in nemesis_schedule(cluster) * ROUNDS:
-                at = time.monotonic()
-                nemesis()
-                time.sleep(3)  # recovery under load
-                snapshot(cluster, history, f"after {name}")
-                print(f"[run] {name}: {time.monotonic() - at:.1f}s; ops so far {len(history.records)}, "
-                      f"ok {len(history.ok_ids())}")
+            time.sleep(warmup)
+            nemeses(cluster, history)
         finally:
             stop_producers(producers, stop)
             consumer.join(10)
-        assert not consumer.is_alive() and consumer.error is None, repr(consumer.error)
-        print(f"[run] the live consumer got {len(consumer.delivered)} messages over {consumer.connections} "
+        assert not consumer.is_alive() and consumer.error is None, f"[{label}] {consumer.error!r}"
+        print(f"[{label}] the live consumer got {len(consumer.delivered)} messages over {consumer.connections} "
               f"connections")
-        report = judge(cluster, history, "run", consumed=consumer.delivered)
+        ok_ids = history.ok_ids()
+        ok_by_producer = {p.prefix: sum(1 for op_id in ok_ids if op_id.startswith(p.prefix + "-")) for p in producers}
+        lookups = [p for p in producers if isinstance(p, LookupdProducer)]
+        print(f"[{label}] ops answered OK per producer: {ok_by_producer}; through nsqlookupd: "
+              + ", ".join(f"{p.prefix} {p.lookups} lookups, {p.listed_several} listing several brokers"
+                          for p in lookups))
+        report = judge(cluster, history, label, consumed=consumer.delivered)
         epoch = (cluster.state(TOPIC) or {}).get("epoch", 0)
-        # the topology is what the partition relies on: every broker led at some point and its followers
-        # fetched from it through its HTTP proxy (its advertised address), not around it
         relayed = {node.name: node.http_proxy.relayed for node in cluster.nodes}
-        print(f"[run] bytes relayed by each broker's HTTP proxy (fetches from it): {relayed}")
-    print(f"[run] total {time.monotonic() - began:.1f}s")
-    assert report.valid, report.summary()
-    assert report.ok > 100, "the run published too little to mean anything"
-    nemeses = len(nemesis_schedule(cluster)) * ROUNDS
-    assert len(history.snapshots) == nemeses, "a snapshot after each nemesis"
+        print(f"[{label}] bytes relayed by each broker's HTTP proxy (fetches from it): {relayed}")
+    seconds = time.monotonic() - began
+    print(f"[{label}] total {seconds:.1f}s")
+    return RunResult(report, history, epoch, relayed, ok_by_producer, seconds)
+
+
+def test_jepsen_run_loses_nothing_ok(tmp_path):
+    done: list[str] = []
+
+    def nemeses(cluster: Cluster, history: History) -> None:
+        for name, nemesis in nemesis_schedule(cluster) * ROUNDS:
+            at = time.monotonic()
+            nemesis()
+            done.append(name)
+            time.sleep(3)  # recovery under load
+            snapshot(cluster, history, f"after {name}")
+            print(f"[run] {name}: {time.monotonic() - at:.1f}s; ops so far {len(history.records)}, "
+                  f"ok {len(history.ok_ids())}")
+
+    run = main_run(tmp_path, "run", nemeses)
+    assert run.report.valid, run.report.summary()
+    assert run.report.ok > 100, "the run published too little to mean anything"
+    assert run.ok_by_producer["l1"] > 0, f"the producer through nsqlookupd got no OK: {run.ok_by_producer}"
+    assert len(run.history.snapshots) == len(done), "a snapshot after each nemesis"
     # every nemesis took the lead from its leader (a restarted leader proposes a new epoch too)
-    assert epoch >= 1 + nemeses, f"only {epoch} epochs: a nemesis changed nothing"
-    assert all(relayed.values()), f"a leader's followers fetched around its proxy: {relayed}"
+    assert run.epoch >= 1 + len(done), f"only {run.epoch} epochs: a nemesis changed nothing"
+    # the topology is what the partition relies on: every broker led at some point and its followers
+    # fetched from it through its HTTP proxy (its advertised address), not around it
+    assert all(run.relayed.values()), f"a leader's followers fetched around its proxy: {run.relayed}"
+
+
+def test_jepsen_random_run_loses_nothing_ok(tmp_path):
+    """The nemeses as Jepsen draws them: RANDOM_COUNT faults of RANDOM_FAULTS, one at a time, with random
+    durations and gaps, from a seeded random.Random: JEPSEN_SEED=<the seed printed> replays a schedule
+    (the same faults, durations, gaps and follower picks; which broker leads when is the cluster's)."""
+    seed = jepsen_seed()
+    faults = random_schedule(random.Random(seed))
+    label = f"random seed={seed}"
+    print(f"\n[{label}] schedule: {'; '.join(map(str, faults))}")
+
+    def nemeses(cluster: Cluster, history: History) -> None:
+        for n, fault in enumerate(faults):
+            at = time.monotonic()
+            RANDOM_FAULTS[fault.kind][0](cluster, fault)
+            time.sleep(fault.gap)  # recovery under load, the next fault after it
+            snapshot(cluster, history, f"after {n + 1}: {fault.kind}")
+            print(f"[{label}] {n + 1}/{len(faults)} {fault}: {time.monotonic() - at:.1f}s; ops so far "
+                  f"{len(history.records)}, ok {len(history.ok_ids())}")
+
+    run = main_run(tmp_path, label, nemeses, warmup=RANDOM_GAP[1])
+    replay = f"seed {seed} (JEPSEN_SEED={seed} replays it), schedule {'; '.join(map(str, faults))}"
+    assert run.report.valid, f"{replay}: {run.report.summary()}"
+    assert run.report.ok > 100, f"{replay}: the run published too little to mean anything"
+    assert run.ok_by_producer["l1"] > 0, f"{replay}: the producer through nsqlookupd got no OK: {run.ok_by_producer}"
+    assert len(run.history.snapshots) == len(faults), f"{replay}: a snapshot after each fault"
+    on_leader = sum(fault.on_leader() for fault in faults)
+    assert run.epoch >= 1 + on_leader, f"{replay}: only {run.epoch} epochs after {on_leader} faults of a leader"
 
 
 # --- the mutations ---------------------------------------------------------------------------------------
