@@ -91,18 +91,18 @@ run-cluster: $(STAMP)
 	wait
 
 # the whole suite but the positional Spark source's tests through brokers and a real SparkSession (marker
-# spark_log, a few minutes of Spark queries) and the Jepsen-style runs of a replicated cluster (marker
-# jepsen, about three and a half minutes of nemeses, random schedules and mutations): `make test-spark` and `make test-cluster` run
-# those, and .ci/run runs all three
+# spark_log, a few minutes of Spark queries) and a replicated cluster's tests through processes (marker
+# cluster, about five minutes: cluster mode's tests, the Jepsen-style runs with their nemeses, random
+# schedules and mutations): `make test-spark` and `make test-cluster` run those, and .ci/run runs all three
 test: $(STAMP)
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not spark_log and not jepsen"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not spark_log and not cluster"
 
 test-spark: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m spark_log
 
 test-cluster: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -s -m jepsen
+	$(BIN)/python -m pytest -q -p no:cacheprovider -s -m cluster
 
 # The documentation site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor fails the build.
 # The docs' code blocks are tests (tests/test_docs_snippets.py), run by `make test` and `make test-spark`.

@@ -627,8 +627,10 @@ class ProtocolV2:
         self._authorize(client, "SUB", topic_name.decode(), channel_name.decode())
         try:
             topic = self.nsqd.topic_for_client(topic_name.decode())
-        except ReplicationError as exc:  # cluster mode: not a replica of the topic
-            raise FatalClientError("E_SUB_FAILED", f"SUB failed: {exc}") from None
+        except ReplicationError as not_here:  # cluster mode: not a replica of the topic
+            # (its own name: mypyc types a function's `exc` by its first binding, and a ChannelError is
+            # caught as `exc` below)
+            raise FatalClientError("E_SUB_FAILED", f"SUB failed: {not_here}") from None
         if topic.replica is not None:
             refused = topic.replica.refuses_consumers()
             if refused:  # cluster mode: only the topic's leader delivers

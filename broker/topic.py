@@ -469,8 +469,8 @@ class Topic:
         if self.replica is not None:
             try:
                 self.replica.admit()  # (cluster mode: only the topic's leader appends)
-            except ReplicationError as exc:
-                log.error("TOPIC(%s): cannot take %d dead letters here - %s", self.name, len(bodies), exc)
+            except ReplicationError as refused:
+                log.error("TOPIC(%s): cannot take %d dead letters here - %s", self.name, len(bodies), refused)
                 return 0
         # asks for the round that puts it on disk if need be
         if not self.dead_letters_channel().backend.on_disk():

@@ -14,7 +14,7 @@ from tests.docs_snippets import CLUSTER_PORTS, ROOT, Session, pages, programs, s
 NOT_RUN = {
     ("README.md", "make run    # creates .venv, installs, starts nsqlookupd (4160/4161), nsqd (4150/4151, data in ./data)"):
         "the getting-started page runs the same `make run` as a daemon, and `make test` is the suite itself",
-    ("docs/getting-started.md", "make test        # creates .venv if needed, installs, runs the whole suite but the spark_log tests"):
+    ("docs/getting-started.md", "make test          # creates .venv if needed, installs, runs the whole suite but the two below"):
         "the suite these tests are part of: .ci/run runs it, and `make docs`",
     ("docs/spark/index.md", "pip install '.[spark]'      # from a clone: pyspark and pyarrow; Java 17 on PATH"):
         "it would install into the venv the tests run in; `make test` installs the same extra",

@@ -34,6 +34,9 @@ from nsq_raw import Error, RawNSQ
 from processes import BrokerProcess, LookupdProcess, wait_for
 from test_broker_clients import ClientProcess
 
+# (make test-cluster: three brokers and etcd per test, a minute in all)
+pytestmark = pytest.mark.cluster
+
 TOPIC = "orders"
 
 

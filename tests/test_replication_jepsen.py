@@ -63,7 +63,7 @@ OP_TIMEOUT = ACK_TIMEOUT + 2.0
 QUIET = 3.0  # the drain ends after this long without a message
 _RECORD = struct.Struct(">iqH16s")  # [size][timestamp ns][attempts][id] then the body
 
-pytestmark = pytest.mark.jepsen
+pytestmark = pytest.mark.cluster
 
 
 # --- the history -------------------------------------------------------------------------------------
