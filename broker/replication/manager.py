@@ -32,7 +32,7 @@ from trio_nsq.broker.replication import core
 from trio_nsq.broker.storage.backend import BackendError
 from trio_nsq.broker.storage.files import fsync_dir, write_synced
 from trio_nsq.broker.topic import ReplicationError
-from trio_nsq.shared.etcd import Etcd, EtcdError
+from trio_nsq.shared.etcd import Etcd, EtcdError, KeyValue
 from trio_nsq.shared.names import is_valid_topic_name
 from trio_nsq.shared.version import VERSION
 
@@ -444,12 +444,9 @@ class ReplicaManager:
                     # (unchanged since the last listing: not parsed again, each second, for every topic)
                     states[kv.key[len(topics_prefix):]] = known
                     continue
-                try:
-                    state = core.TopicState.from_json(kv.value)
-                except ValueError as exc:
-                    self._bad(kv.key, kv.mod_revision, exc)
-                    continue
-                states[kv.key[len(topics_prefix):]] = (state, kv.mod_revision)
+                state = self._state_of(kv)
+                if state is not None:
+                    states[kv.key[len(topics_prefix):]] = (state, kv.mod_revision)
         gone = set(self.brokers) - set(brokers)
         came = set(brokers) - set(self.brokers)
         if gone:
@@ -459,6 +456,14 @@ class ReplicaManager:
         self.brokers = brokers
         self.states = states
         self.tombstones = tombstones
+
+    def _state_of(self, kv: KeyValue) -> core.TopicState | None:
+        """A topic's state as etcd holds it; None (logged once per revision) when it cannot be read."""
+        try:
+            return core.TopicState.from_json(kv.value)
+        except ValueError as exc:
+            self._bad(kv.key, kv.mod_revision, exc)
+            return None
 
     def _bad(self, key: str, revision: int, exc: Exception) -> None:
         if (key, revision) not in self._bad_states:
@@ -756,12 +761,7 @@ class ReplicaManager:
             if replica.progress is not None and replica.state is not None:
                 replica.progress.applied(replica.state)  # (the pending change dropped: the old isr holds)
             return
-        state = None
-        if kv is not None:
-            try:
-                state = core.TopicState.from_json(kv.value)
-            except ValueError as exc:
-                self._bad(kv.key, kv.mod_revision, exc)
+        state = None if kv is None else self._state_of(kv)
         if kv is None or state is None or state.leader != self.me or state.epoch != replica.epoch:
             self.step_down(replica, "etcd names another leader or epoch")
             return
@@ -855,12 +855,7 @@ class ReplicaManager:
                 if replica.role == "placing":
                     replica.role = "none"
                     replica.notify_waiters()
-                other = None
-                if kv is not None:
-                    try:
-                        other = core.TopicState.from_json(kv.value)
-                    except ValueError as exc:
-                        self._bad(kv.key, kv.mod_revision, exc)
+                other = None if kv is None else self._state_of(kv)
                 if kv is not None and other is not None:
                     self.states[replica.name] = (other, kv.mod_revision)  # (followed at once)
                 else:
@@ -914,9 +909,8 @@ class ReplicaManager:
             kv = await self.etcd.get(key)
             if kv is None:
                 return
-            try:
-                now = core.TopicState.from_json(kv.value)
-            except ValueError:
+            now = self._state_of(kv)
+            if now is None:
                 return
             if now == new and self.replicas.get(replica.name) is replica:
                 self.states[replica.name] = (now, kv.mod_revision)
